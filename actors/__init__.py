@@ -1,0 +1,18 @@
+"""Domain actors. Importing this package configures the broker.
+
+So ``dramatiq actors`` consumes every queue, ``dramatiq actors --queues index`` one,
+and a module that imports ``actors`` and declares its own actors on our queues runs
+under ``dramatiq thatmodule`` with all our middleware.
+
+Actors start no threads (R13): background work is a job, or a periodic job.
+"""
+
+from __future__ import annotations
+
+from broker import configure
+
+configure()
+
+from actors import corpus  # noqa: E402  (actors are declared once the broker exists)
+
+__all__ = ["corpus"]

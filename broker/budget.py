@@ -1,0 +1,75 @@
+"""The start-up connection budget (R7).
+
+A process may use at most half of the application pool for background work: the
+sum of the max workers of the queues it serves, plus the relay. The other half is
+for web requests. A configuration that breaks this fails at boot, never as
+queueing in production.
+
+The broker's own psycopg2 pool (dramatiq-pg's driver) must also serve one
+connection per consumer plus the acks, or an ack would wait on a full pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from broker.errors import BudgetError
+from broker.settings import RELAY_CONNECTIONS, Settings
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a process will use, term by term, and what it may use."""
+
+    terms: tuple[tuple[str, int], ...]
+    limit: int
+    pool_max_size: int
+    broker_pool_size: int
+    consumers: int
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.terms)
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{name} {n}" for name, n in self.terms)
+        return (
+            f"{parts} = {self.total} connections; the limit is half the application pool "
+            f"(STANDMEET_POOL_MAX_SIZE={self.pool_max_size}) = {self.limit}"
+        )
+
+
+def broker_pool_size(settings: Settings, consumers: int) -> int:
+    """Size of the psycopg2 pool: one connection per consumer, plus the ack slots."""
+    return consumers + settings.broker_ack_connections
+
+
+def compute_budget(settings: Settings, queues: Iterable[str] | None = None) -> Budget:
+    names = list(queues) if queues is not None else list(settings.queues)
+    terms = [(f"{name}.max_workers", settings.queue(name).max_workers) for name in names]
+    terms.append(("relay", RELAY_CONNECTIONS))
+    return Budget(
+        terms=tuple(terms),
+        limit=settings.pool_max_size // 2,
+        pool_max_size=settings.pool_max_size,
+        broker_pool_size=broker_pool_size(settings, len(names)),
+        consumers=len(names),
+    )
+
+
+def check_budget(settings: Settings, queues: Iterable[str] | None = None) -> Budget:
+    """Return the budget when it holds; raise :class:`BudgetError` naming every term."""
+    budget = compute_budget(settings, queues)
+    if budget.total > budget.limit:
+        raise BudgetError(
+            "refusing to start: the connection budget is exceeded: "
+            + budget.describe()
+            + ". Lower a queue's STANDMEET_QUEUE_<QUEUE>_MAX_WORKERS or raise STANDMEET_POOL_MAX_SIZE."
+        )
+    if budget.broker_pool_size < budget.consumers + 1:
+        raise BudgetError(
+            f"refusing to start: the broker pool ({budget.broker_pool_size}) cannot hold "
+            f"{budget.consumers} consumer connections and at least one ack connection"
+        )
+    return budget

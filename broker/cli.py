@@ -1,0 +1,181 @@
+"""``standmeet-jobs``: the operator's command line (a process entry point).
+
+    standmeet-jobs migrate            create or update the schema (idempotent)
+    standmeet-jobs check [--queues]   the start-up connection budget (R7); non-zero if over
+    standmeet-jobs run                migrate, then run workers for every queue and the
+                                      scheduler until Ctrl-C / SIGTERM
+    standmeet-jobs db url|stop        the database in use; stop the embedded server
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from broker.budget import check_budget
+from broker.embedded import resolve_database_url, stop_embedded
+from broker.errors import StandmeetError
+from broker.migrate import migrate
+from broker.settings import Settings
+
+logger = logging.getLogger("standmeet")
+
+#: Grace given to child processes beyond the worker shutdown timeout before SIGKILL.
+CHILD_EXIT_GRACE_S = 5.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except StandmeetError as exc:
+        print(f"standmeet-jobs: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    p = sub.add_parser("migrate", help="create or update the database schema")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("check", help="check the connection budget (R7); exit 1 when over")
+    p.add_argument("--queues", nargs="*", help="queues this process would serve (default: all)")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("run", help="migrate, then run the workers and the scheduler")
+    p.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
+    p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument(
+        "--threads", type=int, default=0,
+        help="threads per worker process (default: the sum of the served queues' limits)",
+    )
+    p.add_argument(
+        "--worker-shutdown-timeout", type=int, default=None, metavar="MS",
+        help="how long a worker waits for running jobs on SIGTERM, in milliseconds "
+        "(default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S, 20 s)",
+    )
+    p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler process")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("db", help="the database in use")
+    p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
+    p.set_defaults(func=cmd_db)
+    return parser
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    url = resolve_database_url(settings)
+    applied = migrate(url)
+    if applied:
+        for m in applied:
+            print(f"applied {m.version:04d}_{m.name}")
+    else:
+        print("schema up to date")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    budget = check_budget(settings, args.queues or None)
+    print(f"ok: {budget.describe()}")
+    print(f"broker pool: {budget.broker_pool_size} connections for {budget.consumers} consumers and acks")
+    return 0
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    if args.action == "url":
+        print(resolve_database_url(settings))
+    elif stop_embedded(settings):
+        print("embedded Postgres stopped")
+    else:
+        print("no embedded Postgres is running in", settings.embedded_dir)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    queues = args.queues or list(settings.queues)
+    budget = check_budget(settings, queues)
+    url = resolve_database_url(settings)
+    for m in migrate(url):
+        logger.info("applied migration %04d_%s", m.version, m.name)
+    logger.info("connection budget: %s", budget.describe())
+
+    shutdown_ms = args.worker_shutdown_timeout
+    if shutdown_ms is None:
+        shutdown_ms = int(settings.worker_shutdown_timeout_s * 1000)
+    threads = args.threads or sum(settings.queue(q).max_workers for q in queues)
+    env = {**os.environ, "DATABASE_URL": url}
+    commands = [[
+        sys.executable, "-m", "dramatiq", "actors",
+        "--processes", str(args.processes),
+        "--threads", str(threads),
+        "--worker-shutdown-timeout", str(shutdown_ms),
+        *(["--queues", *queues] if args.queues else []),
+    ]]
+    if not args.no_scheduler and importlib.util.find_spec("periodic.__main__") is not None:
+        commands.append([sys.executable, "-m", "periodic"])
+    return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)
+
+
+def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: float) -> int:
+    """Run the children until SIGTERM/SIGINT (forwarded as SIGTERM) or until one exits."""
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    children = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    for child, cmd in zip(children, commands):
+        logger.info("started pid %d: %s", child.pid, " ".join(cmd[1:]))
+    code = 0
+    try:
+        while not stopping:
+            exited = [c for c in children if c.poll() is not None]
+            if exited:
+                code = exited[0].returncode or 1
+                logger.error("pid %d exited with %s; stopping the others", exited[0].pid, exited[0].returncode)
+                break
+            time.sleep(0.2)
+        logger.info("stopping: SIGTERM to %s", ", ".join(str(c.pid) for c in children))
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + shutdown_s
+        for child in children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.error("pid %d did not stop in time; killing it", child.pid)
+                child.kill()
+                child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The application's psycopg 3 pool, and the connection helper jobs use.
+
+A job borrows a connection for a short piece of work and gives it back before any
+network call (R6). The helper sets ``statement_timeout`` to what remains of the
+job's time limit, so a long query is stopped by Postgres where the async exception
+of the time limit could not reach it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from broker import deadline
+from broker.errors import DatabaseUnavailable
+
+#: How long a job waits for a pooled connection before failing (retryable).
+DEFAULT_CHECKOUT_TIMEOUT_S = 10.0
+
+SET_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, false)"
+
+
+def open_pool(url: str, *, max_size: int) -> ConnectionPool:
+    """Open the application pool lazily: connections are made on demand."""
+    return ConnectionPool(
+        url,
+        min_size=0,
+        max_size=max_size,
+        open=True,
+        kwargs={"application_name": "standmeet-app", "autocommit": True},
+        timeout=DEFAULT_CHECKOUT_TIMEOUT_S,
+    )
+
+
+@contextmanager
+def connection(*, timeout_s: float | None = None) -> Iterator[psycopg.Connection]:
+    """A pooled autocommit connection whose statements stop at the job's deadline.
+
+    Use ``with conn.transaction():`` inside for multi-statement work. Return the
+    connection (leave the ``with``) before calling the network.
+    """
+    from broker.pgbroker import current_broker
+
+    pool = current_broker().app_pool
+    limit = deadline.remaining_s()
+    if timeout_s is not None:
+        limit = timeout_s if limit is None else min(limit, timeout_s)
+    try:
+        conn = pool.getconn()
+    except PoolTimeout as exc:
+        raise DatabaseUnavailable(f"no application connection became free: {exc}") from exc
+    try:
+        conn.execute(SET_STATEMENT_TIMEOUT, (str(_ms(limit)),))
+        yield conn
+    finally:
+        pool.putconn(conn)
+
+
+def _ms(limit_s: float | None) -> int:
+    if limit_s is None:
+        return 0  # no limit outside a job
+    return max(1, int(limit_s * 1000))

@@ -1,0 +1,73 @@
+"""The one exception tree of standmeet-jobs.
+
+::
+
+    StandmeetError                     base of everything we raise on purpose
+    ├── ConfigError                    a setting is missing, malformed or out of range
+    │   └── BudgetError                the connection budget (R7) does not hold
+    ├── DatabaseError                  Postgres could not be reached or answered badly
+    │   └── DatabaseUnavailable        no connection could be made (server down, bad URL)
+    ├── MigrationError                 a schema migration failed; nothing of it was applied
+    ├── JobError                       raised inside jobs, by the job layer
+    │   └── DeadlineExceeded           a cooperative deadline (the job's time limit) has passed
+    └── Deferred  (also dramatiq.Retry) the job asks to run later; not a failure
+        └── middleware.Snooze          run again after N seconds, retry count untouched
+
+psycopg and psycopg2 errors are translated at the boundary with ``raise … from exc``,
+so callers only ever see this tree (and Dramatiq's own ``ConnectionError`` inside the
+consumer, which Dramatiq's worker knows how to restart from).
+"""
+
+from __future__ import annotations
+
+from dramatiq.errors import Retry
+from dramatiq.middleware import MiddlewareError
+
+
+class StandmeetError(Exception):
+    """Base class of every error raised on purpose by standmeet-jobs."""
+
+
+class ConfigError(StandmeetError):
+    """A setting is missing, malformed or out of range. The message names it."""
+
+
+class BudgetError(ConfigError, MiddlewareError):
+    """The sum of the served queues' workers and the relay exceeds half the pool (R7).
+
+    Also a :class:`dramatiq.middleware.MiddlewareError`, so that Dramatiq lets it
+    escape from ``before_worker_boot`` and the worker process refuses to start.
+    """
+
+
+class DatabaseError(StandmeetError):
+    """Postgres could not be reached, or answered in a way we cannot go on from."""
+
+
+class DatabaseUnavailable(DatabaseError):
+    """No connection could be made to Postgres."""
+
+
+class MigrationError(StandmeetError):
+    """A migration failed; its transaction was rolled back."""
+
+
+class JobError(StandmeetError):
+    """Raised inside a job by the job layer itself."""
+
+
+class DeadlineExceeded(JobError):
+    """The running job passed its time limit (checked cooperatively)."""
+
+
+class Deferred(StandmeetError, Retry):
+    """The job asks to run later. Not a failure: no retry is counted, no error logged.
+
+    The broker turns a job that raised it into a *skipped* message, so every
+    middleware releases what it acquired (``after_skip_message``) and no failure
+    callback fires; the snooze policy then re-enqueues it with a delay.
+    """
+
+    def __init__(self, message: str = "", delay_ms: int | None = None) -> None:
+        super().__init__(message)
+        Retry.__init__(self, message, delay=delay_ms)

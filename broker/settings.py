@@ -1,0 +1,165 @@
+"""Settings: the only module that reads the environment.
+
+Every option has a named default below and one environment variable, prefixed
+``STANDMEET_`` (plus the conventional ``DATABASE_URL``). A malformed value raises
+:class:`broker.errors.ConfigError` naming the variable and what was wrong, at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from broker.errors import ConfigError
+
+#: The five queues of R1, in the order they are documented.
+QUEUE_NAMES: tuple[str, ...] = ("index", "notify", "webhook", "maintenance", "fetch")
+
+#: Queues a web request waits on (R5): picked up within 100 ms.
+AWAITED_QUEUES: frozenset[str] = frozenset({"index", "notify"})
+
+#: (max workers, default hard time limit in seconds) per queue (R1).
+DEFAULT_QUEUE_LIMITS: dict[str, tuple[int, float]] = {
+    "index": (4, 30.0),
+    "notify": (2, 30.0),
+    "webhook": (8, 15.0),
+    "maintenance": (1, 600.0),
+    "fetch": (3, 60.0),
+}
+
+#: Connections of the application pool (psycopg 3); half is reserved for requests (R7).
+DEFAULT_POOL_MAX_SIZE = 40
+#: Connections the relay takes from the application pool in each process (R7).
+RELAY_CONNECTIONS = 1
+#: Connections of the broker's psycopg2 pool kept for acks, besides one per consumer.
+DEFAULT_BROKER_ACK_CONNECTIONS = 4
+#: How long a worker waits for running jobs on SIGTERM before cancelling them (R11).
+DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S = 20.0
+#: Fallback poll of an idle consumer, in case a notification was missed.
+DEFAULT_POLL_S = 1.0
+#: Dramatiq's retry policy, applied to every actor unless it says otherwise.
+DEFAULT_MAX_RETRIES = 20
+DEFAULT_MIN_BACKOFF_MS = 5_000
+DEFAULT_MAX_BACKOFF_MS = 3_600_000
+#: How often a worker process proves it is alive, and after how long silent it is dead.
+DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_RESCUE_AFTER_S = 20.0
+#: A message whose worker died more times than this is rejected instead of requeued.
+DEFAULT_MAX_CRASHES = 3
+#: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
+DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
+#: Name of the database created on the embedded server for the application.
+DEFAULT_EMBEDDED_DATABASE = "standmeet"
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """One queue's limits: at most ``max_workers`` jobs at once per process."""
+
+    name: str
+    max_workers: int
+    time_limit_s: float
+    poll_s: float = DEFAULT_POLL_S
+
+    @property
+    def awaited(self) -> bool:
+        return self.name in AWAITED_QUEUES
+
+    @property
+    def time_limit_ms(self) -> int:
+        return int(self.time_limit_s * 1000)
+
+
+def _default_queues() -> dict[str, QueueSettings]:
+    return {
+        name: QueueSettings(name=name, max_workers=workers, time_limit_s=limit)
+        for name, (workers, limit) in DEFAULT_QUEUE_LIMITS.items()
+    }
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything configurable, resolved once. Build with :meth:`from_env`."""
+
+    database_url: str | None = None
+    embedded_dir: Path = Path(DEFAULT_EMBEDDED_DIR)
+    queues: dict[str, QueueSettings] = field(default_factory=_default_queues)
+    pool_max_size: int = DEFAULT_POOL_MAX_SIZE
+    broker_ack_connections: int = DEFAULT_BROKER_ACK_CONNECTIONS
+    worker_shutdown_timeout_s: float = DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S
+    max_retries: int = DEFAULT_MAX_RETRIES
+    min_backoff_ms: int = DEFAULT_MIN_BACKOFF_MS
+    max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    rescue_after_s: float = DEFAULT_RESCUE_AFTER_S
+    max_crashes: int = DEFAULT_MAX_CRASHES
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        queues = {}
+        for name, default in _default_queues().items():
+            prefix = f"STANDMEET_QUEUE_{name.upper()}_"
+            queues[name] = QueueSettings(
+                name=name,
+                max_workers=_int(env, prefix + "MAX_WORKERS", default.max_workers, minimum=1),
+                time_limit_s=_float(env, prefix + "TIME_LIMIT_S", default.time_limit_s, minimum=0.001),
+                poll_s=_float(env, prefix + "POLL_S", default.poll_s, minimum=0.01),
+            )
+        return cls(
+            database_url=env.get("DATABASE_URL") or None,
+            embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR),
+            queues=queues,
+            pool_max_size=_int(env, "STANDMEET_POOL_MAX_SIZE", DEFAULT_POOL_MAX_SIZE, minimum=2),
+            broker_ack_connections=_int(
+                env, "STANDMEET_BROKER_ACK_CONNECTIONS", DEFAULT_BROKER_ACK_CONNECTIONS, minimum=1
+            ),
+            worker_shutdown_timeout_s=_float(
+                env, "STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S", DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S, minimum=0
+            ),
+            max_retries=_int(env, "STANDMEET_MAX_RETRIES", DEFAULT_MAX_RETRIES, minimum=0),
+            min_backoff_ms=_int(env, "STANDMEET_MIN_BACKOFF_MS", DEFAULT_MIN_BACKOFF_MS, minimum=0),
+            max_backoff_ms=_int(env, "STANDMEET_MAX_BACKOFF_MS", DEFAULT_MAX_BACKOFF_MS, minimum=0),
+            heartbeat_s=_float(env, "STANDMEET_HEARTBEAT_S", DEFAULT_HEARTBEAT_S, minimum=0.05),
+            rescue_after_s=_float(env, "STANDMEET_RESCUE_AFTER_S", DEFAULT_RESCUE_AFTER_S, minimum=0.1),
+            max_crashes=_int(env, "STANDMEET_MAX_CRASHES", DEFAULT_MAX_CRASHES, minimum=0),
+        )
+
+    def queue(self, name: str) -> QueueSettings:
+        try:
+            return self.queues[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown queue {name!r}: the queues are {', '.join(self.queues)}"
+            ) from None
+
+    def with_database_url(self, url: str) -> Settings:
+        return replace(self, database_url=url)
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is below its minimum of {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value != value or value < minimum:  # NaN or too small
+        raise ConfigError(f"{name}={raw!r} is below its minimum of {minimum}")
+    return value

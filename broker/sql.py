@@ -1,0 +1,139 @@
+"""SQL of the broker, as module-level constants (never built from values).
+
+Placeholders are ``%(name)s``, which psycopg2 (the broker's driver) and psycopg 3
+(the caller's connection, for transactional enqueue) both understand.
+"""
+
+from __future__ import annotations
+
+#: Channel a consumer of queue Q listens on; a NOTIFY on it means "look again".
+ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
+
+#: Insert (or re-queue) one message, due after ``delay_s``, and wake the queue's consumers.
+#: NOTIFYs with the same channel and payload in one transaction are sent once at commit.
+ENQUEUE = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q (queue_name, message_id, "state", message, eta, enqueued_at, mtime)
+    VALUES (%(queue)s, %(message_id)s, 'queued', %(message)s::jsonb,
+            now() + make_interval(secs => %(delay_s)s), now(), now())
+    ON CONFLICT (message_id) DO UPDATE SET
+        "state" = 'queued',
+        message = EXCLUDED.message,
+        queue_name = EXCLUDED.queue_name,
+        eta = EXCLUDED.eta,
+        worker_id = NULL,
+        mtime = now()
+    RETURNING q.queue_name
+)
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM enqueued
+"""
+
+#: Claim up to ``n`` due messages of a queue for this worker process. Rows locked by a
+#: concurrent claimer are skipped, not waited on; no advisory lock outlives the statement.
+CLAIM = """
+WITH picked AS (
+    SELECT message_id FROM dramatiq.queue
+    WHERE queue_name = %(queue)s AND "state" = 'queued' AND eta <= now()
+    ORDER BY eta
+    LIMIT %(n)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE dramatiq.queue q
+SET "state" = 'consumed', mtime = now(), worker_id = %(worker_id)s, claims = q.claims + 1
+FROM picked
+WHERE q.message_id = picked.message_id
+RETURNING q.message::text, q.claims, q.eta
+"""
+
+#: Seconds until the next queued message of a queue is due (None when there is none).
+NEXT_DUE = """
+SELECT EXTRACT(EPOCH FROM min(eta) - now())::float8
+FROM dramatiq.queue
+WHERE queue_name = %(queue)s AND "state" = 'queued'
+"""
+
+#: Mark a message done, only if it is still the claim we made (a message re-enqueued by
+#: the retry policy, or rescued and claimed again elsewhere, is left alone).
+ACK = """
+UPDATE dramatiq.queue
+SET "state" = 'done', message = %(message)s::jsonb, mtime = now(), worker_id = NULL
+WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
+"""
+
+#: Mark a message rejected (failed for good), under the same condition as ACK.
+NACK = """
+UPDATE dramatiq.queue
+SET "state" = 'rejected', message = %(message)s::jsonb, mtime = now(), worker_id = NULL,
+    error = %(error)s
+WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
+"""
+
+#: Give claimed-but-not-started messages back to their queue and wake its consumers.
+REQUEUE = """
+WITH requeued AS (
+    UPDATE dramatiq.queue
+    SET "state" = 'queued', worker_id = NULL, mtime = now()
+    WHERE message_id = ANY(%(message_ids)s::uuid[]) AND "state" = 'consumed'
+      AND worker_id = %(worker_id)s
+    RETURNING queue_name
+)
+SELECT DISTINCT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM requeued
+"""
+
+REGISTER_WORKER = """
+INSERT INTO standmeet.worker_processes (id, hostname, pid, queues)
+VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, queues = EXCLUDED.queues
+"""
+
+HEARTBEAT = """
+UPDATE standmeet.worker_processes SET heartbeat_at = now()
+WHERE id = %(worker_id)s AND stopped_at IS NULL
+"""
+
+STOP_WORKER = """
+UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %(worker_id)s
+"""
+
+#: Requeue (and wake) the messages held by processes that stopped or whose heartbeat is
+#: older than ``after_s``; a message that has crashed its worker more than
+#: ``max_crashes`` times is rejected with the reason instead.
+RESCUE = """
+WITH orphaned AS (
+    SELECT q.message_id
+    FROM dramatiq.queue q
+    LEFT JOIN standmeet.worker_processes w ON w.id = q.worker_id
+    WHERE q."state" = 'consumed'
+      AND (w.id IS NULL OR w.stopped_at IS NOT NULL
+           OR w.heartbeat_at < now() - make_interval(secs => %(after_s)s))
+    FOR UPDATE OF q SKIP LOCKED
+), rescued AS (
+    UPDATE dramatiq.queue q
+    SET crashes = q.crashes + 1,
+        worker_id = NULL,
+        mtime = now(),
+        "state" = CASE WHEN q.crashes + 1 > %(max_crashes)s
+                       THEN 'rejected'::dramatiq.state ELSE 'queued'::dramatiq.state END,
+        error = CASE WHEN q.crashes + 1 > %(max_crashes)s
+                     THEN 'rejected: its worker process died while running it '
+                          || (q.crashes + 1) || ' times'
+                     ELSE q.error END
+    FROM orphaned
+    WHERE q.message_id = orphaned.message_id
+    RETURNING q.queue_name, q."state"
+)
+SELECT queue_name,
+       count(*) FILTER (WHERE "state" = 'queued') AS requeued,
+       count(*) FILTER (WHERE "state" = 'rejected') AS rejected,
+       pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+FROM rescued
+GROUP BY queue_name
+"""
+
+#: Forget the rows of processes stopped or silent for a day (their messages are rescued).
+PRUNE_WORKERS = """
+DELETE FROM standmeet.worker_processes
+WHERE coalesce(stopped_at, heartbeat_at) < now() - interval '1 day'
+  AND NOT EXISTS (SELECT 1 FROM dramatiq.queue q
+                  WHERE q.worker_id = worker_processes.id AND q."state" = 'consumed')
+"""

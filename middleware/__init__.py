@@ -1,0 +1,49 @@
+"""Dramatiq middleware, one policy per file; :func:`default_middleware` fixes the order.
+
+Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to top.
+
+1. ``ConnectionBudget``  refuse to boot over the connection budget (R7)
+2. ``QueueConcurrency``  ≤ max_workers jobs per queue at once (R1, R2)
+3. ``AgeLimit``          (Dramatiq's) drop messages older than their ``max_age``
+4. ``TimeLimit``         hard limit per job kind; records the deadline (R8)
+5. ``ShutdownNotifications`` (Dramatiq's) tell actors the worker is stopping
+6. ``Callbacks``, ``Pipelines`` (Dramatiq's)
+7. ``Retries``           retry failures with back-off, in the database (R10)
+8. ``SnoozePolicy``      re-enqueue snoozed jobs without a retry count (R3)
+9. ``GracefulShutdown``  stop claiming on SIGTERM (R11)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications
+
+from broker.settings import Settings
+from middleware.connection_budget import ConnectionBudget
+from middleware.graceful_shutdown import GracefulShutdown
+from middleware.queue_concurrency import QueueConcurrency
+from middleware.retries import Retries
+from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
+from middleware.time_limit import TimeLimit
+
+__all__ = ["Snooze", "default_middleware", "snooze_before_start"]
+
+
+def default_middleware(settings: Settings) -> list[Any]:
+    return [
+        ConnectionBudget(),
+        QueueConcurrency(),
+        AgeLimit(),
+        TimeLimit(),
+        ShutdownNotifications(),
+        Callbacks(),
+        Pipelines(),
+        Retries(
+            max_retries=settings.max_retries,
+            min_backoff_ms=settings.min_backoff_ms,
+            max_backoff_ms=settings.max_backoff_ms,
+        ),
+        SnoozePolicy(),
+        GracefulShutdown(),
+    ]

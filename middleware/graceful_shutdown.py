@@ -1,0 +1,27 @@
+"""Graceful shutdown (R11): on SIGTERM, claim nothing more, finish what runs.
+
+Dramatiq's worker stops its worker threads first (each finishes its current job,
+for up to ``--worker-shutdown-timeout``), then its consumers, and gives back the
+messages it had prefetched. This middleware makes the broker stop claiming the
+moment shutdown starts, so no new message is taken while the running ones finish.
+Jobs still running when the process exits stay marked as claimed by this process,
+which is recorded as stopped: crash rescue runs them again (at least once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dramatiq import Middleware
+
+logger = logging.getLogger(__name__)
+
+
+class GracefulShutdown(Middleware):
+    def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        logger.info("shutdown: no new message will be claimed; waiting for running jobs")
+        broker.stop_claiming()
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        broker.close()

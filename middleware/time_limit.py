@@ -1,0 +1,53 @@
+"""Hard time limits (R8): every job kind has one; reaching it cancels the job.
+
+The limit is resolved in one order: the message's ``time_limit`` option, the actor's,
+then the queue's default (R1 table, ``STANDMEET_QUEUE_<QUEUE>_TIME_LIMIT_S``). The
+job is cancelled by Dramatiq's asynchronous ``TimeLimitExceeded``, which the retry
+policy treats as a retryable failure.
+
+The asynchronous exception cannot interrupt a blocking socket read or a running SQL
+statement, so the deadline is also recorded (``broker.deadline``) for the places
+where the job blocks: ``broker.db.connection()`` sets ``statement_timeout`` to what
+remains, HTTP clients cap their timeouts to it, and long actors call
+``broker.deadline.check()`` between batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dramatiq.message import Message
+from dramatiq.middleware.time_limit import TimeLimit as DramatiqTimeLimit
+
+from broker import deadline
+
+
+def resolve_time_limit_ms(broker: Any, message: Message) -> int:
+    """Message option, then actor option, then the queue's default."""
+    value = message.options.get("time_limit")
+    if value is None:
+        value = broker.get_actor(message.actor_name).options.get("time_limit")
+    if value is None:
+        value = broker.queue_settings(message.queue_name).time_limit_ms
+    return int(value)
+
+
+class TimeLimit(DramatiqTimeLimit):
+    def __init__(self, *, interval_ms: int = 100) -> None:
+        super().__init__(interval=interval_ms)
+
+    def before_process_message(self, broker: Any, message: Message) -> None:
+        limit_ms = resolve_time_limit_ms(broker, message)
+        deadline.set_deadline(limit_ms / 1000)
+        self.manager.add_timeout(threading.get_ident(), limit_ms)
+
+    def after_process_message(
+        self, broker: Any, message: Message, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        self.manager.remove_timeout(threading.get_ident())
+        deadline.clear()
+
+    def after_skip_message(self, broker: Any, message: Message) -> None:
+        self.manager.remove_timeout(threading.get_ident())
+        deadline.clear()
