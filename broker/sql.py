@@ -137,3 +137,22 @@ WHERE coalesce(stopped_at, heartbeat_at) < now() - interval '1 day'
   AND NOT EXISTS (SELECT 1 FROM dramatiq.queue q
                   WHERE q.worker_id = worker_processes.id AND q."state" = 'consumed')
 """
+
+#: Delete one batch of finished messages older than the retention.
+PRUNE_FINISHED = """
+DELETE FROM dramatiq.queue
+WHERE message_id IN (
+    SELECT message_id FROM dramatiq.queue
+    WHERE "state" IN ('done', 'rejected')
+      AND mtime < now() - make_interval(secs => %(retention_s)s)
+    LIMIT %(batch)s
+)
+"""
+
+#: Claim a periodic job's period; a row back means this scheduler enqueues it.
+CLAIM_PERIOD = """
+INSERT INTO standmeet.periodic_runs (job, period_start, message_id)
+VALUES (%(job)s, %(period_start)s, %(message_id)s)
+ON CONFLICT (job, period_start) DO NOTHING
+RETURNING message_id
+"""

@@ -6,7 +6,7 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 2. ``QueueConcurrency``  ≤ max_workers jobs per queue at once (R1, R2)
 3. ``AgeLimit``          (Dramatiq's) drop messages older than their ``max_age``
 4. ``TimeLimit``         hard limit per job kind; records the deadline (R8)
-5. ``ShutdownNotifications`` (Dramatiq's) tell actors the worker is stopping
+5. ``CurrentMessage``, ``ShutdownNotifications`` (Dramatiq's)
 6. ``Callbacks``, ``Pipelines`` (Dramatiq's)
 7. ``Retries``           retry failures with back-off, in the database (R10)
 8. ``SnoozePolicy``      re-enqueue snoozed jobs without a retry count (R3)
@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications
+from dramatiq.middleware import (
+    AgeLimit,
+    Callbacks,
+    CurrentMessage,
+    Pipelines,
+    ShutdownNotifications,
+)
 
 from broker.settings import Settings
 from middleware.connection_budget import ConnectionBudget
@@ -36,6 +42,7 @@ def default_middleware(settings: Settings) -> list[Any]:
         QueueConcurrency(),
         AgeLimit(),
         TimeLimit(),
+        CurrentMessage(),
         ShutdownNotifications(),
         Callbacks(),
         Pipelines(),

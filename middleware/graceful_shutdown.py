@@ -22,6 +22,3 @@ class GracefulShutdown(Middleware):
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
         logger.info("shutdown: no new message will be claimed; waiting for running jobs")
         broker.stop_claiming()
-
-    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
-        broker.close()

@@ -14,7 +14,7 @@ import logging
 from typing import Any, NoReturn
 
 from dramatiq import Middleware
-from dramatiq.message import Message
+from dramatiq.broker import MessageProxy
 from dramatiq.middleware import SkipMessage
 
 from broker.errors import Deferred
@@ -36,7 +36,7 @@ class Snooze(Deferred):
         super().__init__(reason or f"snoozed for {seconds:g} s", delay_ms=int(seconds * 1000))
 
 
-def snooze_before_start(message: Message, seconds: float, reason: str = "") -> NoReturn:
+def snooze_before_start(message: MessageProxy, seconds: float, reason: str = "") -> NoReturn:
     """Snooze ``message`` from a middleware's ``before_process_message``.
 
     Dramatiq only lets a :class:`SkipMessage` escape a ``before_*`` hook, so the
@@ -55,7 +55,7 @@ class SnoozePolicy(Middleware):
     def actor_options(self) -> set[str]:
         return {"max_snoozes"}
 
-    def after_skip_message(self, broker: Any, message: Message) -> None:
+    def after_skip_message(self, broker: Any, message: MessageProxy) -> None:
         snooze = getattr(message, "_exception", None)
         if not isinstance(snooze, Snooze):
             return

@@ -36,6 +36,18 @@ def resolve_time_limit_ms(broker: Any, message: Message) -> int:
 class TimeLimit(DramatiqTimeLimit):
     def __init__(self, *, interval_ms: int = 100) -> None:
         super().__init__(interval=interval_ms)
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    def after_process_boot(self, broker: Any) -> None:
+        # Dramatiq's CLI emits process_boot; an embedded Worker only emits worker_boot.
+        with self._start_lock:
+            if not self._started:
+                self._started = True
+                super().after_process_boot(broker)
+
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        self.after_process_boot(broker)
 
     def before_process_message(self, broker: Any, message: Message) -> None:
         limit_ms = resolve_time_limit_ms(broker, message)
@@ -48,6 +60,8 @@ class TimeLimit(DramatiqTimeLimit):
         self.manager.remove_timeout(threading.get_ident())
         deadline.clear()
 
-    def after_skip_message(self, broker: Any, message: Message) -> None:
+    def after_skip_message(  # type: ignore[override]  # Dramatiq aliases it to after_process_message
+        self, broker: Any, message: Message
+    ) -> None:
         self.manager.remove_timeout(threading.get_ident())
         deadline.clear()

@@ -1,0 +1,45 @@
+"""Transactional enqueue: the message is written in the caller's transaction.
+
+    with psycopg.connect(url) as conn, conn.transaction():
+        conn.execute("INSERT INTO documents …")
+        enqueue(conn, "corpus.index", doc_id)
+
+The message row and its NOTIFY are part of the caller's transaction: consumers are
+woken at commit, and a rollback leaves nothing behind. Middleware that Dramatiq runs
+on enqueue (``before_enqueue`` / ``after_enqueue``) still runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dramatiq
+import psycopg
+from dramatiq.message import Message
+
+from broker import sql
+from broker.pgbroker import current_broker, enqueue_params
+
+
+def build_message(actor: dramatiq.Actor | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                  options: dict[str, Any] | None = None) -> Message:
+    broker = current_broker()
+    target = broker.get_actor(actor) if isinstance(actor, str) else actor
+    return target.message_with_options(args=args, kwargs=kwargs or {}, **(options or {}))
+
+
+def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms: int | None = None) -> Message:
+    """Write ``message`` on ``conn`` (in its transaction, if one is open)."""
+    broker = current_broker()
+    if message.queue_name not in broker.queues:
+        raise dramatiq.errors.QueueNotFound(message.queue_name)
+    broker.emit_before("enqueue", message, delay_ms)
+    conn.execute(sql.ENQUEUE, enqueue_params(message, delay_ms))
+    broker.emit_after("enqueue", message, delay_ms)
+    return message
+
+
+def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: Any,
+            delay_ms: int | None = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Message:
+    """Enqueue ``actor(*args, **kwargs)`` in the caller's transaction; return the message."""
+    return enqueue_message(conn, build_message(actor, args, kwargs, options), delay_ms=delay_ms)

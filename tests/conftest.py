@@ -1,0 +1,100 @@
+"""Fixtures: a real Postgres, a fresh database per test module, in-process workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import dramatiq
+import pytest
+
+from broker.settings import Settings
+from tests.support import db as testdb
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Settings every test broker uses: quick heartbeats so rescue is testable in seconds.
+TEST_OVERRIDES = {"heartbeat_s": 0.5, "rescue_after_s": 3.0, "min_backoff_ms": 10, "max_backoff_ms": 200}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logging.getLogger("dramatiq").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="session")
+def admin_url() -> str:
+    return testdb.server_url()
+
+
+@pytest.fixture(scope="session")
+def template_db(admin_url: str) -> Iterator[str]:
+    name = testdb.unique_name("smt_template")
+    testdb.create_template(admin_url, name)
+    yield name
+    testdb.drop_database(admin_url, name)
+
+
+@pytest.fixture(scope="module")
+def database_url(admin_url: str, template_db: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated database for this test module, dropped after it."""
+    module = request.module.__name__.rsplit(".", 1)[-1][:20]
+    name = testdb.unique_name(f"smt_{module}")
+    url = testdb.clone(admin_url, template_db, name)
+    yield url
+    testdb.drop_database(admin_url, name)
+
+
+def test_settings(**overrides: object) -> Settings:
+    return replace(Settings.from_env(), **{**TEST_OVERRIDES, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def broker(database_url: str) -> Iterator[dramatiq.Broker]:
+    """Our broker, bound to this module's database, with the test actors declared."""
+    import broker as infra
+    import tests.support.jobs  # noqa: F401  (declares the test actors)
+
+    configured = infra.configure(test_settings(database_url=database_url), url=database_url)
+    yield configured
+    configured.close()
+
+
+@pytest.fixture
+def start_worker(broker: dramatiq.Broker) -> Iterator[Callable[..., dramatiq.Worker]]:
+    """Start an in-process Dramatiq worker; stopped at the end of the test."""
+    started: list[dramatiq.Worker] = []
+
+    def start(*, queues: list[str] | None = None, threads: int = 8) -> dramatiq.Worker:
+        broker.claiming = True
+        worker = dramatiq.Worker(broker, queues=queues, worker_threads=threads, worker_timeout=100)
+        worker.start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop(timeout=10_000)
+
+
+@pytest.fixture
+def subprocess_env(database_url: str) -> dict[str, str]:
+    """Environment for child processes: this module's database, quick heartbeats."""
+    return {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "STANDMEET_HEARTBEAT_S": str(TEST_OVERRIDES["heartbeat_s"]),
+        "STANDMEET_RESCUE_AFTER_S": str(TEST_OVERRIDES["rescue_after_s"]),
+        "STANDMEET_MIN_BACKOFF_MS": str(TEST_OVERRIDES["min_backoff_ms"]),
+        "STANDMEET_MAX_BACKOFF_MS": str(TEST_OVERRIDES["max_backoff_ms"]),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

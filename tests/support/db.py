@@ -1,0 +1,102 @@
+"""Test databases: one server (embedded or DATABASE_URL), a migrated template, a clone per module."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from broker.embedded import embedded_server_url
+from broker.migrate import migrate
+from broker.settings import Settings
+
+#: Extra tables the test actors write what they observed into.
+TEST_SCHEMA = """
+CREATE TABLE IF NOT EXISTS test_runs (
+    id           bigserial PRIMARY KEY,
+    actor        text NOT NULL,
+    queue        text NOT NULL,
+    label        text NOT NULL DEFAULT '',
+    pid          integer NOT NULL,
+    message_id   uuid,
+    started_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+    finished_at  timestamptz
+);
+CREATE TABLE IF NOT EXISTS test_counters (
+    key    text PRIMARY KEY,
+    value  integer NOT NULL DEFAULT 0
+);
+"""
+
+
+def server_url() -> str:
+    """The admin URL of the server the tests use: DATABASE_URL, else the embedded one."""
+    settings = Settings.from_env()
+    if settings.database_url:
+        return settings.database_url
+    return embedded_server_url(settings.embedded_dir)
+
+
+def with_dbname(url: str, dbname: str) -> str:
+    params = conninfo_to_dict(url)
+    params["dbname"] = dbname
+    return make_conninfo(**params)
+
+
+def create_template(admin_url: str, name: str) -> str:
+    drop_database(admin_url, name)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = with_dbname(admin_url, name)
+    migrate(url)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(TEST_SCHEMA)
+    return url
+
+
+def clone(admin_url: str, template: str, name: str) -> str:
+    drop_database(admin_url, name)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template))
+        )
+    return with_dbname(admin_url, name)
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def query(url: str, text: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(text.encode(), params)
+        return cur.fetchall() if cur.description else []
+
+
+def scalar(url: str, text: str, params: Any = None) -> Any:
+    rows = query(url, text, params)
+    return rows[0][0] if rows else None
+
+
+def wait_for(
+    condition: Callable[[], Any], *, timeout_s: float, interval_s: float = 0.02, what: str = "condition"
+) -> Any:
+    """Poll ``condition`` until truthy; fail the test with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {value!r})")
+        time.sleep(interval_s)
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}_{os.getpid()}_{int(time.time() * 1000) % 10_000_000}"

@@ -1,0 +1,69 @@
+"""A real HTTP server on loopback that counts what it sees (for concurrency claims)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Observed:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    received: list[bytes] = field(default_factory=list)
+    release: threading.Event = field(default_factory=threading.Event)
+    hold: bool = False
+    status: int = 200
+
+    def current(self) -> int:
+        with self.lock:
+            return self.in_flight
+
+
+class _Handler(BaseHTTPRequestHandler):
+    observed: Observed
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet
+        pass
+
+    def do_POST(self) -> None:
+        obs = self.observed
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length)
+        with obs.lock:
+            obs.in_flight += 1
+            obs.max_in_flight = max(obs.max_in_flight, obs.in_flight)
+            obs.received.append(body)
+        try:
+            if obs.hold:
+                obs.release.wait(60)
+            self.send_response(obs.status)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            with obs.lock:
+                obs.in_flight -= 1
+
+
+@contextmanager
+def http_server(*, hold: bool = False, status: int = 200) -> Iterator[tuple[str, Observed]]:
+    """Serve on 127.0.0.1 (an ephemeral port); yields (url, what it observed)."""
+    observed = Observed(hold=hold, status=status)
+    handler = type("Handler", (_Handler,), {"observed": observed})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="test-http", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", observed
+    finally:
+        observed.release.set()
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,137 @@
+"""Actors used by the tests, declared on our queues the way an application would.
+
+Importing this module imports ``actors`` (which configures the broker), so it also
+runs under ``dramatiq tests.support.jobs --queues …`` with all our middleware.
+Every actor writes what it saw into the test database, so assertions are made
+from rows, not from in-process counters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dramatiq
+import httpx
+
+import actors  # noqa: F401  (configures the broker)
+from broker import db
+from broker.settings import QUEUE_NAMES
+from middleware import Snooze
+
+START = """
+INSERT INTO test_runs (actor, queue, label, pid, message_id)
+VALUES (%(actor)s, %(queue)s, %(label)s, %(pid)s, %(message_id)s) RETURNING id
+"""
+FINISH = "UPDATE test_runs SET finished_at = clock_timestamp() WHERE id = %(id)s"
+BUMP = """
+INSERT INTO test_counters (key, value) VALUES (%(key)s, 1)
+ON CONFLICT (key) DO UPDATE SET value = test_counters.value + 1
+RETURNING value
+"""
+
+
+def _message_id() -> str | None:
+    from dramatiq.middleware import CurrentMessage
+
+    message = CurrentMessage.get_current_message()
+    return message.message_id if message is not None else None
+
+
+def record_start(actor: str, queue: str, label: str) -> int:
+    with db.connection() as conn:
+        row = conn.execute(
+            START,
+            {"actor": actor, "queue": queue, "label": label, "pid": os.getpid(), "message_id": _message_id()},
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def record_finish(run_id: int) -> None:
+    with db.connection() as conn:
+        conn.execute(FINISH, {"id": run_id})
+
+
+def bump(key: str) -> int:
+    with db.connection() as conn:
+        row = conn.execute(BUMP, {"key": key}).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def cooperative_sleep(seconds: float) -> None:
+    """Sleep in small steps, so Dramatiq's asynchronous time-limit exception can land."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(0.01, max(0.0, end - time.monotonic())))
+
+
+def _make_sleeper(queue: str) -> dramatiq.Actor:
+    def sleep(ms: int, label: str = "") -> None:
+        run = record_start(f"test.sleep.{queue}", queue, label)
+        cooperative_sleep(ms / 1000)
+        record_finish(run)
+
+    return dramatiq.actor(sleep, actor_name=f"test.sleep.{queue}", queue_name=queue, max_retries=0)
+
+
+#: One sleeping actor per queue: ``SLEEP["index"].send(200, "label")``.
+SLEEP = {queue: _make_sleeper(queue) for queue in QUEUE_NAMES}
+
+
+@dramatiq.actor(actor_name="test.noop", queue_name="index", max_retries=0)
+def noop(label: str = "") -> None:
+    record_finish(record_start("test.noop", "index", label))
+
+
+@dramatiq.actor(actor_name="test.raise_once", queue_name="index", min_backoff=10, max_backoff=50)
+def raise_once(key: str) -> None:
+    """Raises on its first run (a bug in the actor); succeeds on the retry."""
+    run = record_start("test.raise_once", "index", key)
+    if bump(key) == 1:
+        raise RuntimeError(f"boom on the first run of {key}")
+    record_finish(run)
+
+
+@dramatiq.actor(
+    actor_name="test.overrun_once", queue_name="index", time_limit=300, min_backoff=10, max_backoff=50
+)
+def overrun_once(key: str) -> None:
+    """Runs past its 300 ms limit on the first run; quick on the retry."""
+    run = record_start("test.overrun_once", "index", key)
+    if bump(key) == 1:
+        cooperative_sleep(30)
+    record_finish(run)
+
+
+@dramatiq.actor(
+    actor_name="test.slow_query_once", queue_name="index", time_limit=300, min_backoff=10, max_backoff=50
+)
+def slow_query_once(key: str) -> None:
+    """A SQL statement longer than the limit, which only statement_timeout can stop."""
+    run = record_start("test.slow_query_once", "index", key)
+    if bump(key) == 1:
+        with db.connection() as conn:
+            conn.execute("SELECT pg_sleep(30)")
+    record_finish(run)
+
+
+@dramatiq.actor(actor_name="test.snooze_n", queue_name="index", min_backoff=10, max_backoff=50)
+def snooze_n(key: str, times: int, seconds: float = 0.05) -> None:
+    """Snoozes ``times`` times, then succeeds."""
+    run = record_start("test.snooze_n", "index", key)
+    if bump(key) <= times:
+        raise Snooze(seconds, reason=f"{key} not ready")
+    record_finish(run)
+
+
+@dramatiq.actor(actor_name="test.post", queue_name="webhook", max_retries=0)
+def post(url: str, label: str = "") -> None:
+    """POST to ``url`` holding no database connection (R6), with a deadline-capped timeout."""
+    from broker import deadline
+
+    run = record_start("test.post", "webhook", label)
+    with httpx.Client(timeout=deadline.cap_timeout(10.0)) as client:
+        client.post(url, content=label.encode())
+    record_finish(run)

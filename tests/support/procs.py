@@ -1,0 +1,42 @@
+"""Real child processes for acceptance tests, stopped by their own pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dramatiq_cmd(*args: str, module: str = "actors") -> list[str]:
+    return [sys.executable, "-m", "dramatiq", module, "--processes", "1", *args]
+
+
+@contextmanager
+def running(cmd: list[str], env: dict[str, str], *, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``cmd`` in its own session; on exit, SIGKILL what is left of it."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=10)
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Dramatiq's worker processes under its main process)."""
+    try:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return []
+    return [int(p) for p in out.split()]

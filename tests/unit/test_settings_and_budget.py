@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from broker.budget import check_budget, compute_budget
+from broker.errors import BudgetError, ConfigError
+from broker.settings import Settings
+
+
+def test_the_default_configuration_is_the_table_of_r1():
+    settings = Settings.from_env({})
+    limits = {name: (q.max_workers, q.time_limit_s) for name, q in settings.queues.items()}
+    assert limits == {
+        "index": (4, 30.0), "notify": (2, 30.0), "webhook": (8, 15.0),
+        "maintenance": (1, 600.0), "fetch": (3, 60.0),
+    }
+    assert settings.pool_max_size == 40
+    assert settings.database_url is None
+
+
+def test_queue_limits_and_pool_come_from_prefixed_variables():
+    settings = Settings.from_env({
+        "STANDMEET_QUEUE_INDEX_MAX_WORKERS": "6",
+        "STANDMEET_QUEUE_WEBHOOK_TIME_LIMIT_S": "12.5",
+        "STANDMEET_POOL_MAX_SIZE": "60",
+        "DATABASE_URL": "postgresql://db/app",
+    })
+    assert settings.queue("index").max_workers == 6
+    assert settings.queue("webhook").time_limit_ms == 12_500
+    assert settings.pool_max_size == 60
+    assert settings.database_url == "postgresql://db/app"
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"STANDMEET_QUEUE_INDEX_MAX_WORKERS": "four"}, "STANDMEET_QUEUE_INDEX_MAX_WORKERS='four' is not a whole number"),
+        ({"STANDMEET_QUEUE_INDEX_MAX_WORKERS": "0"}, "STANDMEET_QUEUE_INDEX_MAX_WORKERS=0 is below its minimum of 1"),
+        ({"STANDMEET_QUEUE_FETCH_TIME_LIMIT_S": "nan"}, "STANDMEET_QUEUE_FETCH_TIME_LIMIT_S='nan'"),
+        ({"STANDMEET_POOL_MAX_SIZE": "1"}, "STANDMEET_POOL_MAX_SIZE=1 is below its minimum of 2"),
+    ],
+)
+def test_a_malformed_setting_is_named_in_the_error(env, message):
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env(env)
+    assert message in str(info.value)
+
+
+def test_the_default_budget_is_19_of_20():
+    budget = check_budget(Settings.from_env({}))
+    assert budget.total == 19
+    assert budget.limit == 20
+
+
+def test_over_budget_names_each_term_and_the_limit():
+    settings = Settings.from_env({"STANDMEET_QUEUE_NOTIFY_MAX_WORKERS": "4"})
+    with pytest.raises(BudgetError) as info:
+        check_budget(settings)
+    text = str(info.value)
+    for term in ("index.max_workers 4", "notify.max_workers 4", "webhook.max_workers 8",
+                 "maintenance.max_workers 1", "fetch.max_workers 3", "relay 1", "= 21", "= 20"):
+        assert term in text
+
+
+def test_a_process_serving_fewer_queues_counts_only_those():
+    settings = Settings.from_env({"STANDMEET_QUEUE_WEBHOOK_MAX_WORKERS": "30"})
+    assert compute_budget(settings, ["index", "notify"]).total == 7
+    with pytest.raises(BudgetError):
+        check_budget(settings, ["webhook"])
+
+
+def test_an_unknown_queue_is_a_clear_error():
+    with pytest.raises(ConfigError, match="unknown queue 'emails'"):
+        Settings.from_env({}).queue("emails")
