@@ -73,6 +73,10 @@ class BlockingPool:
             application_name=application_name,
             keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=2,
         )
+        # Opened lazily (0 at start), but kept once opened: psycopg2 closes a returned
+        # connection whenever the pool holds ``minconn`` or more, so with 0 every ack
+        # would reconnect.
+        self._pool.minconn = maxconn
 
     def getconn(self) -> psycopg2.extensions.connection:
         if not self._slots.acquire(timeout=self.wait_s):

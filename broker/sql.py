@@ -28,9 +28,15 @@ WITH enqueued AS (
 SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM enqueued
 """
 
+#: Acks and claims commit asynchronously (no WAL flush wait). Losing one in a server
+#: crash only means a message runs again (at least once), never that one is lost;
+#: enqueues stay synchronous. Sent with the statement in one round trip: a multi-
+#: statement query runs as one implicit transaction, so SET LOCAL applies to it.
+ASYNC_COMMIT = "SET LOCAL synchronous_commit = off;\n"
+
 #: Claim up to ``n`` due messages of a queue for this worker process. Rows locked by a
 #: concurrent claimer are skipped, not waited on; no advisory lock outlives the statement.
-CLAIM = """
+CLAIM = ASYNC_COMMIT + """
 WITH picked AS (
     SELECT message_id FROM dramatiq.queue
     WHERE queue_name = %(queue)s AND "state" = 'queued' AND eta <= now()
@@ -54,14 +60,14 @@ WHERE queue_name = %(queue)s AND "state" = 'queued'
 
 #: Mark a message done, only if it is still the claim we made (a message re-enqueued by
 #: the retry policy, or rescued and claimed again elsewhere, is left alone).
-ACK = """
+ACK = ASYNC_COMMIT + """
 UPDATE dramatiq.queue
 SET "state" = 'done', message = %(message)s::jsonb, mtime = now(), worker_id = NULL
 WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
 """
 
 #: Mark a message rejected (failed for good), under the same condition as ACK.
-NACK = """
+NACK = ASYNC_COMMIT + """
 UPDATE dramatiq.queue
 SET "state" = 'rejected', message = %(message)s::jsonb, mtime = now(), worker_id = NULL,
     error = %(error)s

@@ -78,6 +78,8 @@ def start_worker(broker: dramatiq.Broker) -> Iterator[Callable[..., dramatiq.Wor
     yield start
     for worker in started:
         worker.stop(timeout=10_000)
+    # Dramatiq leaves each worker's private middleware on the broker; drop them.
+    broker.middleware[:] = [m for m in broker.middleware if type(m).__name__ != "_WorkerMiddleware"]
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ def test_a_job_past_its_time_limit_is_cancelled_retried_and_the_worker_goes_on(b
     assert state == "done"
     assert body["options"]["retries"] == 1
     assert "TimeLimitExceeded" in body["options"]["traceback"]
-    # the first run was cut short at its 300 ms limit, not left to sleep its 30 s
+    # the first run was cut short at its 1 s limit, not left to sleep its 30 s
     runs = query(database_url, "SELECT finished_at FROM test_runs WHERE label = 'overrun' ORDER BY id")
     assert [r[0] is None for r in runs] == [True, False]
     # and the same process serves the next job

@@ -100,3 +100,7 @@ def wait_for(
 
 def unique_name(prefix: str) -> str:
     return f"{prefix}_{os.getpid()}_{int(time.time() * 1000) % 10_000_000}"
+
+
+def conninfo_dbname(url: str) -> str:
+    return str(conninfo_to_dict(url)["dbname"])
