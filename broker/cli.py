@@ -2,8 +2,9 @@
 
     standmeet-jobs migrate            create or update the schema (idempotent)
     standmeet-jobs check [--queues]   the start-up connection budget (R7); non-zero if over
-    standmeet-jobs run                migrate, then run workers for every queue and the
-                                      scheduler until Ctrl-C / SIGTERM
+    standmeet-jobs run                migrate, then run worker processes (python -m
+                                      broker.worker) for every queue and the scheduler
+                                      until Ctrl-C / SIGTERM
     standmeet-jobs db url|stop        the database in use; stop the embedded server
 """
 
@@ -126,13 +127,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         shutdown_ms = int(settings.worker_shutdown_timeout_s * 1000)
     threads = args.threads or sum(settings.queue(q).max_workers for q in queues)
     env = {**os.environ, "DATABASE_URL": url}
-    commands = [[
-        sys.executable, "-m", "dramatiq", "actors",
-        "--processes", str(args.processes),
+    worker = [
+        sys.executable, "-m", "broker.worker",
         "--threads", str(threads),
         "--worker-shutdown-timeout", str(shutdown_ms),
         *(["--queues", *queues] if args.queues else []),
-    ]]
+    ]
+    commands = [worker for _ in range(max(1, args.processes))]
     if not args.no_scheduler and importlib.util.find_spec("periodic.__main__") is not None:
         commands.append([sys.executable, "-m", "periodic"])
     return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)

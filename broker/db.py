@@ -32,6 +32,9 @@ def open_pool(url: str, *, max_size: int) -> ConnectionPool:
         open=True,
         kwargs={"application_name": "standmeet-app", "autocommit": True},
         timeout=DEFAULT_CHECKOUT_TIMEOUT_S,
+        # A connection killed while idle (server restart, pg_terminate_backend) is
+        # replaced at checkout instead of failing the job that drew it.
+        check=ConnectionPool.check_connection,
     )
 
 

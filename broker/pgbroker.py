@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 MAX_RECONNECT_BACKOFF_S = 5.0
 #: Shortest sleep when due messages exist but were all locked by another claimer.
 MIN_WAIT_S = 0.005
+#: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
+SHUTDOWN_POLL_S = 0.05
 
 
 class QueueState:
@@ -325,7 +327,7 @@ class StandmeetBroker(PostgresBroker):
             except DISCONNECTS as exc:
                 logger.warning("could not record this worker as stopped: %s", exc)
         if self._app_pool is not None:
-            self._app_pool.close()
+            self._app_pool.close(timeout=1.0)  # a job still running past shutdown keeps its own
         self.pool.closeall()
         super().close()
 
@@ -420,7 +422,7 @@ class StandmeetConsumer(Consumer):
         if self.next_due_s is not None:
             timeout = min(timeout, max(0.0, self.next_due_s - now))
         if not self.broker.claiming:
-            timeout = self.timeout_s
+            timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop
         if conn.notifies:
             self._heard(conn)
             return

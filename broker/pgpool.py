@@ -30,19 +30,30 @@ DISCONNECTS: tuple[type[BaseException], ...] = (psycopg2.OperationalError, psyco
 DEFAULT_POOL_WAIT_S = 30.0
 
 
+#: An outage is over once things have worked this long after its last failure.
+OUTAGE_QUIET_S = 0.5
+
+
 class Outage:
-    """Logs one line when the database becomes unreachable and one when it is back."""
+    """Logs one line when the database becomes unreachable and one when it is back.
+
+    Failures that follow each other (several broken connections discovered one by one)
+    belong to one outage: it ends only when an operation succeeds at least
+    :data:`OUTAGE_QUIET_S` after the last failure.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
         self.down_since: float | None = None
+        self.last_failure = 0.0
 
     def failed(self, where: str, exc: BaseException) -> None:
         with self._lock:
+            self.last_failure = time.monotonic()
             if self.down_since is not None:
                 return
-            self.down_since = time.monotonic()
+            self.down_since = self.last_failure
         logger.warning(
             "%s: database unreachable (%s: %s); retrying with back-off",
             self.name,
@@ -54,6 +65,8 @@ class Outage:
         if self.down_since is None:
             return
         with self._lock:
+            if self.down_since is None or time.monotonic() - self.last_failure < OUTAGE_QUIET_S:
+                return
             since, self.down_since = self.down_since, None
         if since is not None:
             logger.warning("%s: database reachable again after %.1f s", self.name, time.monotonic() - since)
@@ -109,6 +122,7 @@ class BlockingPool:
                 conn.commit()
         except DISCONNECTS:
             broken = True
+            self.discard_idle()  # its siblings are likely dead too: do not hand them out
             raise
         except BaseException:
             if not autocommit and not conn.closed:
@@ -122,6 +136,17 @@ class BlockingPool:
         with self.connection() as conn, conn.cursor() as cur:
             cur.execute(query, params)
             return cur.fetchall() if cur.description else []
+
+    def discard_idle(self) -> None:
+        """Close the idle connections; new ones are opened on demand."""
+        pool = self._pool
+        with pool._lock:  # psycopg2's own lock around its idle list
+            idle, pool._pool = list(pool._pool), []
+        for conn in idle:
+            try:
+                conn.close()
+            except Exception:
+                pass
 
     def closeall(self) -> None:
         try:

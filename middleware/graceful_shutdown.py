@@ -18,7 +18,15 @@ from dramatiq import Middleware
 logger = logging.getLogger(__name__)
 
 
+#: How often idle worker threads look for a shutdown (Dramatiq's default is 1 s).
+IDLE_POLL_MS = 100
+
+
 class GracefulShutdown(Middleware):
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        # Idle worker threads and consumers notice a shutdown within this, not a second.
+        worker.worker_timeout = min(worker.worker_timeout, IDLE_POLL_MS)
+
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
         logger.info("shutdown: no new message will be claimed; waiting for running jobs")
         broker.stop_claiming()

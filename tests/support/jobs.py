@@ -135,3 +135,20 @@ def post(url: str, label: str = "") -> None:
     with httpx.Client(timeout=deadline.cap_timeout(10.0)) as client:
         client.post(url, content=label.encode())
     record_finish(run)
+
+
+@dramatiq.actor(actor_name="test.mark", queue_name="index", max_retries=50, min_backoff=10, max_backoff=100)
+def mark(label: str = "") -> None:
+    """One row per run, written as the job's only work (for exactly-once counts)."""
+    with db.connection() as conn:
+        conn.execute(
+            "INSERT INTO test_runs (actor, queue, label, pid, message_id, finished_at)"
+            " VALUES ('test.mark', 'index', %(label)s, %(pid)s, %(message_id)s, clock_timestamp())",
+            {"label": label, "pid": os.getpid(), "message_id": _message_id()},
+        )
+
+
+@dramatiq.actor(actor_name="test.on_failure", queue_name="index", max_retries=0)
+def on_failure(message_data: dict, exception_data: dict) -> None:
+    """A failure callback: if it ever runs, it leaves a row."""
+    record_finish(record_start("test.on_failure", "index", message_data.get("message_id", "")))

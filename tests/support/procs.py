@@ -13,6 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def worker_cmd(*args: str, module: str = "tests.support.jobs") -> list[str]:
+    """Our worker process (``python -m broker.worker``), serving the test actors too."""
+    return [sys.executable, "-m", "broker.worker", module, *args]
+
+
 def dramatiq_cmd(*args: str, module: str = "actors") -> list[str]:
     return [sys.executable, "-m", "dramatiq", module, "--processes", "1", *args]
 

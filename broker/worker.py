@@ -1,0 +1,83 @@
+"""A worker process: ``python -m broker.worker`` (a process entry point).
+
+The same Dramatiq worker as ``dramatiq actors``, in one process with no fork manager:
+SIGTERM starts the shutdown at once (Dramatiq's CLI polls for it every second and
+waits up to a second more for its log pipe), so a deploy waits only for the jobs.
+
+    python -m broker.worker [--queues Q …] [--threads N] [--worker-shutdown-timeout MS] [MODULE …]
+
+On SIGTERM or Ctrl-C: claim nothing more, give back prefetched messages, wait up to
+the shutdown timeout for running jobs, record the process as stopped and exit. Jobs
+still running are cut off and rescued by another worker (at least once). A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+import dramatiq
+
+from broker.errors import StandmeetError
+
+logger = logging.getLogger("standmeet.worker")
+
+#: How often idle worker threads look for a shutdown (Dramatiq's default is 1 s).
+WORKER_POLL_MS = 100
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m broker.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("modules", nargs="*", default=["actors"], help="modules that declare actors (default: actors)")
+    parser.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
+    parser.add_argument("--threads", type=int, default=0, help="worker threads (default: the sum of the limits)")
+    parser.add_argument("--worker-shutdown-timeout", type=int, default=None, metavar="MS",
+                        help="wait this long for running jobs on SIGTERM (default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stop.is_set():
+            logger.warning("second signal: exiting now")
+            os._exit(1)
+        logger.info("received %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+
+    try:
+        for module in args.modules:
+            importlib.import_module(module)
+        from broker.pgbroker import current_broker
+
+        broker = current_broker()
+        shutdown_ms = args.worker_shutdown_timeout
+        if shutdown_ms is None:
+            shutdown_ms = int(broker.settings.worker_shutdown_timeout_s * 1000)
+        broker.emit_after("process_boot")
+        worker = dramatiq.Worker(broker, queues=args.queues or None, worker_threads=args.threads or 1,
+                                 worker_timeout=WORKER_POLL_MS)
+        worker.start()
+    except StandmeetError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 1
+    logger.info("worker ready: queues %s", ", ".join(args.queues or sorted(broker.queues)))
+    stop.wait()
+    worker.stop(timeout=shutdown_ms)
+    broker.close()
+    logger.info("worker stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

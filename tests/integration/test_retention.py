@@ -1,0 +1,36 @@
+"""Retention: finished messages are pruned after their age, in batches, by a maintenance job."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import psycopg
+
+from actors import maintenance
+from broker import sql
+from broker.pgbroker import enqueue_params
+from tests.support.db import query, wait_for
+from tests.support.jobs import mark
+
+
+def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, database_url, start_worker):
+    # Given 7 old done/rejected messages, a recent done one and an old queued one
+    messages = [mark.message(f"retention-{i}") for i in range(9)]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for m in messages:
+            conn.execute(sql.ENQUEUE, enqueue_params(m, None))
+        ids = [m.message_id for m in messages]
+        conn.execute("UPDATE dramatiq.queue SET state = 'done', mtime = now() - interval '30 days' WHERE message_id = ANY(%s::uuid[])", (ids[:5],))
+        conn.execute("UPDATE dramatiq.queue SET state = 'rejected', mtime = now() - interval '30 days' WHERE message_id = ANY(%s::uuid[])", (ids[5:7],))
+        conn.execute("UPDATE dramatiq.queue SET state = 'done' WHERE message_id = %s", (ids[7],))
+        conn.execute("UPDATE dramatiq.queue SET state = 'queued', queue_name = 'maintenance', eta = now() + interval '1 day',"
+                     " mtime = now() - interval '30 days' WHERE message_id = %s", (ids[8],))
+    # When the maintenance job runs with a batch of 2
+    broker.settings = replace(broker.settings, prune_batch=2)
+    start_worker(queues=["maintenance"], threads=1)
+    job = maintenance.prune_messages.send()
+    wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                           (job.message_id,)) == [("done",)], timeout_s=15, what="the prune job")
+    # Then the old finished ones are gone, the recent and the unfinished are kept
+    left = {row[0] for row in query(database_url, "SELECT message_id::text FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))}
+    assert left == {ids[7], ids[8]}

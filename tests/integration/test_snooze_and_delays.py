@@ -1,0 +1,66 @@
+"""Snooze costs no retry (R3); delays live in the database and start on time."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from tests.support.db import query, scalar, wait_for
+from tests.support.jobs import SLEEP, on_failure, snooze_n
+
+
+def _row(url: str, message_id: str):
+    rows = query(url, "SELECT state::text, message, eta, error FROM dramatiq.queue WHERE message_id = %s", (message_id,))
+    return rows[0] if rows else None
+
+
+def test_a_job_snoozed_three_times_ends_done_with_no_retry_and_three_snoozes(broker, database_url, start_worker, caplog):
+    start_worker(queues=["index"], threads=4)
+    with caplog.at_level(logging.DEBUG):
+        message = snooze_n.send_with_options(
+            args=("snooze-3", 3), on_failure=on_failure.actor_name
+        )
+        wait_for(lambda: (_row(database_url, message.message_id) or ("",))[0] == "done", timeout_s=15,
+                 what="the snoozed job to be done")
+    state, body, _, _ = _row(database_url, message.message_id)
+    body = body if isinstance(body, dict) else json.loads(body)
+    assert body["options"].get("retries", 0) == 0
+    assert body["options"]["snoozes"] == 3
+    # it ran four times: three snoozes and the success
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'snooze-3'") == 4
+    # no failure callback fired, nothing was logged as an error
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE actor = 'test.on_failure'") == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_an_endless_snooze_fails_clearly_at_its_cap(broker, database_url, start_worker):
+    start_worker(queues=["index"], threads=4)
+    message = snooze_n.send_with_options(args=("snooze-forever", 1_000), kwargs={"seconds": 0.0}, max_snoozes=5)
+    wait_for(lambda: (_row(database_url, message.message_id) or ("",))[0] == "rejected", timeout_s=15,
+             what="the endless snooze to be rejected")
+    _, body, _, error = _row(database_url, message.message_id)
+    assert "snoozed 6 times, more than its cap of 5" in error
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'snooze-forever'") == 6
+
+
+def test_a_delayed_message_waits_in_the_database_and_starts_when_due(broker, database_url, start_worker):
+    start_worker(queues=["index", "webhook"], threads=16)
+    index_message = SLEEP["index"].send_with_options(args=(1, "delayed-index"), delay=800)
+    webhook_message = SLEEP["webhook"].send_with_options(args=(1, "delayed-webhook"), delay=800)
+    # While not due, both stay queued in Postgres: no worker has claimed them
+    state, _, eta, _ = _row(database_url, index_message.message_id)
+    assert state == "queued"
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state = 'consumed'") == 0
+    wait_for(
+        lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'delayed-%%'") == 2,
+        timeout_s=10,
+        what="both delayed jobs to start",
+    )
+    lateness = dict(query(
+        database_url,
+        """SELECT r.label, EXTRACT(EPOCH FROM r.started_at - q.eta)::float8
+           FROM test_runs r JOIN dramatiq.queue q USING (message_id) WHERE r.label LIKE 'delayed-%%'""",
+    ))
+    assert 0 <= lateness["delayed-index"] < 0.1, lateness  # awaited queue: within 100 ms
+    assert 0 <= lateness["delayed-webhook"] < 1.0, lateness
+    assert webhook_message.message_id
