@@ -37,3 +37,20 @@ def prune_messages() -> None:
 def rescue() -> None:
     """Requeue the messages of dead worker processes (workers also do this on heartbeat)."""
     current_broker().rescue_once()
+
+
+@dramatiq.actor(actor_name="maintenance.prune_outbox", queue_name="maintenance")
+def prune_outbox() -> None:
+    """Delete relayed outbox rows older than the retention, batch by batch."""
+    settings = current_broker().settings
+    params = {"retention_s": settings.outbox_retention_hours * 3600, "batch": settings.prune_batch}
+    total = 0
+    while True:
+        deadline.check()
+        with db.connection() as conn:
+            deleted = conn.execute(sql.PRUNE_OUTBOX, params).rowcount
+        total += deleted
+        if deleted < settings.prune_batch:
+            break
+    if total:
+        logger.info("pruned %d relayed outbox row(s)", total)

@@ -13,6 +13,7 @@ import dramatiq
 from broker.embedded import resolve_database_url
 from broker.enqueue import enqueue
 from broker.errors import BudgetError, ConfigError, StandmeetError
+from broker.outbox import emit
 from broker.pgbroker import StandmeetBroker, current_broker
 from broker.settings import Settings
 
@@ -24,6 +25,7 @@ __all__ = [
     "StandmeetError",
     "configure",
     "current_broker",
+    "emit",
     "enqueue",
 ]
 

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler process")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("emit", help="emit one event through the outbox, in its own transaction; print its id")
+    p.add_argument("topic", help="the event's topic (see actors/routes.py)")
+    p.add_argument("--payload", default="{}", help="the payload, a JSON object")
+    p.set_defaults(func=cmd_emit)
+
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
     p.set_defaults(func=cmd_db)
@@ -99,6 +104,29 @@ def cmd_check(args: argparse.Namespace) -> int:
     budget = check_budget(settings, args.queues or None)
     print(f"ok: {budget.describe()}")
     print(f"broker pool: {budget.broker_pool_size} connections for {budget.consumers} consumers and acks")
+    return 0
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    import json
+
+    import psycopg
+
+    try:
+        payload = json.loads(args.payload)
+    except json.JSONDecodeError as exc:
+        print(f"standmeet-jobs: --payload is not JSON: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(payload, dict):
+        print("standmeet-jobs: --payload must be a JSON object", file=sys.stderr)
+        return 2
+    import actors  # noqa: F401  (the routes and the broker)
+    from broker.outbox import emit
+    from broker.pgbroker import current_broker
+
+    with psycopg.connect(current_broker().url) as conn, conn.transaction():
+        event_id = emit(conn, args.topic, payload)
+    print(event_id)
     return 0
 
 

@@ -8,6 +8,9 @@
     ├── DatabaseError                  Postgres could not be reached or answered badly
     │   └── DatabaseUnavailable        no connection could be made (server down, bad URL)
     ├── MigrationError                 a schema migration failed; nothing of it was applied
+    ├── OutboxError                    an event cannot be emitted; nothing was written
+    │   ├── UnknownTopic               no route for that topic
+    │   └── PayloadTooLarge            the payload is over STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES
     ├── JobError                       raised inside jobs, by the job layer
     │   └── DeadlineExceeded           a cooperative deadline (the job's time limit) has passed
     └── Deferred  (also dramatiq.Retry) the job asks to run later; not a failure
@@ -50,6 +53,18 @@ class DatabaseUnavailable(DatabaseError):
 
 class MigrationError(StandmeetError):
     """A migration failed; its transaction was rolled back."""
+
+
+class OutboxError(StandmeetError):
+    """An event cannot be emitted. Raised before anything is written."""
+
+
+class UnknownTopic(OutboxError):
+    """No route is declared for the topic: an event nobody would receive."""
+
+
+class PayloadTooLarge(OutboxError):
+    """The event's payload is over the configured cap."""
 
 
 class JobError(StandmeetError):

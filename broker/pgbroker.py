@@ -61,17 +61,21 @@ SHUTDOWN_POLL_S = 0.05
 
 
 class QueueState:
-    """What this process holds of one queue: shared by its successive consumers and acks."""
+    """What this process holds of one queue: shared by its successive consumers and acks.
+
+    A claim is identified by (message id, claim number): the same message can be
+    claimed again (a snooze or retry due at once) before the previous run is settled.
+    """
 
     def __init__(self, settings: QueueSettings) -> None:
         self.settings = settings
         self.name = settings.name
         self.limit = settings.max_workers
         self.lock = threading.Lock()
-        #: message_id -> claim number, for every message claimed and not yet settled.
-        self.in_flight: dict[str, int] = {}
-        #: claimed messages not yet handed to Dramatiq's worker.
-        self.buffer: deque[Message] = deque()
+        #: every claim made and not yet settled: (message_id, claim number).
+        self.in_flight: set[tuple[str, int]] = set()
+        #: claimed messages not yet handed to Dramatiq's worker, with their claim number.
+        self.buffer: deque[tuple[Message, int]] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -82,27 +86,28 @@ class QueueState:
 
     def hold(self, message: Message, claims: int) -> None:
         with self.lock:
-            self.in_flight[message.message_id] = claims
-            self.buffer.append(message)
+            self.in_flight.add((message.message_id, claims))
+            self.buffer.append((message, claims))
 
-    def next_buffered(self) -> Message | None:
+    def next_buffered(self) -> MessageProxy | None:
         with self.lock:
-            return self.buffer.popleft() if self.buffer else None
+            if not self.buffer:
+                return None
+            message, claims = self.buffer.popleft()
+        proxy = MessageProxy(message)
+        proxy.standmeet_claim = claims  # type: ignore[attr-defined]  # travels with the message to its ack
+        return proxy
 
-    def take_buffer(self) -> list[Message]:
+    def take_buffer(self) -> list[tuple[Message, int]]:
         with self.lock:
-            messages = list(self.buffer)
+            taken = list(self.buffer)
             self.buffer.clear()
-            return messages
+            return taken
 
-    def claims_of(self, message_id: str) -> int | None:
+    def release(self, claims: Iterable[tuple[str, int]]) -> None:
         with self.lock:
-            return self.in_flight.get(message_id)
-
-    def release(self, message_ids: Iterable[str]) -> None:
-        with self.lock:
-            for message_id in message_ids:
-                self.in_flight.pop(message_id, None)
+            for claim in claims:
+                self.in_flight.discard(claim)
         self.wake()
 
     def wake(self) -> None:
@@ -137,7 +142,7 @@ class StandmeetBroker(PostgresBroker):
         self.settings = settings
         self.url = url
         self.worker_id = str(uuid.uuid4())
-        self.outage = Outage("broker")
+        self.outage = Outage("worker")
         self.claiming = True
         self.closing = False
         self.queue_states: dict[str, QueueState] = {}
@@ -145,6 +150,7 @@ class StandmeetBroker(PostgresBroker):
         self._register_lock = threading.Lock()
         self._heartbeat: detach.Detached | None = None
         self._app_pool: Any = None
+        self.relay: Any = None
         pool = BlockingPool(url, broker_pool_size(settings, len(settings.queues)))
         super().__init__(pool=pool, results=False, middleware=middleware)
         for name in settings.queues:
@@ -220,7 +226,7 @@ class StandmeetBroker(PostgresBroker):
     def settle(self, message: Message | MessageProxy, query: str, extra: dict[str, Any]) -> None:
         """Write an ack or nack, retrying through an outage; then free the queue slot."""
         state = self.queue_states[message.queue_name]
-        claims = state.claims_of(message.message_id)
+        claims = claim_of(message)
         if claims is None:
             logger.debug("settle: %s was not claimed by this process", message.message_id)
             return
@@ -243,17 +249,21 @@ class StandmeetBroker(PostgresBroker):
                     raise DramatiqConnectionError(str(exc)) from exc
                 time.sleep(backoff * (1 + random.random()))
                 backoff = min(backoff * 2, MAX_RECONNECT_BACKOFF_S)
-        state.release([message.message_id])
+        state.release([(message.message_id, claims)])
 
-    def requeue(self, messages: Iterable[Message]) -> int:
+    def requeue(self, messages: Iterable[Message | MessageProxy], claims: Iterable[int] | None = None) -> int:
         """Give claimed messages that never started back to their queue."""
-        by_queue: dict[str, list[str]] = {}
-        for message in messages:
-            by_queue.setdefault(message.queue_name, []).append(message.message_id)
+        by_queue: dict[str, list[tuple[str, int]]] = {}
+        messages = list(messages)
+        numbers = list(claims) if claims is not None else [claim_of(m) for m in messages]
+        for message, number in zip(messages, numbers, strict=True):
+            if number is not None:
+                by_queue.setdefault(message.queue_name, []).append((message.message_id, number))
         total = 0
-        for queue_name, ids in by_queue.items():
+        for queue_name, held in by_queue.items():
+            ids = [message_id for message_id, _ in held]
             self.pool.execute(sql.REQUEUE, {"message_ids": ids, "worker_id": self.worker_id})
-            self.queue_states[queue_name].release(ids)
+            self.queue_states[queue_name].release(held)
             total += len(ids)
         if total:
             logger.info("returned %d prefetched message(s) to the queue", total)
@@ -299,6 +309,24 @@ class StandmeetBroker(PostgresBroker):
             )
         return result
 
+    # -- the outbox relay ------------------------------------------------------------
+
+    def start_relay(self) -> None:
+        """Run the outbox relay in this process (every worker process runs one)."""
+        from broker.outbox import Relay
+
+        with self._register_lock:
+            if self.relay is None:
+                self.relay = Relay(
+                    self.url, batch=self.settings.relay_batch, poll_s=self.settings.relay_poll_s, outage=self.outage
+                ).start()
+
+    def stop_relay(self) -> None:
+        """Stop the relay first on shutdown: no new messages from this process."""
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.stop()
+
     # -- application pool (psycopg 3) ---------------------------------------------
 
     @property
@@ -318,6 +346,7 @@ class StandmeetBroker(PostgresBroker):
         if self.closing:
             return
         self.closing = True
+        self.stop_relay()
         self.stop_claiming()
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=2)
@@ -348,9 +377,9 @@ class StandmeetConsumer(Consumer):
         return self
 
     def __next__(self) -> MessageProxy | None:
-        message = self.state.next_buffered()
-        if message is not None:
-            return MessageProxy(message)
+        proxy = self.state.next_buffered()
+        if proxy is not None:
+            return proxy
         try:
             return self._claim_or_wait()
         except DISCONNECTS as exc:
@@ -363,10 +392,8 @@ class StandmeetConsumer(Consumer):
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
         if self.broker.claiming and self.state.free() > 0 and self._due():
-            claimed = self.claim_once(conn)
-            if claimed:
-                message = self.state.next_buffered()
-                return MessageProxy(message) if message is not None else None
+            if self.claim_once(conn):
+                return self.state.next_buffered()
         self._wait(conn)
         return None
 
@@ -486,7 +513,7 @@ class StandmeetConsumer(Consumer):
         buffered = self.state.take_buffer()
         if buffered:
             try:
-                self.broker.requeue(buffered)
+                self.broker.requeue([m for m, _ in buffered], [c for _, c in buffered])
             except DISCONNECTS as exc:
                 # Still ours: hand them out again when the next consumer starts.
                 with self.state.lock:
@@ -500,6 +527,11 @@ class StandmeetConsumer(Consumer):
             except DISCONNECTS:
                 self._drop_connection()
             self.conn = None
+
+
+def claim_of(message: Message | MessageProxy) -> int | None:
+    """The claim number our consumer attached to this message, if it claimed it."""
+    return getattr(message, "standmeet_claim", None) if isinstance(message, MessageProxy) else None
 
 
 def message_json(message: Message | MessageProxy) -> str:

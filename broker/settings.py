@@ -51,6 +51,14 @@ DEFAULT_MAX_CRASHES = 3
 #: Finished (done or rejected) messages are pruned after this many days, in batches.
 DEFAULT_RETENTION_DAYS = 7.0
 DEFAULT_PRUNE_BATCH = 5_000
+#: Largest outbox payload (JSON, bytes) that emit accepts.
+DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES = 64 * 1024
+#: Rows one relay pass (one transaction) claims at most (R4).
+DEFAULT_RELAY_BATCH = 200
+#: The relay's fallback poll, in case a notification was missed.
+DEFAULT_RELAY_POLL_S = 1.0
+#: Relayed outbox rows are pruned after this many hours.
+DEFAULT_OUTBOX_RETENTION_HOURS = 24.0
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -100,6 +108,10 @@ class Settings:
     max_crashes: int = DEFAULT_MAX_CRASHES
     retention_days: float = DEFAULT_RETENTION_DAYS
     prune_batch: int = DEFAULT_PRUNE_BATCH
+    outbox_max_payload_bytes: int = DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES
+    relay_batch: int = DEFAULT_RELAY_BATCH
+    relay_poll_s: float = DEFAULT_RELAY_POLL_S
+    outbox_retention_hours: float = DEFAULT_OUTBOX_RETENTION_HOURS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -132,6 +144,14 @@ class Settings:
             max_crashes=_int(env, "STANDMEET_MAX_CRASHES", DEFAULT_MAX_CRASHES, minimum=0),
             retention_days=_float(env, "STANDMEET_RETENTION_DAYS", DEFAULT_RETENTION_DAYS, minimum=0),
             prune_batch=_int(env, "STANDMEET_PRUNE_BATCH", DEFAULT_PRUNE_BATCH, minimum=1),
+            outbox_max_payload_bytes=_int(
+                env, "STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES", DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES, minimum=2
+            ),
+            relay_batch=_int(env, "STANDMEET_RELAY_BATCH", DEFAULT_RELAY_BATCH, minimum=1),
+            relay_poll_s=_float(env, "STANDMEET_RELAY_POLL_S", DEFAULT_RELAY_POLL_S, minimum=0.01),
+            outbox_retention_hours=_float(
+                env, "STANDMEET_OUTBOX_RETENTION_HOURS", DEFAULT_OUTBOX_RETENTION_HOURS, minimum=0
+            ),
         )
 
     def queue(self, name: str) -> QueueSettings:

@@ -162,3 +162,43 @@ VALUES (%(job)s, %(period_start)s, %(message_id)s)
 ON CONFLICT (job, period_start) DO NOTHING
 RETURNING message_id
 """
+
+#: Channel the relay listens on; emit notifies it (at commit).
+OUTBOX_CHANNEL = "standmeet_outbox"
+
+EMIT = """
+WITH inserted AS (
+    INSERT INTO standmeet.outbox (topic, payload) VALUES (%(topic)s, %(payload)s::jsonb)
+    RETURNING id
+)
+SELECT id, pg_notify('standmeet_outbox', '') FROM inserted
+"""
+
+#: One relay pass: up to ``limit`` pending rows, rows not a cursor; concurrent relays
+#: skip each other's rows.
+RELAY_CLAIM = """
+SELECT id, topic, payload
+FROM standmeet.outbox
+WHERE relayed_at IS NULL AND error IS NULL
+ORDER BY id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+
+RELAY_MARK = """
+UPDATE standmeet.outbox AS o
+SET relayed_at = now(), relay_txid = txid_current(), messages = m.n
+FROM unnest(%(ids)s::bigint[], %(counts)s::int[]) AS m(id, n)
+WHERE o.id = m.id
+"""
+
+RELAY_FAIL = "UPDATE standmeet.outbox SET error = %(error)s WHERE id = %(id)s"
+
+PRUNE_OUTBOX = """
+DELETE FROM standmeet.outbox
+WHERE id IN (
+    SELECT id FROM standmeet.outbox
+    WHERE relayed_at < now() - make_interval(secs => %(retention_s)s)
+    LIMIT %(batch)s
+)
+"""

@@ -1,4 +1,7 @@
-"""Graceful shutdown (R11): on SIGTERM, claim nothing more, finish what runs.
+"""Graceful shutdown (R11): on SIGTERM, stop the relay first, claim nothing more, finish what runs.
+
+The relay of the outbox starts with the worker (every process runs one) and is the
+first thing stopped.
 
 Dramatiq's worker stops its worker threads first (each finishes its current job,
 for up to ``--worker-shutdown-timeout``), then its consumers, and gives back the
@@ -27,6 +30,11 @@ class GracefulShutdown(Middleware):
         # Idle worker threads and consumers notice a shutdown within this, not a second.
         worker.worker_timeout = min(worker.worker_timeout, IDLE_POLL_MS)
 
+    def after_worker_boot(self, broker: Any, worker: Any) -> None:
+        # Every worker process relays the outbox (no leader); the broker owns the thread.
+        broker.start_relay()
+
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
-        logger.info("shutdown: no new message will be claimed; waiting for running jobs")
+        logger.info("shutdown: relay stopped, no new message will be claimed; waiting for running jobs")
+        broker.stop_relay()
         broker.stop_claiming()

@@ -46,6 +46,7 @@ class PeriodicJob:
 PERIODIC_JOBS: list[PeriodicJob] = [
     PeriodicJob("prune-messages", "maintenance.prune_messages", interval_s=3600),
     PeriodicJob("rescue", "maintenance.rescue", interval_s=30),
+    PeriodicJob("prune-outbox", "maintenance.prune_outbox", interval_s=3600),
 ]
 
 

@@ -1,11 +1,16 @@
 """The scheduler process: ``python -m periodic`` (a process entry point).
 
-Checks the connection budget, then ticks every periodic job on its interval with
-APScheduler until SIGTERM or Ctrl-C. Run two of them: each period still runs once.
+Checks the connection budget, starts the outbox relay (every process runs one), then
+ticks every periodic job on its period boundaries with APScheduler until SIGTERM or
+Ctrl-C (the relay is stopped first). Run two of them: each period still runs once.
+
+    python -m periodic [--jobs module:ATTRIBUTE]   (default: periodic:PERIODIC_JOBS)
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import logging
 import signal
 import sys
@@ -21,8 +26,17 @@ from broker.settings import Settings
 logger = logging.getLogger("periodic")
 
 
-def main() -> int:
+def load_jobs(path: str) -> list:  # type: ignore[type-arg]
+    module, _, attribute = path.partition(":")
+    return list(getattr(importlib.import_module(module), attribute or "PERIODIC_JOBS"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m periodic", description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", default="periodic:PERIODIC_JOBS", help="the table of periodic jobs")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     settings = Settings.from_env()
     try:
         budget = check_budget(settings)
@@ -31,17 +45,20 @@ def main() -> int:
         return 1
     logger.info("connection budget: %s", budget.describe())
 
-    import actors  # noqa: F401  (configures the broker, declares the actors)
+    import actors  # noqa: F401  (configures the broker, declares the actors and routes)
     from broker.pgbroker import current_broker
-    from periodic import PERIODIC_JOBS, tick, utcnow
+    from periodic import tick, utcnow
 
+    jobs = load_jobs(args.jobs)
+    broker = current_broker()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
+    broker.start_relay()
     scheduler = BackgroundScheduler(timezone="UTC")
     now = utcnow()
-    for job in PERIODIC_JOBS:
+    for job in jobs:
         try:  # the current period first; then on each period boundary
             tick(job)
         except Exception:
@@ -52,11 +69,12 @@ def main() -> int:
             misfire_grace_time=max(1, int(job.interval_s / 2)),
         )
     scheduler.start()
-    logger.info("scheduler running %d periodic job(s)", len(PERIODIC_JOBS))
+    logger.info("scheduler running %d periodic job(s)", len(jobs))
     stop.wait()
-    logger.info("stopping the scheduler")
+    logger.info("stopping: the relay first, then the scheduler")
+    broker.stop_relay()
     scheduler.shutdown(wait=True)
-    current_broker().close()
+    broker.close()
     return 0
 
 

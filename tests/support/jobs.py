@@ -152,3 +152,19 @@ def mark(label: str = "") -> None:
 def on_failure(message_data: dict, exception_data: dict) -> None:
     """A failure callback: if it ever runs, it leaves a row."""
     record_finish(record_start("test.on_failure", "index", message_data.get("message_id", "")))
+
+
+@dramatiq.actor(actor_name="test.tick", queue_name="maintenance", max_retries=0)
+def tick_job(label: str = "") -> None:
+    """A periodic job for the scheduler tests."""
+    record_finish(record_start("test.tick", "maintenance", label))
+
+
+def _ping(event_id: int, payload: dict) -> tuple[tuple, dict]:
+    return (str(payload["label"]),), {}
+
+
+from broker.outbox import route  # noqa: E402
+
+#: test.ping events run test.noop with the event's label (index queue: awaited, R5).
+route("test.ping", "test.noop", _ping)

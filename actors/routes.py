@@ -1,0 +1,20 @@
+"""The routing table of the outbox: which actors each topic's events become.
+
+One ``route(topic, actor, args)`` line per pair. ``args(event_id, payload)`` returns
+the actor's ``(args, kwargs)``; it is also called at emit time, so a payload that
+does not fit its route is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.outbox import route
+
+
+def _document(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (int(payload["document_id"]),), {}
+
+
+#: A document was written → index it.
+route("document.written", "corpus.index", _document)

@@ -1,0 +1,224 @@
+"""The transactional outbox and the relay (R4, R5).
+
+An application writes its domain rows and the events they cause in one transaction:
+
+    with psycopg.connect(url) as conn, conn.transaction():
+        doc_id = conn.execute("INSERT INTO standmeet.documents …").fetchone()[0]
+        emit(conn, "document.written", {"document_id": doc_id})
+
+``emit`` checks the topic and the payload *before* writing anything, so a refused
+event leaves the caller's transaction usable. At commit, a NOTIFY wakes the relay.
+
+The relay runs in every worker process and in the scheduler (no leader): each pass
+(:func:`relay_once`) claims at most 200 pending rows with ``FOR UPDATE SKIP LOCKED``
+(rows, not a cursor: concurrent relays skip each other's rows), writes the messages
+their routes call for, and marks them relayed, all in one short transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from broker import sql
+from broker.errors import PayloadTooLarge, UnknownTopic
+from broker.pgpool import Outage
+
+logger = logging.getLogger(__name__)
+
+#: Namespace of the message ids derived from (outbox id, route): a relayed event's
+#: messages have stable ids, so they can be traced back to it.
+MESSAGE_NAMESPACE = uuid.UUID("6f1d3a52-7d2e-4f0e-9c41-5b8e0d3c9a10")
+
+ArgsBuilder = Callable[[int, dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Events of ``topic`` become a message to ``actor``, with arguments from the event."""
+
+    topic: str
+    actor: str
+    args: ArgsBuilder = field(default=lambda event_id, payload: ((event_id,), {}))
+
+
+#: topic -> routes. Domain code declares its routes with :func:`route` at import.
+ROUTES: dict[str, list[Route]] = {}
+
+
+def route(topic: str, actor: str, args: ArgsBuilder | None = None) -> Route:
+    """Declare that events of ``topic`` are delivered to ``actor``."""
+    r = Route(topic, actor, args) if args is not None else Route(topic, actor)
+    existing = ROUTES.setdefault(topic, [])
+    if not any(x.actor == actor for x in existing):
+        existing.append(r)
+    return r
+
+
+def routes_for(topic: str) -> list[Route]:
+    routes = ROUTES.get(topic)
+    if not routes:
+        known = ", ".join(sorted(ROUTES)) or "none"
+        raise UnknownTopic(f"no route for topic {topic!r}; the known topics are: {known}")
+    return routes
+
+
+def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
+         max_payload_bytes: int | None = None) -> int:
+    """Write an event in the caller's transaction; return its id.
+
+    Raises :class:`UnknownTopic` or :class:`PayloadTooLarge` before writing anything.
+    """
+    from broker.pgbroker import current_broker
+
+    routes = routes_for(topic)
+    cap = max_payload_bytes if max_payload_bytes is not None else current_broker().settings.outbox_max_payload_bytes
+    try:
+        text = json.dumps(payload, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise PayloadTooLarge(f"the payload of {topic!r} is not JSON: {exc}") from exc
+    size = len(text.encode("utf-8"))
+    if size > cap:
+        raise PayloadTooLarge(
+            f"the payload of {topic!r} is {size} bytes, over the cap of {cap} "
+            "(STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES); store large data in a table and emit its id"
+        )
+    for r in routes:  # a payload its routes cannot use is refused now, not at relay time
+        try:
+            r.args(0, payload)
+        except Exception as exc:
+            raise UnknownTopic(f"the payload of {topic!r} does not fit the route to {r.actor}: {exc!r}") from exc
+    row = conn.execute(sql.EMIT, {"topic": topic, "payload": text}).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@dataclass(frozen=True)
+class RelayResult:
+    """What one relay pass did."""
+
+    claimed: int
+    messages: int
+    failed: int = 0
+
+
+def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
+    """Relay at most ``limit`` pending events in one transaction on ``conn``."""
+    from broker.enqueue import build_message, enqueue_message
+
+    with conn.transaction():
+        rows = conn.execute(sql.RELAY_CLAIM, {"limit": limit}).fetchall()
+        if not rows:
+            return RelayResult(0, 0)
+        ids: list[int] = []
+        counts: list[int] = []
+        messages = failed = 0
+        for event_id, topic, payload in rows:
+            try:
+                built = []
+                for index, r in enumerate(routes_for(topic)):
+                    args, kwargs = r.args(event_id, payload)
+                    message = build_message(r.actor, args, kwargs)
+                    message = message.copy(message_id=str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/{index}")))
+                    built.append(message)
+            except Exception as exc:  # keep the event, say why, go on with the rest
+                logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
+                conn.execute(sql.RELAY_FAIL, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
+                failed += 1
+                continue
+            for message in built:
+                enqueue_message(conn, message)
+            ids.append(event_id)
+            counts.append(len(built))
+            messages += len(built)
+        if ids:
+            conn.execute(sql.RELAY_MARK, {"ids": ids, "counts": counts})
+    return RelayResult(len(rows), messages, failed)
+
+
+class Relay:
+    """The relay loop of one process: woken by NOTIFY, with a poll fallback.
+
+    Owns one dedicated connection (the ``relay 1`` of the connection budget).
+    Start it with :meth:`start` (a ``broker.detach`` thread); :meth:`stop` is called
+    first on shutdown.
+    """
+
+    def __init__(self, url: str, *, batch: int = 200, poll_s: float = 1.0, outage: Outage | None = None) -> None:
+        self.url = url
+        self.batch = batch
+        self.poll_s = poll_s
+        # Inside a worker the relay shares the broker's outage: one line per outage.
+        self.outage = outage or Outage("relay")
+        self.relayed = 0
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread: Any = None
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            conn = psycopg.connect(self.url, autocommit=True, application_name="standmeet-relay")
+            conn.execute("LISTEN " + sql.OUTBOX_CHANNEL)
+            self._conn = conn
+        return self._conn
+
+    def drain_once(self) -> int:
+        """Relay passes until the outbox is empty (or a pass is partial); rows relayed."""
+        conn = self._connection()
+        total = 0
+        while True:
+            result = relay_once(conn, limit=self.batch)
+            total += result.claimed
+            if result.claimed < self.batch:
+                return total
+
+    def run(self, stop: threading.Event) -> None:
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                self.relayed += self.drain_once()
+                self.outage.ok()
+                backoff = 0.1
+                conn = self._connection()
+                # Wait for a NOTIFY (or the poll interval); notifies are drained after.
+                for _ in conn.notifies(timeout=self.poll_s, stop_after=1):
+                    pass
+            except psycopg.OperationalError as exc:
+                self.outage.failed("relay", exc)
+                self.close()
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def start(self) -> Relay:
+        from broker import detach
+
+        self._thread = detach.go("relay", self.run)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        stopped = True
+        if self._thread is not None:
+            self._thread.stop_event.set()
+            if self._conn is not None and not self._conn.closed:
+                try:  # wake it from its wait on the connection
+                    with psycopg.connect(self.url, autocommit=True) as waker:
+                        waker.execute("SELECT pg_notify(%s, 'stop')", (sql.OUTBOX_CHANNEL,))
+                except psycopg.Error:
+                    pass
+            stopped = self._thread.join(timeout_s)
+        self.close()
+        return stopped
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None

@@ -1,0 +1,36 @@
+"""Claims: an ack settles the claim it belongs to, never a later claim of the same message."""
+
+from __future__ import annotations
+
+from tests.support.db import query
+from tests.support.jobs import mark
+
+
+def _state(url: str, message_id: str) -> list[tuple[str, int]]:
+    return query(url, "SELECT state::text, claims FROM dramatiq.queue WHERE message_id = %s", (message_id,))
+
+
+def test_a_message_claimed_again_before_its_first_ack_is_settled_claim_by_claim(broker, database_url):
+    # Given a message claimed once by this process
+    broker.claiming = True
+    state = broker.queue_states["index"]
+    consumer = broker.consume("index")
+    message = mark.send("reclaimed")
+    first = consumer.__next__()
+    assert first is not None and first.message_id == message.message_id
+    # When it is re-enqueued at once (a snooze of 0 s) and claimed again before the first ack
+    broker.enqueue(first, delay=0)
+    second = None
+    for _ in range(20):
+        second = second or consumer.__next__()
+    assert second is not None and second.message_id == message.message_id
+    assert _state(database_url, message.message_id) == [("consumed", 2)]
+    # Then the first run's ack leaves the second claim running
+    consumer.ack(first)
+    assert _state(database_url, message.message_id) == [("consumed", 2)]
+    assert state.in_flight == {(message.message_id, 2)}
+    # And the second run's ack finishes it and frees the slot
+    consumer.ack(second)
+    assert _state(database_url, message.message_id) == [("done", 2)]
+    assert state.in_flight == set()
+    consumer.close()

@@ -1,0 +1,6 @@
+"""A periodic table for the scheduler tests: one short-interval job."""
+
+import tests.support.jobs  # noqa: F401  (declares test.tick)
+from periodic import PeriodicJob
+
+JOBS = [PeriodicJob("test-every-second", "test.tick", interval_s=1.0, kwargs={"label": "periodic"})]
