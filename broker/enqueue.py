@@ -39,6 +39,27 @@ def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms
     return message
 
 
+def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message]) -> list[Message]:
+    """Write many messages on ``conn`` in one statement (the relay's pass)."""
+    if not messages:
+        return messages
+    broker = current_broker()
+    for message in messages:
+        if message.queue_name not in broker.queues:
+            raise dramatiq.errors.QueueNotFound(message.queue_name)
+        broker.emit_before("enqueue", message, None)
+    rows = [enqueue_params(m, None) for m in messages]
+    conn.execute(sql.ENQUEUE_MANY, {
+        "queues": [r["queue"] for r in rows],
+        "message_ids": [r["message_id"] for r in rows],
+        "messages": [r["message"] for r in rows],
+        "delays": [r["delay_s"] for r in rows],
+    })
+    for message in messages:
+        broker.emit_after("enqueue", message, None)
+    return messages
+
+
 def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: Any,
             delay_ms: int | None = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Message:
     """Enqueue ``actor(*args, **kwargs)`` in the caller's transaction; return the message."""

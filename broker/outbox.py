@@ -111,7 +111,7 @@ class RelayResult:
 
 def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
     """Relay at most ``limit`` pending events in one transaction on ``conn``."""
-    from broker.enqueue import build_message, enqueue_message
+    from broker.enqueue import build_message, enqueue_messages
 
     with conn.transaction():
         rows = conn.execute(sql.RELAY_CLAIM, {"limit": limit}).fetchall()
@@ -119,7 +119,8 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResul
             return RelayResult(0, 0)
         ids: list[int] = []
         counts: list[int] = []
-        messages = failed = 0
+        pending: list[Any] = []
+        failed = 0
         for event_id, topic, payload in rows:
             try:
                 built = []
@@ -133,14 +134,13 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResul
                 conn.execute(sql.RELAY_FAIL, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
                 failed += 1
                 continue
-            for message in built:
-                enqueue_message(conn, message)
+            pending.extend(built)
             ids.append(event_id)
             counts.append(len(built))
-            messages += len(built)
+        enqueue_messages(conn, pending)
         if ids:
             conn.execute(sql.RELAY_MARK, {"ids": ids, "counts": counts})
-    return RelayResult(len(rows), messages, failed)
+    return RelayResult(len(rows), len(pending), failed)
 
 
 class Relay:

@@ -28,6 +28,25 @@ WITH enqueued AS (
 SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM enqueued
 """
 
+#: Insert (or re-queue) many messages in one statement, and wake each queue once.
+ENQUEUE_MANY = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q (queue_name, message_id, "state", message, eta, enqueued_at, mtime)
+    SELECT m.queue_name, m.message_id, 'queued', m.message, now() + make_interval(secs => m.delay_s), now(), now()
+    FROM unnest(%(queues)s::text[], %(message_ids)s::uuid[], %(messages)s::jsonb[], %(delays)s::float8[])
+         AS m(queue_name, message_id, message, delay_s)
+    ON CONFLICT (message_id) DO UPDATE SET
+        "state" = 'queued',
+        message = EXCLUDED.message,
+        queue_name = EXCLUDED.queue_name,
+        eta = EXCLUDED.eta,
+        worker_id = NULL,
+        mtime = now()
+    RETURNING q.queue_name
+)
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
+"""
+
 #: Acks and claims commit asynchronously (no WAL flush wait). Losing one in a server
 #: crash only means a message runs again (at least once), never that one is lost;
 #: enqueues stay synchronous. Sent with the statement in one round trip: a multi-

@@ -1,0 +1,129 @@
+"""The relay: events/s from a backlog by one and by three relay processes, and the idle
+emit-to-start latency on the index queue.
+
+    python bench/relay.py [--runs 3] [--events 20000] [--latency 200]
+
+Rates come from the rows themselves: events relayed / (last relay transaction's
+commit - first one's start), so process start-up is not counted. Prints each run,
+the medians, and ``ratio: N.NN`` (three relays / one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+
+from bench.common import fresh_database, median, quiet, run_worker  # noqa: E402
+from tests.support import db as testdb  # noqa: E402
+
+SPAN = """
+SELECT count(*), EXTRACT(EPOCH FROM max(relayed_at) - min(relayed_at))::float8
+FROM standmeet.outbox WHERE relayed_at IS NOT NULL
+"""
+
+
+def _backlog(url: str, n: int) -> None:
+    from broker import sql
+
+    with psycopg.connect(url) as conn, conn.cursor() as cur:
+        cur.executemany(sql.EMIT, [{"topic": "document.written", "payload": f'{{"document_id": {i}}}'}
+                                   for i in range(1, n + 1)])
+
+
+def relay_rate(admin_url: str, n: int, relays: int) -> float:
+    url = fresh_database(admin_url, "bench_relay", ours=True)
+    try:
+        _backlog(url, n)
+        env = {**__import__("os").environ, "DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+        cmd = [sys.executable, "-m", "broker.relay", "--exit-when-idle"]
+        procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL) for _ in range(relays)]
+        for p in procs:
+            if p.wait(timeout=600) != 0:
+                raise RuntimeError("a relay process failed")
+        count, span = testdb.query(url, SPAN)[0]
+        if count != n:
+            raise RuntimeError(f"only {count}/{n} relayed")
+        # relayed_at is each transaction's start: add one pass's share for the last one
+        return n / (span + span / max(1, n / 200))
+    finally:
+        testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
+
+
+def emit_latency(admin_url: str, count: int) -> list[float]:
+    import dramatiq
+
+    import actors  # noqa: F401
+    import broker as infra
+    from broker import emit
+    from broker.outbox import route
+    from broker.settings import Settings
+
+    url = fresh_database(admin_url, "bench_emit", ours=True)
+    b = infra.configure(Settings.from_env(), url=url)
+    started: dict[str, float] = {}
+    ready = threading.Event()
+
+    def probe(label: str) -> None:
+        started[label] = time.perf_counter()
+        ready.set()
+
+    if "bench.emit_probe" not in b.actors:
+        dramatiq.actor(probe, broker=b, actor_name="bench.emit_probe", queue_name="index", max_retries=0)
+    route("bench.ping", "bench.emit_probe", lambda event_id, payload: ((payload["label"],), {}))
+    stop = run_worker(b, threads=4, queues=["index"])
+    try:
+        time.sleep(0.5)  # an idle worker: consumers and relay in their wait
+        out = []
+        with psycopg.connect(url) as conn:
+            for i in range(count):
+                ready.clear()
+                sent = time.perf_counter()
+                with conn.transaction():
+                    emit(conn, "bench.ping", {"label": str(i)})
+                if not ready.wait(10):
+                    raise TimeoutError(f"event {i} did not start a job within 10 s")
+                out.append(started[str(i)] - sent)
+                time.sleep(0.005)
+        return sorted(out)
+    finally:
+        stop()
+        b.close()
+        testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--latency", type=int, default=200)
+    args = parser.parse_args()
+    quiet()
+    admin_url = testdb.server_url()
+    one, three, p50, p99 = [], [], [], []
+    for run in range(1, args.runs + 1):
+        r1 = relay_rate(admin_url, args.events, 1)
+        r3 = relay_rate(admin_url, args.events, 3)
+        lat = emit_latency(admin_url, args.latency) if args.latency else [0.0]
+        one.append(r1)
+        three.append(r3)
+        p50.append(lat[len(lat) // 2] * 1000)
+        p99.append(lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000)
+        print(f"run {run}: {args.events} events: one relay {r1:,.0f} events/s, three relays {r3:,.0f} events/s;"
+              f" idle emit->start p50/p99 {p50[-1]:.2f}/{p99[-1]:.2f} ms", flush=True)
+    print(f"median: one relay {median(one):,.0f} events/s, three relays {median(three):,.0f} events/s")
+    print(f"median idle emit->start on the index queue: p50 {median(p50):.2f} ms, p99 {median(p99):.2f} ms")
+    print(f"ratio: {median(three) / median(one):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
