@@ -13,6 +13,6 @@ from broker import configure
 
 configure()
 
-from actors import corpus, maintenance, routes  # noqa: E402  (declared once the broker exists)
+from actors import corpus, documents, maintenance, routes  # noqa: E402  (declared once the broker exists)
 
-__all__ = ["corpus", "maintenance", "routes"]
+__all__ = ["corpus", "documents", "maintenance", "routes"]

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--payload", default="{}", help="the payload, a JSON object")
     p.set_defaults(func=cmd_emit)
 
+    p = sub.add_parser("write", help="store a document, index it, wait for the index; print one JSON object")
+    p.add_argument("file", help="a text file: its first line is the title, the rest the body")
+    p.add_argument("--wait-s", type=float, default=None, help="how long to wait for the index (default 2)")
+    p.set_defaults(func=cmd_write)
+
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
     p.set_defaults(func=cmd_db)
@@ -127,6 +132,26 @@ def cmd_emit(args: argparse.Namespace) -> int:
     with psycopg.connect(current_broker().url) as conn, conn.transaction():
         event_id = emit(conn, args.topic, payload)
     print(event_id)
+    return 0
+
+
+def cmd_write(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"standmeet-jobs: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    title, _, body = text.partition("\n")
+    import actors  # noqa: F401  (the broker and the actors)
+    from actors.documents import write_document
+    from broker.pgbroker import current_broker
+
+    result = write_document(title.strip() or Path(args.file).stem, body, wait_s=args.wait_s)
+    print(json.dumps(result))
+    current_broker().close()
     return 0
 
 

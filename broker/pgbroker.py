@@ -48,12 +48,14 @@ from broker import detach, sql
 from broker.budget import broker_pool_size
 from broker.errors import Deferred
 from broker.pgpool import DISCONNECTS, BlockingPool, Outage
-from broker.settings import QueueSettings, Settings
+from broker.settings import AWAITED_QUEUES, QueueSettings, Settings
 
 logger = logging.getLogger(__name__)
 
 #: Longest back-off between reconnection attempts of a consumer or an ack.
 MAX_RECONNECT_BACKOFF_S = 5.0
+#: Queues whose final acks send a receipt (R5): the ones a request waits on.
+AWAITED = sorted(AWAITED_QUEUES)
 #: Shortest sleep when due messages exist but were all locked by another claimer.
 MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
@@ -151,6 +153,7 @@ class StandmeetBroker(PostgresBroker):
         self._heartbeat: detach.Detached | None = None
         self._app_pool: Any = None
         self.relay: Any = None
+        self._waiters: Any = None
         pool = BlockingPool(url, broker_pool_size(settings, len(settings.queues)))
         super().__init__(pool=pool, results=False, middleware=middleware)
         for name in settings.queues:
@@ -234,6 +237,7 @@ class StandmeetBroker(PostgresBroker):
             "message": message_json(message),
             "message_id": message.message_id,
             "claims": claims,
+            "awaited": AWAITED,
             **extra,
         }
         backoff = 0.05
@@ -327,6 +331,19 @@ class StandmeetBroker(PostgresBroker):
         if relay is not None:
             relay.stop()
 
+    # -- receipts -------------------------------------------------------------------
+
+    @property
+    def waiters(self) -> Any:
+        """This process's receipt listeners and waiters (one LISTEN connection a channel)."""
+        if self._waiters is None:
+            with self._register_lock:
+                if self._waiters is None:
+                    from broker.receipts import Waiters
+
+                    self._waiters = Waiters(self.url, max_waiters=self.settings.max_waiters)
+        return self._waiters
+
     # -- application pool (psycopg 3) ---------------------------------------------
 
     @property
@@ -355,6 +372,8 @@ class StandmeetBroker(PostgresBroker):
                 self.pool.execute(sql.STOP_WORKER, {"worker_id": self.worker_id})
             except DISCONNECTS as exc:
                 logger.warning("could not record this worker as stopped: %s", exc)
+        if self._waiters is not None:
+            self._waiters.close()
         if self._app_pool is not None:
             self._app_pool.close(timeout=1.0)  # a job still running past shutdown keeps its own
         self.pool.closeall()

@@ -59,6 +59,10 @@ DEFAULT_RELAY_BATCH = 200
 DEFAULT_RELAY_POLL_S = 1.0
 #: Relayed outbox rows are pruned after this many hours.
 DEFAULT_OUTBOX_RETENTION_HOURS = 24.0
+#: Waiters a receipt channel holds at most in one process (R12).
+DEFAULT_MAX_WAITERS = 64
+#: How long a write waits for its receipts by default (R12).
+DEFAULT_RECEIPT_WAIT_S = 2.0
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -112,6 +116,8 @@ class Settings:
     relay_batch: int = DEFAULT_RELAY_BATCH
     relay_poll_s: float = DEFAULT_RELAY_POLL_S
     outbox_retention_hours: float = DEFAULT_OUTBOX_RETENTION_HOURS
+    max_waiters: int = DEFAULT_MAX_WAITERS
+    receipt_wait_s: float = DEFAULT_RECEIPT_WAIT_S
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -152,6 +158,8 @@ class Settings:
             outbox_retention_hours=_float(
                 env, "STANDMEET_OUTBOX_RETENTION_HOURS", DEFAULT_OUTBOX_RETENTION_HOURS, minimum=0
             ),
+            max_waiters=_int(env, "STANDMEET_MAX_WAITERS", DEFAULT_MAX_WAITERS, minimum=1),
+            receipt_wait_s=_float(env, "STANDMEET_RECEIPT_WAIT_S", DEFAULT_RECEIPT_WAIT_S, minimum=0),
         )
 
     def queue(self, name: str) -> QueueSettings:

@@ -78,19 +78,30 @@ WHERE queue_name = %(queue)s AND "state" = 'queued'
 """
 
 #: Mark a message done, only if it is still the claim we made (a message re-enqueued by
-#: the retry policy, or rescued and claimed again elsewhere, is left alone).
+#: the retry policy, or rescued and claimed again elsewhere, is left alone). On an
+#: awaited queue, the receipt is sent in the same statement: at once, no batching.
 ACK = ASYNC_COMMIT + """
-UPDATE dramatiq.queue
-SET "state" = 'done', message = %(message)s::jsonb, mtime = now(), worker_id = NULL
-WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
+WITH settled AS (
+    UPDATE dramatiq.queue
+    SET "state" = 'done', message = %(message)s::jsonb, mtime = now(), worker_id = NULL
+    WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
+    RETURNING queue_name, message_id
+)
+SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':done')
+FROM settled WHERE queue_name = ANY(%(awaited)s::text[])
 """
 
 #: Mark a message rejected (failed for good), under the same condition as ACK.
 NACK = ASYNC_COMMIT + """
-UPDATE dramatiq.queue
-SET "state" = 'rejected', message = %(message)s::jsonb, mtime = now(), worker_id = NULL,
-    error = %(error)s
-WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
+WITH settled AS (
+    UPDATE dramatiq.queue
+    SET "state" = 'rejected', message = %(message)s::jsonb, mtime = now(), worker_id = NULL,
+        error = %(error)s
+    WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
+    RETURNING queue_name, message_id
+)
+SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':rejected')
+FROM settled WHERE queue_name = ANY(%(awaited)s::text[])
 """
 
 #: Give claimed-but-not-started messages back to their queue and wake its consumers.

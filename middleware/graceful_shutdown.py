@@ -29,6 +29,7 @@ class GracefulShutdown(Middleware):
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
         # Idle worker threads and consumers notice a shutdown within this, not a second.
         worker.worker_timeout = min(worker.worker_timeout, IDLE_POLL_MS)
+        broker.claiming = True  # a worker booting on a broker whose last worker stopped
 
     def after_worker_boot(self, broker: Any, worker: Any) -> None:
         # Every worker process relays the outbox (no leader); the broker owns the thread.

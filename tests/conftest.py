@@ -69,7 +69,6 @@ def start_worker(broker: dramatiq.Broker) -> Iterator[Callable[..., dramatiq.Wor
     started: list[dramatiq.Worker] = []
 
     def start(*, queues: list[str] | None = None, threads: int = 8) -> dramatiq.Worker:
-        broker.claiming = True
         worker = dramatiq.Worker(broker, queues=queues, worker_threads=threads, worker_timeout=100)
         worker.start()
         started.append(worker)

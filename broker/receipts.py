@@ -1,0 +1,233 @@
+"""Completion receipts and the waiters of a web request (R5, R12).
+
+When a job on an awaited queue (index, notify) finishes for good — done, or rejected
+with no retry left; not when it is retried or snoozed — its ack sends, in the same
+statement and so at once, ``NOTIFY standmeet_receipts_<queue>, '<message id>:<state>'``.
+
+Each process has **one** LISTEN connection per channel (:class:`Listener`, owned by a
+``broker.detach`` thread), shared by all its waiters. A request that wrote something
+waits for its jobs' receipts with :meth:`Waiters.expect`: it registers the message
+ids *before* it commits (so a fast job cannot finish unseen), then waits up to 2 s.
+At most 64 waiters per channel: the 65th is told ``False`` at once, without queuing.
+No waiter opens a connection or polls. If the listener loses its connection, it
+reconnects and then asks the database once for the jobs still awaited, so a receipt
+sent while it was away is not missed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from broker import detach
+from broker.pgpool import Outage
+
+logger = logging.getLogger(__name__)
+
+#: Waiters a channel holds at most; one more is answered False at once (R12).
+DEFAULT_MAX_WAITERS = 64
+#: How long a request waits for its receipts by default.
+DEFAULT_WAIT_S = 2.0
+
+RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
+
+#: Finished messages among some ids (the listener's re-check after a reconnect).
+FINISHED = """
+SELECT message_id::text, "state"::text FROM dramatiq.queue
+WHERE message_id = ANY(%(ids)s::uuid[]) AND "state" IN ('done', 'rejected')
+"""
+
+
+def channel_for(queue: str) -> str:
+    return RECEIPT_CHANNEL.format(queue=queue)
+
+
+@dataclass
+class Waiter:
+    """One request waiting for a set of messages to finish."""
+
+    pending: set[str]
+    event: threading.Event = field(default_factory=threading.Event)
+    failed: bool = False
+
+    def settle(self, message_id: str, state: str) -> None:
+        self.pending.discard(message_id)
+        if state != "done":
+            self.failed = True
+        if not self.pending or self.failed:
+            self.event.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when every awaited message is done within ``timeout_s``."""
+        return self.event.wait(timeout_s) and not self.failed and not self.pending
+
+
+class Listener:
+    """The one LISTEN connection of this process for one channel, and its waiters."""
+
+    def __init__(self, url: str, channel: str, *, max_waiters: int = DEFAULT_MAX_WAITERS) -> None:
+        self.url = url
+        self.channel = channel
+        self.max_waiters = max_waiters
+        self.outage = Outage(f"receipts {channel}")
+        self._lock = threading.Lock()
+        self._by_message: dict[str, list[Waiter]] = {}
+        self._waiters: set[int] = set()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._connected = threading.Event()
+        self._thread: detach.Detached | None = None
+
+    # -- waiters --------------------------------------------------------------------
+
+    def add(self, message_ids: Iterable[str]) -> Waiter | None:
+        """Register a waiter, or None when the channel already holds its maximum."""
+        waiter = Waiter(pending=set(message_ids))
+        with self._lock:
+            if len(self._waiters) >= self.max_waiters:
+                return None
+            self._waiters.add(id(waiter))
+            for message_id in waiter.pending:
+                self._by_message.setdefault(message_id, []).append(waiter)
+        if not waiter.pending:
+            waiter.event.set()
+        return waiter
+
+    def remove(self, waiter: Waiter) -> None:
+        with self._lock:
+            self._waiters.discard(id(waiter))
+            for message_id in list(waiter.pending):
+                waiters = self._by_message.get(message_id, [])
+                if waiter in waiters:
+                    waiters.remove(waiter)
+                if not waiters:
+                    self._by_message.pop(message_id, None)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._waiters)
+
+    def dispatch(self, message_id: str, state: str) -> None:
+        with self._lock:
+            waiters = self._by_message.pop(message_id, [])
+        for waiter in waiters:
+            waiter.settle(message_id, state)
+
+    # -- the connection ---------------------------------------------------------------
+
+    def listen_once(self, stop: threading.Event, timeout_s: float = 1.0) -> int:
+        """Connect if needed, then dispatch the notifications of up to ``timeout_s``."""
+        if self._conn is None or self._conn.closed:
+            conn = psycopg.connect(self.url, autocommit=True, application_name="standmeet-receipts")
+            conn.execute("LISTEN " + self.channel)
+            self._conn = conn
+            self._connected.set()
+            self.recheck()  # receipts sent while we were not listening
+        dispatched = 0
+        for notify in self._conn.notifies(timeout=timeout_s):
+            message_id, _, state = notify.payload.partition(":")
+            self.dispatch(message_id, state or "done")
+            dispatched += 1
+            if stop.is_set():
+                break
+        return dispatched
+
+    def recheck(self) -> None:
+        with self._lock:
+            ids = list(self._by_message)
+        if not ids or self._conn is None:
+            return
+        for message_id, state in self._conn.execute(FINISHED, {"ids": ids}).fetchall():
+            self.dispatch(message_id, state)
+
+    def run(self, stop: threading.Event) -> None:
+        backoff = 0.05
+        while not stop.is_set():
+            try:
+                self.listen_once(stop)
+                self.outage.ok()
+                backoff = 0.05
+            except psycopg.OperationalError as exc:
+                self.outage.failed("listen", exc)
+                self._connected.clear()
+                self._close()
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def start(self, *, ready_timeout_s: float = 5.0) -> Listener:
+        self._thread = detach.go(f"receipts-{self.channel}", self.run)
+        self._connected.wait(ready_timeout_s)
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.stop_event.set()
+            self._thread.join(2.0)
+        self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None
+
+    @property
+    def connection_pid(self) -> int | None:
+        """The server pid of the LISTEN connection (for operators and tests)."""
+        conn = self._conn
+        return conn.info.backend_pid if conn is not None and not conn.closed else None
+
+
+class Waiters:
+    """This process's listeners, one per channel, started on first use."""
+
+    def __init__(self, url: str, *, max_waiters: int = DEFAULT_MAX_WAITERS) -> None:
+        self.url = url
+        self.max_waiters = max_waiters
+        self._listeners: dict[str, Listener] = {}
+        self._lock = threading.Lock()
+
+    def listener(self, channel: str) -> Listener:
+        with self._lock:
+            if channel not in self._listeners:
+                self._listeners[channel] = Listener(self.url, channel, max_waiters=self.max_waiters).start()
+            return self._listeners[channel]
+
+    @contextmanager
+    def expect(self, channel: str, message_ids: Iterable[str]) -> Iterator[Waiter | None]:
+        """Register before committing; ``None`` means the channel is full (answer False)."""
+        listener = self.listener(channel)
+        waiter = listener.add(message_ids)
+        try:
+            yield waiter
+        finally:
+            if waiter is not None:
+                listener.remove(waiter)
+
+    def wait(self, channel: str, keys: str | Iterable[str], timeout_s: float = DEFAULT_WAIT_S) -> bool:
+        """Wait up to ``timeout_s`` for the messages ``keys`` to be done; False at once if full."""
+        ids = [keys] if isinstance(keys, str) else list(keys)
+        with self.expect(channel, ids) as waiter:
+            return waiter is not None and waiter.wait(timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            listeners, self._listeners = list(self._listeners.values()), {}
+        for listener in listeners:
+            listener.stop()
+
+
+def timed_wait(waiter: Waiter | None, timeout_s: float) -> tuple[bool, float]:
+    """(done, seconds waited) — a helper for the write path's logs and benchmarks."""
+    start = time.monotonic()
+    ok = waiter is not None and waiter.wait(timeout_s)
+    return ok, time.monotonic() - start
