@@ -13,6 +13,14 @@ from broker import configure
 
 configure()
 
-from actors import corpus, documents, maintenance, routes  # noqa: E402  (declared once the broker exists)
+from actors import (  # noqa: E402  (declared once the broker exists)
+    corpus,
+    documents,
+    jobboards,
+    mail,
+    maintenance,
+    routes,
+    suppliers,
+)
 
-__all__ = ["corpus", "documents", "maintenance", "routes"]
+__all__ = ["corpus", "documents", "jobboards", "mail", "maintenance", "routes", "suppliers"]

@@ -7,7 +7,7 @@ import logging
 import dramatiq
 
 from actors.search import Document, search_index
-from broker import db
+from broker import db, deadline
 
 logger = logging.getLogger(__name__)
 
@@ -29,3 +29,77 @@ def index(document_id: int) -> None:
         search_index().remove(document_id)
         return
     search_index().upsert([document])
+
+
+#: Documents a rebuild indexes per batch (one short read, one index update).
+REINDEX_BATCH = 500
+#: A rebuild hands over to a fresh run of itself when less than this remains of its limit.
+REINDEX_MARGIN_S = 5.0
+
+OPEN_RUN = """
+WITH existing AS (
+    SELECT id FROM standmeet.reindex_runs WHERE finished_at IS NULL ORDER BY id LIMIT 1
+), created AS (
+    INSERT INTO standmeet.reindex_runs (last_document_id)
+    SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM existing)
+    RETURNING id
+)
+SELECT id FROM existing UNION ALL SELECT id FROM created
+"""
+RUN_POSITION = "SELECT last_document_id, finished_at IS NOT NULL FROM standmeet.reindex_runs WHERE id = %s"
+NEXT_BATCH = "SELECT id, title, body FROM standmeet.documents WHERE id > %s ORDER BY id LIMIT %s"
+ADVANCE = """
+WITH batch AS (
+    INSERT INTO standmeet.reindex_batches (run_id, first_id, last_id, documents) VALUES (%(run)s, %(first)s, %(last)s, %(n)s)
+)
+UPDATE standmeet.reindex_runs SET last_document_id = %(last)s, indexed = indexed + %(n)s WHERE id = %(run)s
+"""
+FINISH_RUN = "UPDATE standmeet.reindex_runs SET finished_at = now() WHERE id = %s RETURNING indexed"
+
+
+@dramatiq.actor(actor_name="corpus.reindex", queue_name="index", time_limit=600_000)
+def reindex(run_id: int | None = None, batch_size: int = REINDEX_BATCH, margin_s: float = REINDEX_MARGIN_S) -> None:
+    """Rebuild the whole index in batches, resuming where an interrupted run stopped.
+
+    Between batches it checks its deadline (10 min): with less than ``margin_s`` left
+    it snoozes for 0 s, so a fresh run of the same job (no retry counted) continues
+    from the last finished batch. When the build completes, it emits ``index.rebuilt``
+    through the outbox: the subscribers of that event run as their own jobs.
+    """
+    from broker import emit
+    from middleware import Snooze
+
+    if run_id is None:
+        with db.connection() as conn:
+            row = conn.execute(OPEN_RUN).fetchone()
+        assert row is not None
+        run_id = int(row[0])
+    index_ = search_index()
+    progressed = False
+    while True:
+        left = deadline.remaining_s()
+        if progressed and left is not None and left < margin_s:  # ≥ 1 batch per run: no empty loop
+            raise Snooze(0, reason=f"reindex run {run_id}: continuing in a fresh job")
+        with db.connection() as conn:
+            position = conn.execute(RUN_POSITION, (run_id,)).fetchone()
+            if position is None or position[1]:
+                return  # deleted, or finished by another run of this job
+            rows = conn.execute(NEXT_BATCH, (int(position[0]), batch_size)).fetchall()
+        if not rows:
+            break
+        index_.upsert([Document(int(r[0]), str(r[1]), str(r[2])) for r in rows], wait=True)
+        with db.connection() as conn:
+            conn.execute(ADVANCE, {"run": run_id, "first": int(rows[0][0]), "last": int(rows[-1][0]), "n": len(rows)})
+        progressed = True
+    with db.connection() as conn, conn.transaction():
+        done = conn.execute(FINISH_RUN, (run_id,)).fetchone()
+        emit(conn, "index.rebuilt", {"run_id": run_id, "documents": int(done[0]) if done else 0})
+    logger.info("reindex run %s finished", run_id)
+
+
+@dramatiq.actor(actor_name="corpus.rebuilt", queue_name="index")
+def rebuilt(run_id: int, documents: int) -> None:
+    """A subscriber of ``index.rebuilt``: records the finished build (operators read it)."""
+    logger.info("index rebuilt by run %s: %s document(s)", run_id, documents)
+    with db.connection() as conn:
+        conn.execute("UPDATE standmeet.reindex_runs SET announced_at = now() WHERE id = %s", (run_id,))

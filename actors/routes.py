@@ -18,3 +18,11 @@ def _document(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], 
 
 #: A document was written → index it.
 route("document.written", "corpus.index", _document)
+
+
+def _rebuilt(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (int(payload["run_id"]), int(payload["documents"])), {}
+
+
+#: An index rebuild completed → its subscribers, each a job of its own on the index queue.
+route("index.rebuilt", "corpus.rebuilt", _rebuilt)

@@ -5,6 +5,10 @@
     standmeet-jobs run                migrate, then run worker processes (python -m
                                       broker.worker) for every queue and the scheduler
                                       until Ctrl-C / SIGTERM
+    standmeet-jobs emit / write       an event through the outbox; a document, waited for
+    standmeet-jobs mail test ADDRESS  a test mail through the notify queue
+    standmeet-jobs search WORDS | reindex
+    standmeet-jobs sources add URL --kind json|rss | sources list | fetch-new
     standmeet-jobs db url|stop        the database in use; stop the embedded server
 """
 
@@ -86,6 +90,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-s", type=float, default=None, help="how long to wait for the index (default 2)")
     p.set_defaults(func=cmd_write)
 
+    p = sub.add_parser("mail", help="mail through the notify queue")
+    mail_sub = p.add_subparsers(metavar="ACTION")
+    q = mail_sub.add_parser("test", help="send a test mail to ADDRESS through the notify queue")
+    q.add_argument("address")
+    q.set_defaults(func=cmd_mail_test)
+
+    p = sub.add_parser("search", help="query the search index (STANDMEET_SEARCH_BACKEND)")
+    p.add_argument("words", nargs="+")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("reindex", help="enqueue a rebuild of the whole search index")
+    p.set_defaults(func=cmd_reindex)
+
+    p = sub.add_parser("sources", help="job sources of the fetch queue")
+    src_sub = p.add_subparsers(metavar="ACTION")
+    q = src_sub.add_parser("add", help="register a job source (subject to the request-forgery guard)")
+    q.add_argument("url")
+    q.add_argument("--kind", choices=["json", "rss"], required=True)
+    q.add_argument("--time-limit-s", type=float, default=60.0, help="this source's fetch time limit")
+    q.set_defaults(func=cmd_sources_add)
+    q = src_sub.add_parser("list", help="each source with its last fetch and error")
+    q.set_defaults(func=cmd_sources_list)
+
+    p = sub.add_parser("fetch-new", help="enqueue one fetch for every source with none pending (jobs.fetch_new)")
+    p.set_defaults(func=cmd_fetch_new)
+
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
     p.set_defaults(func=cmd_db)
@@ -152,6 +183,66 @@ def cmd_write(args: argparse.Namespace) -> int:
     result = write_document(title.strip() or Path(args.file).stem, body, wait_s=args.wait_s)
     print(json.dumps(result))
     current_broker().close()
+    return 0
+
+
+def _actors() -> None:
+    import actors  # noqa: F401  (configures the broker, declares actors and routes)
+
+
+def cmd_mail_test(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.mail import test_mail
+
+    message = test_mail.send(args.address)
+    print(f"queued test mail to {args.address} as job {message.message_id}")
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    import json
+
+    _actors()
+    from actors.search import search_index
+
+    for hit in search_index().search(" ".join(args.words), limit=args.limit):
+        print(json.dumps({"id": hit.document_id, "title": hit.title, "rank": round(hit.rank, 4)}))
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.corpus import reindex
+
+    message = reindex.send()
+    print(f"queued a rebuild of the index as job {message.message_id}")
+    return 0
+
+
+def cmd_sources_add(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.jobboards import add_source
+
+    print(add_source(args.url, args.kind, time_limit_s=args.time_limit_s))
+    return 0
+
+
+def cmd_sources_list(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.jobboards import list_sources
+
+    for src in list_sources():
+        fetched = src["last_fetch_at"].isoformat(timespec="seconds") if src["last_fetch_at"] else "never"
+        print(f"{src['id']}\t{src['kind']}\t{src['url']}\tlast fetch {fetched}: {src['last_status'] or '-'}"
+              f"\t{src['postings']} posting(s)" + (f"\terror: {src['last_error']}" if src["last_error"] else ""))
+    return 0
+
+
+def cmd_fetch_new(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.jobboards import fetch_new
+
+    print(f"queued {fetch_new()} fetch(es)")
     return 0
 
 

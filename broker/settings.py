@@ -63,6 +63,16 @@ DEFAULT_OUTBOX_RETENTION_HOURS = 24.0
 DEFAULT_MAX_WAITERS = 64
 #: How long a write waits for its receipts by default (R12).
 DEFAULT_RECEIPT_WAIT_S = 2.0
+#: Mail (notify queue): the SMTP server and the sender.
+DEFAULT_SMTP_HOST = "localhost"
+DEFAULT_SMTP_PORT = 25
+DEFAULT_SMTP_FROM = "standmeet@localhost"
+#: SMTP's network timeout; shorter than the notify queue's 30 s job limit.
+DEFAULT_SMTP_TIMEOUT_S = 10.0
+#: The search index: "postgres" (full-text, in the application's database) or "meilisearch".
+SEARCH_BACKENDS = ("postgres", "meilisearch")
+DEFAULT_MEILI_URL = "http://127.0.0.1:7700"
+DEFAULT_MEILI_INDEX = "documents"
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -118,6 +128,18 @@ class Settings:
     outbox_retention_hours: float = DEFAULT_OUTBOX_RETENTION_HOURS
     max_waiters: int = DEFAULT_MAX_WAITERS
     receipt_wait_s: float = DEFAULT_RECEIPT_WAIT_S
+    smtp_host: str = DEFAULT_SMTP_HOST
+    smtp_port: int = DEFAULT_SMTP_PORT
+    smtp_from: str = DEFAULT_SMTP_FROM
+    smtp_starttls: bool = False
+    smtp_username: str | None = None
+    smtp_password: str | None = None
+    smtp_timeout_s: float = DEFAULT_SMTP_TIMEOUT_S
+    search_backend: str = "postgres"
+    meili_url: str = DEFAULT_MEILI_URL
+    meili_key: str | None = None
+    meili_index: str = DEFAULT_MEILI_INDEX
+    allowed_networks: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -160,6 +182,18 @@ class Settings:
             ),
             max_waiters=_int(env, "STANDMEET_MAX_WAITERS", DEFAULT_MAX_WAITERS, minimum=1),
             receipt_wait_s=_float(env, "STANDMEET_RECEIPT_WAIT_S", DEFAULT_RECEIPT_WAIT_S, minimum=0),
+            smtp_host=env.get("STANDMEET_SMTP_HOST") or DEFAULT_SMTP_HOST,
+            smtp_port=_int(env, "STANDMEET_SMTP_PORT", DEFAULT_SMTP_PORT, minimum=1),
+            smtp_from=env.get("STANDMEET_SMTP_FROM") or DEFAULT_SMTP_FROM,
+            smtp_starttls=_bool(env, "STANDMEET_SMTP_STARTTLS", False),
+            smtp_username=env.get("STANDMEET_SMTP_USERNAME") or None,
+            smtp_password=env.get("STANDMEET_SMTP_PASSWORD") or None,
+            smtp_timeout_s=_float(env, "STANDMEET_SMTP_TIMEOUT_S", DEFAULT_SMTP_TIMEOUT_S, minimum=0.1),
+            search_backend=_choice(env, "STANDMEET_SEARCH_BACKEND", "postgres", SEARCH_BACKENDS),
+            meili_url=(env.get("STANDMEET_MEILI_URL") or DEFAULT_MEILI_URL).rstrip("/"),
+            meili_key=env.get("STANDMEET_MEILI_KEY") or None,
+            meili_index=env.get("STANDMEET_MEILI_INDEX") or DEFAULT_MEILI_INDEX,
+            allowed_networks=_networks(env, "STANDMEET_WEBHOOK_ALLOWED_NETWORKS"),
         )
 
     def queue(self, name: str) -> QueueSettings:
@@ -185,6 +219,40 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> in
     if value < minimum:
         raise ConfigError(f"{name}={value} is below its minimum of {minimum}")
     return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = (env.get(name) or default).strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _networks(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    import ipaddress
+
+    raw = env.get(name) or ""
+    networks = []
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        try:
+            networks.append(str(ipaddress.ip_network(part, strict=False)))
+        except ValueError:
+            raise ConfigError(f"{name}: {part!r} is not a network in CIDR form (e.g. 127.0.0.0/8)") from None
+    return tuple(networks)
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a yes/no value (use 1 or 0)")
 
 
 def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float) -> float:

@@ -1,0 +1,87 @@
+"""``supplier.invoke``: call a supplier's API (notify queue), recording request and outcome.
+
+The call is a row (``standmeet.supplier_calls``) written in the caller's transaction
+with :func:`request_call`, which enqueues the job in the same transaction. The job
+reads the row (a short read), POSTs holding no database connection (R6) with a total
+timeout shorter than the queue's 30 s limit, then records the outcome. A 2xx succeeds;
+a 4xx fails for good (retrying the same request would not help); a 5xx, a timeout or a
+refused connection is retried with back-off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import dramatiq
+import httpx
+import psycopg
+
+from broker import db, deadline
+from broker.enqueue import enqueue
+from broker.errors import StandmeetError
+
+logger = logging.getLogger(__name__)
+
+#: Total time for one call: connect, send and read together (< the 30 s job limit).
+SUPPLIER_TIMEOUT_S = 10.0
+#: Response bodies are kept up to this size.
+RESPONSE_CAP = 16 * 1024
+
+INSERT = "INSERT INTO standmeet.supplier_calls (supplier, url, payload) VALUES (%s, %s, %s::jsonb) RETURNING id"
+READ = "SELECT supplier, url, payload FROM standmeet.supplier_calls WHERE id = %s"
+RECORD = """
+UPDATE standmeet.supplier_calls
+SET attempts = attempts + 1, status = %(status)s, status_code = %(code)s, response = %(response)s,
+    error = %(error)s, finished_at = CASE WHEN %(status)s = 'pending' THEN NULL ELSE now() END
+WHERE id = %(id)s
+"""
+
+CLIENT = httpx.Client(follow_redirects=False)
+
+
+class SupplierRefused(StandmeetError):
+    """The supplier answered 4xx: the request is wrong, retrying would not help."""
+
+
+class SupplierUnavailable(StandmeetError):
+    """The supplier answered 5xx or could not be reached: retry later."""
+
+
+def request_call(conn: psycopg.Connection[Any], supplier: str, url: str, payload: dict[str, Any]) -> int:
+    """Record a call and enqueue ``supplier.invoke`` for it, in the caller's transaction."""
+    row = conn.execute(INSERT, (supplier, url, json.dumps(payload))).fetchone()
+    assert row is not None
+    enqueue(conn, "supplier.invoke", int(row[0]))
+    return int(row[0])
+
+
+def _record(call_id: int, status: str, code: int | None, response: str | None, error: str | None) -> None:
+    with db.connection() as conn:
+        conn.execute(RECORD, {"id": call_id, "status": status, "code": code, "response": response, "error": error})
+
+
+@dramatiq.actor(actor_name="supplier.invoke", queue_name="notify", throws=(SupplierRefused,))
+def invoke(call_id: int) -> None:
+    with db.connection() as conn:
+        row = conn.execute(READ, (call_id,)).fetchone()
+    if row is None:
+        logger.warning("supplier call %s no longer exists", call_id)
+        return
+    supplier, url, payload = row
+    timeout = deadline.cap_timeout(SUPPLIER_TIMEOUT_S)
+    try:  # no connection is held from here to the outcome
+        response = CLIENT.post(url, json=payload, timeout=httpx.Timeout(timeout))
+    except httpx.HTTPError as exc:
+        _record(call_id, "pending", None, None, f"{type(exc).__name__}: {exc}")
+        raise SupplierUnavailable(f"{supplier}: {type(exc).__name__}: {exc}") from exc
+    body = response.text[:RESPONSE_CAP]
+    if response.is_success:
+        _record(call_id, "succeeded", response.status_code, body, None)
+    elif 400 <= response.status_code < 500:
+        _record(call_id, "failed", response.status_code, body, f"refused with {response.status_code}")
+        raise SupplierRefused(f"{supplier} refused call {call_id} with {response.status_code}")
+    else:
+        _record(call_id, "pending", response.status_code, body, f"answered {response.status_code}")
+        raise SupplierUnavailable(f"{supplier} answered {response.status_code}")

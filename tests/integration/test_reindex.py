@@ -1,0 +1,34 @@
+"""corpus.reindex: batches under a deadline; interrupted, it resumes; subscribers run."""
+
+from __future__ import annotations
+
+from actors import corpus
+from actors.search import search_index
+from tests.support.db import query, scalar, wait_for
+
+
+def test_a_rebuild_cut_by_its_deadline_resumes_without_redoing_batches_and_tells_its_subscribers(
+    broker, database_url, start_worker
+):
+    # Given 60 documents, and a rebuild whose margin (1 s of a 1 s limit) ends each run after one batch
+    ids = [row[0] for row in query(
+        database_url,
+        "INSERT INTO standmeet.documents (title, body) SELECT 'doc ' || g, 'reindexword' || g"
+        " FROM generate_series(1, 60) g RETURNING id")]
+    start_worker(queues=["index"], threads=4)  # the worker runs the relay too (for the subscribers)
+    job = corpus.reindex.send_with_options(kwargs={"batch_size": 10, "margin_s": 1.0}, time_limit=1000)
+    # When it runs to the end
+    wait_for(lambda: scalar(database_url, "SELECT announced_at IS NOT NULL FROM standmeet.reindex_runs ORDER BY id DESC LIMIT 1"),
+             timeout_s=30, what="the rebuild to finish and its subscriber to run")
+    # Then it took several runs of the same job (snoozes, not retries) ...
+    options = scalar(database_url, "SELECT message->'options' FROM dramatiq.queue WHERE message_id = %s", (job.message_id,))
+    assert options.get("snoozes", 0) == 6, options  # six batches, then the run that finds none left
+    assert options.get("retries", 0) == 0
+    # ... and each batch was indexed once: consecutive, disjoint, covering every document
+    batches = query(database_url, "SELECT first_id, last_id, documents FROM standmeet.reindex_batches ORDER BY first_id")
+    assert sum(b[2] for b in batches) == 60
+    assert [b[0] for b in batches] == sorted(ids)[::10]
+    assert all(prev[1] < nxt[0] for prev, nxt in zip(batches, batches[1:], strict=False))
+    (indexed, finished) = query(database_url, "SELECT indexed, finished_at IS NOT NULL FROM standmeet.reindex_runs")[0]
+    assert (indexed, finished) == (60, True)
+    assert len(search_index().search("reindexword37")) == 1
