@@ -21,6 +21,7 @@ from actors import (  # noqa: E402  (declared once the broker exists)
     maintenance,
     routes,
     suppliers,
+    webhooks,
 )
 
-__all__ = ["corpus", "documents", "jobboards", "mail", "maintenance", "routes", "suppliers"]
+__all__ = ["corpus", "documents", "jobboards", "mail", "maintenance", "routes", "suppliers", "webhooks"]

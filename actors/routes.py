@@ -26,3 +26,11 @@ def _rebuilt(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], d
 
 #: An index rebuild completed → its subscribers, each a job of its own on the index queue.
 route("index.rebuilt", "corpus.rebuilt", _rebuilt)
+
+
+def _event(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (int(payload["event_id"]),), {}
+
+
+#: A webhook event was stored → fan it out to the subscribed endpoints.
+route("webhook.event", "webhook.fanout", _event)

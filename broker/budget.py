@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker.errors import BudgetError
+from broker.errors import BudgetError, StartupRefused
 from broker.settings import RELAY_CONNECTIONS, Settings
 
 
@@ -66,6 +66,15 @@ def check_budget(settings: Settings, queues: Iterable[str] | None = None) -> Bud
             "refusing to start: the connection budget is exceeded: "
             + budget.describe()
             + ". Lower a queue's STANDMEET_QUEUE_<QUEUE>_MAX_WORKERS or raise STANDMEET_POOL_MAX_SIZE."
+        )
+    webhook_limit = settings.queue("webhook").time_limit_s
+    if not settings.webhook_http_timeout_s < webhook_limit < settings.webhook_lease_s:
+        raise StartupRefused(
+            "refusing to start: webhook timings must be HTTP timeout < job limit < endpoint lease "
+            f"(STANDMEET_WEBHOOK_HTTP_TIMEOUT_S={settings.webhook_http_timeout_s:g} < "
+            f"STANDMEET_QUEUE_WEBHOOK_TIME_LIMIT_S={webhook_limit:g} < STANDMEET_WEBHOOK_LEASE_S="
+            f"{settings.webhook_lease_s:g}), so a slow endpoint times out before its job is killed (R9) "
+            "and a dead worker's lease expires by itself (R3)"
         )
     if budget.broker_pool_size < budget.consumers + 1:
         raise BudgetError(

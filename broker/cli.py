@@ -117,6 +117,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-new", help="enqueue one fetch for every source with none pending (jobs.fetch_new)")
     p.set_defaults(func=cmd_fetch_new)
 
+    p = sub.add_parser("webhooks", help="webhook endpoints and deliveries")
+    wh = p.add_subparsers(metavar="ACTION")
+    q = wh.add_parser("add", help="register an endpoint; prints its id (and its secret when generated)")
+    q.add_argument("url")
+    q.add_argument("--events", required=True, help="event types, comma-separated ('*' for all)")
+    q.add_argument("--secret", help="a whsec_… signing secret (default: a new one)")
+    q.set_defaults(func=cmd_webhooks_add)
+    q = wh.add_parser("list", help="the endpoints, enabled or not, and why")
+    q.set_defaults(func=cmd_webhooks_list)
+    for action in ("disable", "enable"):
+        q = wh.add_parser(action, help=f"{action} an endpoint")
+        q.add_argument("id", type=int)
+        q.set_defaults(func=cmd_webhooks_toggle, enabled=action == "enable")
+    q = wh.add_parser("replay", help="deliver again: one delivery, or every failed one since a time")
+    q.add_argument("delivery", type=int, nargs="?", help="a delivery id")
+    q.add_argument("--failed-since", help="an ISO time, e.g. 2026-11-29T10:00:00+00:00")
+    q.set_defaults(func=cmd_webhooks_replay)
+    q = wh.add_parser("ping", help="emit N webhook.ping events for an endpoint through the normal path")
+    q.add_argument("id", type=int)
+    q.add_argument("--count", type=int, default=1)
+    q.set_defaults(func=cmd_webhooks_ping)
+
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
     p.set_defaults(func=cmd_db)
@@ -243,6 +265,67 @@ def cmd_fetch_new(args: argparse.Namespace) -> int:
     from actors.jobboards import fetch_new
 
     print(f"queued {fetch_new()} fetch(es)")
+    return 0
+
+
+def cmd_webhooks_add(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.webhooks import add_endpoint
+
+    endpoint_id, secret = add_endpoint(args.url, [e.strip() for e in args.events.split(",") if e.strip()],
+                                       secret=args.secret)
+    print(endpoint_id if args.secret else f"{endpoint_id}\t{secret}")
+    return 0
+
+
+def cmd_webhooks_list(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.webhooks import list_endpoints
+
+    for e in list_endpoints():
+        state = "enabled" if e["enabled"] else f"disabled ({e['disabled_reason']})"
+        failing = f"\tfailing since {e['failing_since'].isoformat(timespec='seconds')}" if e["failing_since"] else ""
+        print(f"{e['id']}\t{e['url']}\t{','.join(e['event_types'])}\t{state}{failing}")
+    return 0
+
+
+def cmd_webhooks_toggle(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.webhooks import set_enabled
+
+    set_enabled(args.id, args.enabled)
+    print(f"endpoint {args.id} {'enabled' if args.enabled else 'disabled'}")
+    return 0
+
+
+def cmd_webhooks_replay(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    _actors()
+    from actors.webhooks import replay, replay_failed
+
+    if args.delivery is not None:
+        replay(args.delivery)
+        print(f"delivery {args.delivery} queued again")
+    elif args.failed_since:
+        try:
+            since = datetime.fromisoformat(args.failed_since)
+        except ValueError:
+            print(f"standmeet-jobs: --failed-since {args.failed_since!r} is not an ISO time", file=sys.stderr)
+            return 2
+        print(f"{replay_failed(since)} delivery(ies) queued again")
+    else:
+        print("standmeet-jobs: give a delivery id or --failed-since TIME", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_webhooks_ping(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.webhooks import ping
+
+    events = ping(args.id, args.count)
+    print(f"emitted {len(events)} webhook.ping event(s) for endpoint {args.id}")
     return 0
 
 

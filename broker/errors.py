@@ -4,7 +4,8 @@
 
     StandmeetError                     base of everything we raise on purpose
     ├── ConfigError                    a setting is missing, malformed or out of range
-    │   └── BudgetError                the connection budget (R7) does not hold
+    │   └── StartupRefused             a start-up check failed: the process refuses to start
+    │       └── BudgetError            the connection budget (R7) does not hold
     ├── DatabaseError                  Postgres could not be reached or answered badly
     │   └── DatabaseUnavailable        no connection could be made (server down, bad URL)
     ├── MigrationError                 a schema migration failed; nothing of it was applied
@@ -35,12 +36,16 @@ class ConfigError(StandmeetError):
     """A setting is missing, malformed or out of range. The message names it."""
 
 
-class BudgetError(ConfigError, MiddlewareError):
-    """The sum of the served queues' workers and the relay exceeds half the pool (R7).
+class StartupRefused(ConfigError, MiddlewareError):
+    """A start-up check failed (the budget, the webhook timings).
 
     Also a :class:`dramatiq.middleware.MiddlewareError`, so that Dramatiq lets it
     escape from ``before_worker_boot`` and the worker process refuses to start.
     """
+
+
+class BudgetError(StartupRefused):
+    """The sum of the served queues' workers and the relay exceeds half the pool (R7)."""
 
 
 class DatabaseError(StandmeetError):

@@ -73,6 +73,15 @@ DEFAULT_SMTP_TIMEOUT_S = 10.0
 SEARCH_BACKENDS = ("postgres", "meilisearch")
 DEFAULT_MEILI_URL = "http://127.0.0.1:7700"
 DEFAULT_MEILI_INDEX = "documents"
+#: The webhook endpoint lease (R3) outlives the webhook job limit (15 s), which outlives
+#: the HTTP deadline (R9): a crashed worker's lease expires by itself, and a slow
+#: endpoint gives a clear timeout, not a killed job.
+DEFAULT_WEBHOOK_LEASE_S = 20.0
+DEFAULT_WEBHOOK_HTTP_TIMEOUT_S = 10.0
+#: How long a delivery to a busy endpoint snoozes (plus up to half as much jitter).
+DEFAULT_WEBHOOK_BUSY_SNOOZE_S = 2.0
+#: An endpoint failing without a break for this long is disabled by the health job.
+DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS = 5.0
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -140,6 +149,10 @@ class Settings:
     meili_key: str | None = None
     meili_index: str = DEFAULT_MEILI_INDEX
     allowed_networks: tuple[str, ...] = ()
+    webhook_lease_s: float = DEFAULT_WEBHOOK_LEASE_S
+    webhook_http_timeout_s: float = DEFAULT_WEBHOOK_HTTP_TIMEOUT_S
+    webhook_busy_snooze_s: float = DEFAULT_WEBHOOK_BUSY_SNOOZE_S
+    webhook_disable_after_days: float = DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -194,6 +207,16 @@ class Settings:
             meili_key=env.get("STANDMEET_MEILI_KEY") or None,
             meili_index=env.get("STANDMEET_MEILI_INDEX") or DEFAULT_MEILI_INDEX,
             allowed_networks=_networks(env, "STANDMEET_WEBHOOK_ALLOWED_NETWORKS"),
+            webhook_lease_s=_float(env, "STANDMEET_WEBHOOK_LEASE_S", DEFAULT_WEBHOOK_LEASE_S, minimum=0.1),
+            webhook_http_timeout_s=_float(
+                env, "STANDMEET_WEBHOOK_HTTP_TIMEOUT_S", DEFAULT_WEBHOOK_HTTP_TIMEOUT_S, minimum=0.05
+            ),
+            webhook_busy_snooze_s=_float(
+                env, "STANDMEET_WEBHOOK_BUSY_SNOOZE_S", DEFAULT_WEBHOOK_BUSY_SNOOZE_S, minimum=0.01
+            ),
+            webhook_disable_after_days=_float(
+                env, "STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS", DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS, minimum=0
+            ),
         )
 
     def queue(self, name: str) -> QueueSettings:

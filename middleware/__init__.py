@@ -10,7 +10,8 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 6. ``Callbacks``, ``Pipelines`` (Dramatiq's)
 7. ``Retries``           retry failures with back-off, in the database (R10)
 8. ``SnoozePolicy``      re-enqueue snoozed jobs without a retry count (R3)
-9. ``GracefulShutdown``  stop claiming on SIGTERM (R11)
+9. ``EndpointLease``     ≤ 1 webhook delivery in flight per endpoint, by a row lease (R3)
+10. ``GracefulShutdown`` stop the relay and claiming on SIGTERM (R11)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dramatiq.middleware import (
 
 from broker.settings import Settings
 from middleware.connection_budget import ConnectionBudget
+from middleware.endpoint_lease import EndpointLease
 from middleware.graceful_shutdown import GracefulShutdown
 from middleware.queue_concurrency import QueueConcurrency
 from middleware.retries import Retries
@@ -52,5 +54,6 @@ def default_middleware(settings: Settings) -> list[Any]:
             max_backoff_ms=settings.max_backoff_ms,
         ),
         SnoozePolicy(),
+        EndpointLease(),
         GracefulShutdown(),
     ]

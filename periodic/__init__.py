@@ -47,6 +47,7 @@ PERIODIC_JOBS: list[PeriodicJob] = [
     PeriodicJob("prune-messages", "maintenance.prune_messages", interval_s=3600),
     PeriodicJob("rescue", "maintenance.rescue", interval_s=30),
     PeriodicJob("prune-outbox", "maintenance.prune_outbox", interval_s=3600),
+    PeriodicJob("webhook-health", "maintenance.webhook_health", interval_s=3600),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ class Observed:
     release: threading.Event = field(default_factory=threading.Event)
     hold: bool = False
     status: int = 200
+    delay_s: float = 0.0
+    headers: list[dict[str, str]] = field(default_factory=list)
+    started: list[float] = field(default_factory=list)
 
     def current(self) -> int:
         with self.lock:
@@ -38,9 +42,13 @@ class _Handler(BaseHTTPRequestHandler):
             obs.in_flight += 1
             obs.max_in_flight = max(obs.max_in_flight, obs.in_flight)
             obs.received.append(body)
+            obs.headers.append({k.lower(): v for k, v in self.headers.items()})
+            obs.started.append(time.monotonic())
         try:
             if obs.hold:
                 obs.release.wait(60)
+            elif obs.delay_s:
+                time.sleep(obs.delay_s)
             self.send_response(obs.status)
             self.send_header("Content-Length", "2")
             self.end_headers()
@@ -53,9 +61,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def http_server(*, hold: bool = False, status: int = 200) -> Iterator[tuple[str, Observed]]:
+def http_server(*, hold: bool = False, status: int = 200, delay_s: float = 0.0) -> Iterator[tuple[str, Observed]]:
     """Serve on 127.0.0.1 (an ephemeral port); yields (url, what it observed)."""
-    observed = Observed(hold=hold, status=status)
+    observed = Observed(hold=hold, status=status, delay_s=delay_s)
     handler = type("Handler", (_Handler,), {"observed": observed})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True

@@ -1,0 +1,379 @@
+"""Webhooks: endpoints, fan-out, and signed delivery, one at a time per endpoint (R3, R6, R9).
+
+An event is stored (``standmeet.webhook_events``) and emitted through the outbox;
+``webhook.fanout`` makes one delivery per enabled endpoint subscribed to its type (a
+disabled one gets a *skipped* delivery, replayable later) and a ``webhook.deliver``
+job for each. The endpoint lease is taken and released around ``webhook.deliver`` by
+``middleware/endpoint_lease.py``; the actor only reads (connection returned), POSTs
+holding no connection, and records.
+
+Deliveries are signed per the Standard Webhooks specification (``webhook-id``,
+``webhook-timestamp``, ``webhook-signature: v1,<base64 HMAC-SHA256 of
+id.timestamp.body>``) with every active secret, with a fresh timestamp per attempt.
+Only 2xx is success. Retries follow :data:`SCHEDULE` with jitter, honouring
+``Retry-After`` within bounds; 410 disables the endpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import random
+import secrets as secrets_module
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import dramatiq
+import httpx
+import psycopg
+from dramatiq.errors import Retry
+from dramatiq.middleware import CurrentMessage
+
+from actors.netguard import UrlRefused, check_url
+from broker import db
+from broker.enqueue import enqueue
+from broker.errors import StandmeetError
+from broker.outbox import emit
+from broker.pgbroker import current_broker
+
+logger = logging.getLogger(__name__)
+
+#: Delay before each retry, in seconds (then the delivery fails): 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h.
+SCHEDULE = (5, 300, 1800, 7200, 18000, 36000, 36000)
+#: A Retry-After is honoured between these bounds (seconds).
+RETRY_AFTER_BOUNDS = (1, 36000)
+#: Response bodies are kept up to this size.
+BODY_CAP = 16 * 1024
+CLIENT = httpx.Client(follow_redirects=False)
+
+
+class WebhookError(StandmeetError):
+    """A webhook operation was refused (bad URL, unknown endpoint…)."""
+
+
+# -- signing --------------------------------------------------------------------------
+
+
+def new_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets_module.token_bytes(24)).decode()
+
+
+def _key(secret: str) -> bytes:
+    if not secret.startswith("whsec_"):
+        raise WebhookError("a signing secret looks like whsec_<base64>")
+    try:
+        return base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+    except ValueError:
+        raise WebhookError("a signing secret looks like whsec_<base64>") from None
+
+
+def sign(secrets: list[str], msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header: one ``v1,<sig>`` per active secret."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    return " ".join(
+        "v1," + base64.b64encode(hmac.new(_key(s), signed, hashlib.sha256).digest()).decode() for s in secrets
+    )
+
+
+# -- the operator's API -----------------------------------------------------------------
+
+
+def add_endpoint(url: str, event_types: list[str], *, secret: str | None = None) -> tuple[int, str]:
+    """Register an endpoint; returns (id, secret). A refused URL raises UrlRefused."""
+    check_url(url, allowed_networks=current_broker().settings.allowed_networks)
+    secret = secret or new_secret()
+    _key(secret)
+    if not event_types:
+        raise WebhookError("an endpoint needs at least one event type (or '*')")
+    with db.connection() as conn:
+        row = conn.execute(
+            "INSERT INTO standmeet.webhook_endpoints (url, event_types, secrets) VALUES (%s, %s, %s) RETURNING id",
+            (url, event_types, [secret]),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), secret
+
+
+def list_endpoints() -> list[dict[str, Any]]:
+    with db.connection() as conn:
+        rows = conn.execute(
+            "SELECT id, url, event_types, enabled, failing_since, disabled_reason, busy_until"
+            " FROM standmeet.webhook_endpoints ORDER BY id").fetchall()
+    keys = ("id", "url", "event_types", "enabled", "failing_since", "disabled_reason", "busy_until")
+    return [dict(zip(keys, r, strict=True)) for r in rows]
+
+
+def set_enabled(endpoint_id: int, enabled: bool, reason: str | None = None) -> None:
+    with db.connection() as conn:
+        found = conn.execute(
+            "UPDATE standmeet.webhook_endpoints SET enabled = %s, disabled_reason = %s,"
+            " failing_since = CASE WHEN %s THEN NULL ELSE failing_since END WHERE id = %s RETURNING id",
+            (enabled, None if enabled else (reason or "disabled by an operator"), enabled, endpoint_id),
+        ).fetchone()
+    if found is None:
+        raise WebhookError(f"no webhook endpoint {endpoint_id}")
+
+
+def rotate_secret(endpoint_id: int, new: str | None = None, *, keep_old: bool = True) -> str:
+    """Add a secret (both sign during the rotation); drop the old ones with keep_old=False."""
+    new = new or new_secret()
+    _key(new)
+    with db.connection() as conn:
+        conn.execute(
+            "UPDATE standmeet.webhook_endpoints SET secrets = CASE WHEN %s THEN secrets || %s::text ELSE ARRAY[%s::text] END"
+            " WHERE id = %s", (keep_old, new, new, endpoint_id))
+    return new
+
+
+def emit_event(conn: psycopg.Connection[Any], event_type: str, payload: dict[str, Any]) -> int:
+    """Store an event and emit it through the outbox, in the caller's transaction."""
+    row = conn.execute("INSERT INTO standmeet.webhook_events (type, payload) VALUES (%s, %s::jsonb) RETURNING id",
+                       (event_type, json.dumps(payload))).fetchone()
+    assert row is not None
+    emit(conn, "webhook.event", {"event_id": int(row[0])})
+    return int(row[0])
+
+
+def ping(endpoint_id: int, count: int = 1) -> list[int]:
+    """Emit ``count`` webhook.ping events for one endpoint (outbox → fanout → deliver)."""
+    with db.connection() as conn, conn.transaction():
+        if conn.execute("SELECT 1 FROM standmeet.webhook_endpoints WHERE id = %s", (endpoint_id,)).fetchone() is None:
+            raise WebhookError(f"no webhook endpoint {endpoint_id}")
+        return [emit_event(conn, "webhook.ping", {"endpoint_id": endpoint_id, "n": n}) for n in range(1, count + 1)]
+
+
+def replay(delivery_id: int) -> None:
+    """Deliver again (a failed or skipped delivery, or any other)."""
+    with db.connection() as conn, conn.transaction():
+        found = conn.execute(
+            "UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now() WHERE id = %s RETURNING id",
+            (delivery_id,)).fetchone()
+        if found is None:
+            raise WebhookError(f"no webhook delivery {delivery_id}")
+        enqueue(conn, "webhook.deliver", delivery_id)
+
+
+def replay_failed(since: datetime) -> int:
+    """Deliver again every delivery that failed (or was skipped) since ``since``."""
+    with db.connection() as conn, conn.transaction():
+        ids = [r[0] for r in conn.execute(
+            "UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now()"
+            " WHERE state IN ('failed', 'skipped') AND updated_at >= %s RETURNING id", (since,)).fetchall()]
+        for delivery_id in ids:
+            enqueue(conn, "webhook.deliver", int(delivery_id))
+    return len(ids)
+
+
+# -- fan-out ------------------------------------------------------------------------------
+
+FANOUT = """
+WITH event AS (SELECT id, type FROM standmeet.webhook_events WHERE id = %(event)s),
+targets AS (
+    SELECT e.id AS endpoint_id, e.enabled FROM standmeet.webhook_endpoints e, event
+    WHERE CASE WHEN event.type = 'webhook.ping' THEN e.id = %(ping_endpoint)s  -- a ping: its endpoint only
+               ELSE e.event_types @> ARRAY[event.type] OR e.event_types @> ARRAY['*'] END
+)
+INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state)
+SELECT %(event)s, endpoint_id, CASE WHEN enabled THEN 'pending' ELSE 'skipped' END FROM targets
+ON CONFLICT (event_id, endpoint_id) DO NOTHING
+RETURNING id, state
+"""
+
+
+@dramatiq.actor(actor_name="webhook.fanout", queue_name="webhook", time_limit=30_000)
+def fanout(event_id: int) -> None:
+    """One delivery per subscribed endpoint; a deliver job for each enabled one."""
+    with db.connection() as conn, conn.transaction():
+        event = conn.execute("SELECT type, payload FROM standmeet.webhook_events WHERE id = %s", (event_id,)).fetchone()
+        if event is None:
+            logger.warning("webhook event %s no longer exists", event_id)
+            return
+        ping_endpoint = (event[1] or {}).get("endpoint_id") if event[0] == "webhook.ping" else None
+        rows = conn.execute(FANOUT, {"event": event_id, "ping_endpoint": ping_endpoint}).fetchall()
+        for delivery_id, state in rows:
+            if state == "pending":
+                enqueue(conn, "webhook.deliver", int(delivery_id))
+
+
+# -- delivery -----------------------------------------------------------------------------
+
+READ = """
+SELECT d.state, d.attempts, e.id, e.url, e.secrets, e.enabled, ev.id, ev.type, ev.payload, ev.created_at
+FROM standmeet.webhook_deliveries d
+JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
+JOIN standmeet.webhook_events ev ON ev.id = d.event_id
+WHERE d.id = %s
+"""
+RECORD_ATTEMPT = """
+INSERT INTO standmeet.webhook_attempts
+    (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error, response_body, truncated)
+VALUES (%(delivery)s, %(attempt)s, %(started)s, %(ms)s, %(code)s, %(outcome)s, %(error)s, %(body)s, %(truncated)s)
+"""
+SETTLE_DELIVERY = """
+UPDATE standmeet.webhook_deliveries
+SET attempts = %(attempt)s, state = %(state)s, last_outcome = %(outcome)s,
+    next_attempt_at = %(next)s, updated_at = now()
+WHERE id = %(delivery)s
+"""
+ENDPOINT_OK = "UPDATE standmeet.webhook_endpoints SET failing_since = NULL WHERE id = %s"
+ENDPOINT_FAILING = "UPDATE standmeet.webhook_endpoints SET failing_since = coalesce(failing_since, now()) WHERE id = %s"
+ENDPOINT_GONE = """
+UPDATE standmeet.webhook_endpoints SET enabled = false, disabled_reason = %s, failing_since = coalesce(failing_since, now())
+WHERE id = %s
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    outcome: str                 # ok | http | redirect | timeout | connect | dns | tls | blocked | gone
+    status_code: int | None = None
+    error: str | None = None
+    body: str | None = None
+    truncated: bool = False
+    retry_after_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+def _classify(exc: httpx.HTTPError) -> str:
+    text = str(exc).lower()
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if "ssl" in text or "certificate" in text:
+        return "tls"
+    if "name or service" in text or "nodename" in text or "getaddrinfo" in text:
+        return "dns"
+    return "connect"
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            from email.utils import parsedate_to_datetime
+
+            seconds = (parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds()
+        except (TypeError, ValueError):
+            return None
+    return min(max(seconds, RETRY_AFTER_BOUNDS[0]), RETRY_AFTER_BOUNDS[1])
+
+
+def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: float) -> Outcome:
+    """POST once, holding no database connection, within a total deadline of ``timeout_s``."""
+    try:
+        target = check_url(url, allowed_networks=current_broker().settings.allowed_networks)
+    except UrlRefused as exc:
+        return Outcome("blocked", error=str(exc))
+    timestamp = int(time.time())
+    headers = {
+        **target.headers(),
+        "content-type": "application/json",
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": sign(secrets, msg_id, timestamp, body),
+    }
+    end = time.monotonic() + timeout_s
+    try:
+        with CLIENT.stream("POST", target.pinned_url(), content=body, headers=headers,
+                           extensions=target.extensions(), timeout=httpx.Timeout(timeout_s)) as response:
+            chunks, size, truncated = [], 0, False
+            for chunk in response.iter_bytes():
+                if time.monotonic() > end:  # httpx's timeouts are per phase: keep the total
+                    raise httpx.ReadTimeout("the total deadline passed while reading the body")
+                if size + len(chunk) > BODY_CAP:
+                    chunks.append(chunk[: BODY_CAP - size])
+                    truncated = True
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            text = b"".join(chunks).decode("utf-8", "replace")
+            code = response.status_code
+            retry_after = _retry_after(response.headers.get("retry-after"))
+    except httpx.HTTPError as exc:
+        return Outcome(_classify(exc), error=f"{type(exc).__name__}: {exc}")
+    if 200 <= code < 300:
+        return Outcome("ok", code, body=text, truncated=truncated)
+    if code == 410:
+        return Outcome("gone", code, body=text, truncated=truncated)
+    if 300 <= code < 400:
+        return Outcome("redirect", code, error="redirects are not followed", body=text, truncated=truncated)
+    return Outcome("http", code, body=text, truncated=truncated, retry_after_s=retry_after)
+
+
+@dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1)
+def deliver(delivery_id: int) -> None:
+    settings = current_broker().settings
+    # 1. the lease is already ours (middleware); 2. short reads, connection returned at once
+    with db.connection() as conn:
+        row = conn.execute(READ, (delivery_id,)).fetchone()
+    if row is None:
+        logger.warning("webhook delivery %s no longer exists", delivery_id)
+        return
+    state, attempts, endpoint_id, url, secrets, enabled, event_id, event_type, payload, created_at = row
+    if state != "pending":
+        return
+    if not enabled:
+        with db.connection() as conn:
+            conn.execute(SETTLE_DELIVERY, {"delivery": delivery_id, "attempt": attempts, "state": "skipped",
+                                           "outcome": "endpoint disabled", "next": None})
+        return
+    message = CurrentMessage.get_current_message()
+    if message is not None and getattr(message, "endpoint_lease", None) is None:
+        raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
+    body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
+    # 3. POST holding no database connection, within the total deadline (R9)
+    started = datetime.now(timezone.utc)
+    t0 = time.monotonic()
+    outcome = post(url, list(secrets), f"msg_{event_id}_{endpoint_id}", body, timeout_s=settings.webhook_http_timeout_s)
+    ms = int((time.monotonic() - t0) * 1000)
+    # 4. settle: record the attempt, the endpoint's health and the next try
+    attempt = attempts + 1
+    retry_in: float | None = None
+    if outcome.ok:
+        new_state = "succeeded"
+    elif outcome.outcome in ("gone", "blocked") or attempt > len(SCHEDULE):
+        new_state = "failed"
+    else:
+        new_state = "pending"
+        base = SCHEDULE[attempt - 1]
+        retry_in = outcome.retry_after_s or base * (1 + random.uniform(-0.1, 0.1))
+    with db.connection() as conn, conn.transaction():
+        conn.execute(RECORD_ATTEMPT, {"delivery": delivery_id, "attempt": attempt, "started": started, "ms": ms,
+                                      "code": outcome.status_code, "outcome": outcome.outcome, "error": outcome.error,
+                                      "body": outcome.body, "truncated": outcome.truncated})
+        conn.execute(SETTLE_DELIVERY, {
+            "delivery": delivery_id, "attempt": attempt, "state": new_state, "outcome": outcome.outcome,
+            "next": None if retry_in is None else datetime.fromtimestamp(time.time() + retry_in, timezone.utc)})
+        if outcome.ok:
+            conn.execute(ENDPOINT_OK, (endpoint_id,))
+        elif outcome.outcome == "gone":
+            conn.execute(ENDPOINT_GONE, ("the endpoint answered 410 Gone", endpoint_id))
+        else:
+            conn.execute(ENDPOINT_FAILING, (endpoint_id,))
+    if retry_in is not None:
+        raise Retry(f"delivery {delivery_id}: {outcome.outcome} {outcome.status_code or ''}".strip(),
+                    delay=int(retry_in * 1000))
+
+
+@dramatiq.actor(actor_name="maintenance.webhook_health", queue_name="maintenance")
+def webhook_health() -> None:
+    """Disable endpoints failing without a break for STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS."""
+    days = current_broker().settings.webhook_disable_after_days
+    with db.connection() as conn:
+        rows = conn.execute(
+            "UPDATE standmeet.webhook_endpoints SET enabled = false,"
+            " disabled_reason = 'failing continuously since ' || failing_since::text"
+            " WHERE enabled AND failing_since < now() - make_interval(days => %s::int) RETURNING id",
+            (int(days),)).fetchall()
+    for (endpoint_id,) in rows:
+        logger.warning("webhook endpoint %s disabled: failing for more than %s days", endpoint_id, days)

@@ -1,0 +1,148 @@
+"""Webhooks: signed deliveries, recorded outcomes, the lease, and no connection held during a POST."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import psycopg
+import pytest
+from standardwebhooks import Webhook, WebhookVerificationError
+
+from actors import webhooks
+from tests.support.db import query, scalar, wait_for
+from tests.support.http import http_server
+from tests.support.webserver import Reply, web_server
+
+
+@pytest.fixture
+def webhook_settings(broker):
+    original = broker.settings
+    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05)
+    yield broker.settings
+    broker.settings = original
+
+
+def emit(database_url: str, event_type: str, payload: dict) -> int:
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        return webhooks.emit_event(conn, event_type, payload)
+
+
+def delivery(database_url: str, event_id: int, endpoint_id: int) -> tuple:
+    rows = query(database_url, "SELECT id, state, attempts, last_outcome FROM standmeet.webhook_deliveries"
+                               " WHERE event_id = %s AND endpoint_id = %s", (event_id, endpoint_id))
+    return rows[0] if rows else (None, None, None, None)
+
+
+def settled(database_url: str, event_id: int, endpoint_id: int, state: str) -> tuple:
+    return wait_for(lambda: (d := delivery(database_url, event_id, endpoint_id))[1] == state and d,
+                    timeout_s=15, what=f"delivery of event {event_id} to endpoint {endpoint_id} to be {state}")
+
+
+def test_deliveries_verify_with_the_standard_library_before_during_and_after_rotation(
+    broker, database_url, start_worker, webhook_settings
+):
+    with http_server() as (url, server):
+        endpoint, first_secret = webhooks.add_endpoint(url, ["order.paid"])
+        start_worker(queues=["webhook"], threads=8)
+        e1 = emit(database_url, "order.paid", {"order": 1})
+        settled(database_url, e1, endpoint, "succeeded")
+        second_secret = webhooks.rotate_secret(endpoint)  # both sign during the rotation
+        e2 = emit(database_url, "order.paid", {"order": 2})
+        settled(database_url, e2, endpoint, "succeeded")
+        webhooks.rotate_secret(endpoint, second_secret, keep_old=False)  # the old one is retired
+        e3 = emit(database_url, "order.paid", {"order": 3})
+        settled(database_url, e3, endpoint, "succeeded")
+        bodies, headers = server.received, server.headers
+    assert [json.loads(b)["data"] for b in bodies] == [{"order": 1}, {"order": 2}, {"order": 3}]
+    assert Webhook(first_secret).verify(bodies[0], headers[0])["data"] == {"order": 1}
+    assert Webhook(first_secret).verify(bodies[1], headers[1])["data"] == {"order": 2}
+    assert Webhook(second_secret).verify(bodies[1], headers[1])["data"] == {"order": 2}
+    assert Webhook(second_secret).verify(bodies[2], headers[2])["data"] == {"order": 3}
+    with pytest.raises(WebhookVerificationError):
+        Webhook(first_secret).verify(bodies[2], headers[2])
+    assert headers[0]["webhook-id"] == f"msg_{e1}_{endpoint}"
+
+
+def test_each_failure_gives_its_recorded_outcome_and_the_other_endpoints_keep_receiving(
+    broker, database_url, start_worker, webhook_settings
+):
+    with web_server() as site, http_server() as (good_url, good):
+        site.on("POST", "/error", lambda r: Reply(500, b"boom"))
+        site.on("POST", "/moved", lambda r: Reply(302, b"", {"Location": "https://elsewhere.test/"}))
+        site.on("POST", "/gone", lambda r: Reply(410, b"gone"))
+        error, _ = webhooks.add_endpoint(site.base + "/error", ["t"])
+        moved, _ = webhooks.add_endpoint(site.base + "/moved", ["t"])
+        gone, _ = webhooks.add_endpoint(site.base + "/gone", ["t"])
+        private, _ = webhooks.add_endpoint(site.base + "/never", ["t"])
+        ok, _ = webhooks.add_endpoint(good_url, ["t"])
+        # an endpoint whose URL now points at a private address: refused at attempt time too
+        query(database_url, "UPDATE standmeet.webhook_endpoints SET url = 'http://10.0.0.1/hook' WHERE id = %s", (private,))
+        start_worker(queues=["webhook"], threads=8)
+        event = emit(database_url, "t", {"n": 1})
+        settled(database_url, event, ok, "succeeded")
+        settled(database_url, event, gone, "failed")
+        settled(database_url, event, private, "failed")
+        wait_for(lambda: delivery(database_url, event, error)[2] == 1 and delivery(database_url, event, moved)[2] == 1,
+                 timeout_s=15, what="first attempts of the failing endpoints")
+    outcomes = dict(query(database_url,
+                          "SELECT d.endpoint_id, a.outcome || ':' || coalesce(a.status_code::text, '-')"
+                          " FROM standmeet.webhook_attempts a JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
+                          " WHERE d.event_id = %s", (event,)))
+    assert outcomes == {error: "http:500", moved: "redirect:302", gone: "gone:410", private: "blocked:-", ok: "ok:200"}
+    # a 500 is retried later (5 s ± jitter), not lost
+    state, next_at = query(database_url, "SELECT state, next_attempt_at IS NOT NULL FROM standmeet.webhook_deliveries"
+                                         " WHERE event_id = %s AND endpoint_id = %s", (event, error))[0]
+    assert (state, next_at) == ("pending", True)
+    # 410 disabled its endpoint, with the reason; the failing one is marked as failing
+    assert query(database_url, "SELECT enabled, disabled_reason FROM standmeet.webhook_endpoints WHERE id = %s",
+                 (gone,)) == [(False, "the endpoint answered 410 Gone")]
+    assert scalar(database_url, "SELECT failing_since IS NOT NULL FROM standmeet.webhook_endpoints WHERE id = %s", (error,))
+    assert scalar(database_url, "SELECT failing_since IS NULL FROM standmeet.webhook_endpoints WHERE id = %s", (ok,))
+    assert len(good.received) == 1
+
+
+def test_a_busy_endpoint_makes_deliveries_snooze_without_using_attempts(
+    broker, database_url, start_worker, webhook_settings
+):
+    with http_server() as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["busy"])
+        # Given another worker holds the endpoint's lease for 1 s more
+        query(database_url, "UPDATE standmeet.webhook_endpoints SET busy_until = now() + interval '1 second',"
+                            " lease_token = gen_random_uuid() WHERE id = %s", (endpoint,))
+        start_worker(queues=["webhook"], threads=8)
+        event = emit(database_url, "busy", {})
+        delivery_id, *_ = settled(database_url, event, endpoint, "succeeded")
+    # Then the delivery snoozed while the lease was held, and made a single attempt
+    options = scalar(database_url, "SELECT message->'options' FROM dramatiq.queue WHERE message->>'actor_name' = 'webhook.deliver'"
+                                   " AND (message->'args'->>0)::bigint = %s", (delivery_id,))
+    assert options.get("snoozes", 0) >= 3, options
+    assert options.get("retries", 0) == 0
+    assert delivery(database_url, event, endpoint)[2] == 1
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.webhook_attempts WHERE delivery_id = %s", (delivery_id,)) == 1
+    assert len(server.received) == 1
+
+
+def test_an_endpoint_that_never_answers_times_out_at_10_s_and_no_transaction_is_held_meanwhile(
+    broker, database_url, start_worker, webhook_settings
+):
+    with http_server(hold=True) as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["slow"])
+        start_worker(queues=["webhook"], threads=8)
+        event = emit(database_url, "slow", {})
+        wait_for(lambda: server.current() == 1, timeout_s=10, what="the POST to be pending")
+        # while the POST is pending, none of our connections is in a transaction (R6)
+        in_tx = scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                     " AND application_name LIKE 'standmeet%%' AND xact_start IS NOT NULL"
+                                     " AND pid <> pg_backend_pid()")
+        assert in_tx == 0
+        wait_for(lambda: delivery(database_url, event, endpoint)[2] == 1, timeout_s=20, what="the attempt to be recorded")
+    outcome, ms = query(database_url, "SELECT outcome, duration_ms FROM standmeet.webhook_attempts a"
+                                      " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id WHERE d.event_id = %s",
+                        (event,))[0]
+    assert outcome == "timeout"
+    assert 9_500 <= ms <= 11_000, ms
+    # the job was not killed by its 15 s limit: it recorded its attempt and asked for a retry
+    options = scalar(database_url, "SELECT message->'options' FROM dramatiq.queue WHERE message->>'actor_name' = 'webhook.deliver'")
+    assert "TimeLimitExceeded" not in (options.get("traceback") or "")
+    assert "Retry" in (options.get("traceback") or "") or delivery(database_url, event, endpoint)[1] == "pending"
