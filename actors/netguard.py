@@ -58,8 +58,8 @@ def _forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | 
     if address in METADATA:
         return "a cloud metadata address"
     for attribute, what in (
-        ("is_loopback", "a loopback address"), ("is_private", "a private address"),
-        ("is_link_local", "a link-local address"), ("is_multicast", "a multicast address"),
+        ("is_loopback", "a loopback address"), ("is_link_local", "a link-local address"),
+        ("is_private", "a private address"), ("is_multicast", "a multicast address"),
         ("is_reserved", "a reserved address"), ("is_unspecified", "an unspecified address"),
     ):
         if getattr(address, attribute):
