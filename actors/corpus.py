@@ -28,7 +28,7 @@ def index(document_id: int) -> None:
         logger.info("document %s no longer exists; removing it from the index", document_id)
         search_index().remove(document_id)
         return
-    search_index().upsert([document])
+    search_index().upsert([document], wait=True)  # a receipt then means "searchable"
 
 
 #: Documents a rebuild indexes per batch (one short read, one index update).

@@ -217,3 +217,11 @@ def fetch_source(source_id: int) -> None:
         logger.warning("source %s (%s): %s", source_id, url, exc)
         raise
 
+
+
+@dramatiq.actor(actor_name="jobs.fetch_new", queue_name="maintenance")
+def fetch_new_job() -> None:
+    """The periodic form of :func:`fetch_new`: one fetch per source with none pending."""
+    queued = fetch_new()
+    if queued:
+        logger.info("queued %d source fetch(es)", queued)

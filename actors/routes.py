@@ -34,3 +34,11 @@ def _event(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], dic
 
 #: A webhook event was stored → fan it out to the subscribed endpoints.
 route("webhook.event", "webhook.fanout", _event)
+
+
+def _notice(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (str(payload["to"]), str(payload["name"]), str(payload["subject"]), str(payload["text"])), {}
+
+
+#: Something an owner must hear about → a mail on the notify queue.
+route("owner.notice", "owner.notify", _notice)

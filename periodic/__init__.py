@@ -48,6 +48,7 @@ PERIODIC_JOBS: list[PeriodicJob] = [
     PeriodicJob("rescue", "maintenance.rescue", interval_s=30),
     PeriodicJob("prune-outbox", "maintenance.prune_outbox", interval_s=3600),
     PeriodicJob("webhook-health", "maintenance.webhook_health", interval_s=3600),
+    PeriodicJob("fetch-new", "jobs.fetch_new", interval_s=900),
 ]
 
 

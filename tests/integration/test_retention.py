@@ -34,3 +34,19 @@ def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, d
     # Then the old finished ones are gone, the recent and the unfinished are kept
     left = {row[0] for row in query(database_url, "SELECT message_id::text FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))}
     assert left == {ids[7], ids[8]}
+
+
+def test_relayed_outbox_rows_are_pruned_after_their_retention_and_pending_ones_kept(broker, database_url, start_worker):
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        old, recent, pending = (conn.execute("INSERT INTO standmeet.outbox (topic, payload, relayed_at) VALUES"
+                                             " ('document.written', '{}', %s) RETURNING id", (at,)).fetchone()[0]
+                                for at in (None, None, None))
+        conn.execute("UPDATE standmeet.outbox SET relayed_at = now() - interval '2 days' WHERE id = %s", (old,))
+        conn.execute("UPDATE standmeet.outbox SET relayed_at = now() WHERE id = %s", (recent,))
+        conn.execute("UPDATE standmeet.outbox SET error = 'kept for an operator' WHERE id = %s", (pending,))
+    start_worker(queues=["maintenance"], threads=1)
+    job = maintenance.prune_outbox.send()
+    wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                           (job.message_id,)) == [("done",)], timeout_s=15, what="the outbox prune job")
+    left = {r[0] for r in query(database_url, "SELECT id FROM standmeet.outbox WHERE id = ANY(%s)", ([old, recent, pending],))}
+    assert left == {recent, pending}
