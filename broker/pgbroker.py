@@ -67,15 +67,21 @@ class QueueState:
 
     A claim is identified by (message id, claim number): the same message can be
     claimed again (a snooze or retry due at once) before the previous run is settled.
+    At most ``limit`` claims are *running* (handed to Dramatiq's worker); up to
+    ``prefetch`` more wait in :attr:`buffer`, claimed, and start the moment a running
+    one finishes, without a round trip to the database.
     """
 
     def __init__(self, settings: QueueSettings) -> None:
         self.settings = settings
         self.name = settings.name
         self.limit = settings.max_workers
+        self.prefetch = settings.prefetch
         self.lock = threading.Lock()
         #: every claim made and not yet settled: (message_id, claim number).
         self.in_flight: set[tuple[str, int]] = set()
+        #: the claims handed to Dramatiq's worker and not finished: at most ``limit``.
+        self.running: set[tuple[str, int]] = set()
         #: claimed messages not yet handed to Dramatiq's worker, with their claim number.
         self.buffer: deque[tuple[Message, int]] = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -83,8 +89,9 @@ class QueueState:
         os.set_blocking(self._wake_w, False)
 
     def free(self) -> int:
+        """How many more messages this process may claim now."""
         with self.lock:
-            return self.limit - len(self.in_flight)
+            return self.limit + self.prefetch - len(self.in_flight)
 
     def hold(self, message: Message, claims: int) -> None:
         with self.lock:
@@ -92,10 +99,12 @@ class QueueState:
             self.buffer.append((message, claims))
 
     def next_buffered(self) -> MessageProxy | None:
+        """The next claimed message to start, if fewer than ``limit`` are running."""
         with self.lock:
-            if not self.buffer:
+            if not self.buffer or len(self.running) >= self.limit:
                 return None
             message, claims = self.buffer.popleft()
+            self.running.add((message.message_id, claims))
         proxy = MessageProxy(message)
         proxy.standmeet_claim = claims  # type: ignore[attr-defined]  # travels with the message to its ack
         return proxy
@@ -106,10 +115,17 @@ class QueueState:
             self.buffer.clear()
             return taken
 
+    def finished(self, claim: tuple[str, int]) -> None:
+        """A running job has ended: its slot is free (its ack may still be on its way)."""
+        with self.lock:
+            self.running.discard(claim)
+        self.wake()
+
     def release(self, claims: Iterable[tuple[str, int]]) -> None:
         with self.lock:
             for claim in claims:
                 self.in_flight.discard(claim)
+                self.running.discard(claim)
         self.wake()
 
     def wake(self) -> None:
@@ -233,6 +249,7 @@ class StandmeetBroker(PostgresBroker):
         if claims is None:
             logger.debug("settle: %s was not claimed by this process", message.message_id)
             return
+        state.finished((message.message_id, claims))  # the next buffered job may start now
         params = {
             "message": message_json(message),
             "message_id": message.message_id,
@@ -396,7 +413,8 @@ class StandmeetConsumer(Consumer):
         return self
 
     def __next__(self) -> MessageProxy | None:
-        proxy = self.state.next_buffered()
+        # Shutting down: start nothing more; the buffer goes back to the queue on close.
+        proxy = self.state.next_buffered() if self.broker.claiming else None
         if proxy is not None:
             return proxy
         try:
@@ -465,10 +483,11 @@ class StandmeetConsumer(Consumer):
     def _wait(self, conn: psycopg2.extensions.connection) -> None:
         now = time.monotonic()
         timeout = self.timeout_s
-        if self.next_due_s is not None:
-            timeout = min(timeout, max(0.0, self.next_due_s - now))
         if not self.broker.claiming:
             timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop
+        elif self.state.free() > 0 and self.next_due_s is not None:
+            # a due time matters only with room to claim; when full, a finishing job wakes us
+            timeout = min(timeout, max(0.0, self.next_due_s - now))
         if conn.notifies:
             self._heard(conn)
             return

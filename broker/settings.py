@@ -96,6 +96,12 @@ class QueueSettings:
     max_workers: int
     time_limit_s: float
     poll_s: float = DEFAULT_POLL_S
+    #: claimed beyond the running ones, to start the moment one finishes (-1: half the limit)
+    prefetch_setting: int = -1
+
+    @property
+    def prefetch(self) -> int:
+        return max(1, self.max_workers // 2) if self.prefetch_setting < 0 else self.prefetch_setting
 
     @property
     def awaited(self) -> bool:
@@ -165,6 +171,7 @@ class Settings:
                 max_workers=_int(env, prefix + "MAX_WORKERS", default.max_workers, minimum=1),
                 time_limit_s=_float(env, prefix + "TIME_LIMIT_S", default.time_limit_s, minimum=0.001),
                 poll_s=_float(env, prefix + "POLL_S", default.poll_s, minimum=0.01),
+                prefetch_setting=_int(env, prefix + "PREFETCH", -1, minimum=-1),
             )
         return cls(
             database_url=env.get("DATABASE_URL") or None,

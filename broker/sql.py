@@ -113,7 +113,7 @@ WITH requeued AS (
       AND worker_id = %(worker_id)s
     RETURNING queue_name
 )
-SELECT DISTINCT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM requeued
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
 REGISTER_WORKER = """

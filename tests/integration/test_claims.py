@@ -34,3 +34,25 @@ def test_a_message_claimed_again_before_its_first_ack_is_settled_claim_by_claim(
     assert _state(database_url, message.message_id) == [("done", 2)]
     assert state.in_flight == set()
     consumer.close()
+
+
+def test_messages_handed_out_but_not_started_go_back_to_the_queue_and_wake_consumers(broker, database_url):
+    import psycopg
+
+    broker.claiming = True
+    consumer = broker.consume("index")
+    messages = [mark.send(f"requeued-{i}") for i in range(2)]
+    handed = [consumer.__next__() for _ in range(2)]
+    assert {m.message_id for m in handed} == {m.message_id for m in messages}
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute('LISTEN "dramatiq.index.enqueue"')
+        # When the worker gives them back unstarted (shutdown)
+        consumer.requeue(handed)
+        woken = [n.channel for n in listener.notifies(timeout=2, stop_after=1)]
+    # Then they are queued for anyone, consumers were woken, and the slots are free
+    states = query(database_url, "SELECT state::text, worker_id FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+                   ([m.message_id for m in messages],))
+    assert states == [("queued", None), ("queued", None)]
+    assert woken == ["dramatiq.index.enqueue"]
+    assert broker.queue_states["index"].in_flight == set()
+    consumer.close()
