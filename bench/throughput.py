@@ -94,15 +94,20 @@ def ours(admin_url: str, n: int, threads: int, fn_name: str, *, locks: bool = Fa
     url, b = _ours_broker(admin_url, threads)
     fn = noop if fn_name == "noop" else sleeper
     actor = declare(b, fn, f"bench.{fn_name}", "index")
-    params = [enqueue_params(actor.message(i), None) for i in range(n)]
-    with psycopg.connect(url) as conn, conn.cursor() as cur:
-        cur.executemany(sql.ENQUEUE, params)
+    with psycopg.connect(url) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params([actor.message(i) for i in range(n)]))
+    return timed_drain(admin_url, url, b, "index", n, threads, locks=locks, timeout_s=max(120, n * SLEEP_S * 2))
+
+
+def timed_drain(admin_url: str, url: str, b: dramatiq.Broker, queue: str, n: int, threads: int, *,
+                locks: bool, timeout_s: float) -> tuple[float, int]:
+    """Seconds for a worker on ``b`` to finish ``n`` queued messages, and the most locks held."""
     sampler = LockSampler(url) if locks else None
     if sampler:
         sampler.__enter__()
-    stop = run_worker(b, threads=threads, queues=["index"])
+    stop = run_worker(b, threads=threads, queues=[queue])
     try:
-        return wait_all_done(url, n, timeout_s=max(120, n * SLEEP_S * 2)), (sampler.max if sampler else 0)
+        return wait_all_done(url, n, timeout_s=timeout_s), (sampler.max if sampler else 0)
     finally:
         if sampler:
             sampler.__exit__()
@@ -117,18 +122,7 @@ def vanilla(admin_url: str, n: int, threads: int, fn_name: str, *, locks: bool =
     fn = noop if fn_name == "noop" else sleeper
     declare(b, fn, f"bench.{fn_name}", "bench")
     bulk_insert_vanilla(url, "bench", f"bench.{fn_name}", [[i] for i in range(n)])
-    sampler = LockSampler(url) if locks else None
-    if sampler:
-        sampler.__enter__()
-    stop = run_worker(b, threads=threads, queues=["bench"])
-    try:
-        return wait_all_done(url, n, timeout_s=max(300, n * SLEEP_S * 8)), (sampler.max if sampler else 0)
-    finally:
-        if sampler:
-            sampler.__exit__()
-        stop()
-        b.close()
-        testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
+    return timed_drain(admin_url, url, b, "bench", n, threads, locks=locks, timeout_s=max(300, n * SLEEP_S * 8))
 
 
 def _latencies(broker: dramatiq.Broker, queue: str, threads: int, count: int) -> list[float]:

@@ -66,3 +66,12 @@ def _ms(limit_s: float | None) -> int:
     if limit_s is None:
         return 0  # no limit outside a job
     return max(1, int(limit_s * 1000))
+
+
+def close_quietly(conn: psycopg.Connection | None) -> None:
+    """Close a dedicated connection (a LISTEN or relay connection) that may be broken."""
+    if conn is not None:
+        try:
+            conn.close()
+        except psycopg.Error:
+            pass

@@ -34,7 +34,7 @@ def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms
     if message.queue_name not in broker.queues:
         raise dramatiq.errors.QueueNotFound(message.queue_name)
     broker.emit_before("enqueue", message, delay_ms)
-    conn.execute(sql.ENQUEUE, enqueue_params(message, delay_ms))
+    conn.execute(sql.ENQUEUE, enqueue_params([message], delay_ms))
     broker.emit_after("enqueue", message, delay_ms)
     return message
 
@@ -48,13 +48,7 @@ def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message]) -> 
         if message.queue_name not in broker.queues:
             raise dramatiq.errors.QueueNotFound(message.queue_name)
         broker.emit_before("enqueue", message, None)
-    rows = [enqueue_params(m, None) for m in messages]
-    conn.execute(sql.ENQUEUE_MANY, {
-        "queues": [r["queue"] for r in rows],
-        "message_ids": [r["message_id"] for r in rows],
-        "messages": [r["message"] for r in rows],
-        "delays": [r["delay_s"] for r in rows],
-    })
+    conn.execute(sql.ENQUEUE, enqueue_params(messages))
     for message in messages:
         broker.emit_after("enqueue", message, None)
     return messages

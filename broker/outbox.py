@@ -216,9 +216,7 @@ class Relay:
         return stopped
 
     def close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
-            self._conn = None
+        from broker.db import close_quietly
+
+        close_quietly(self._conn)
+        self._conn = None

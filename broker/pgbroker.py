@@ -203,7 +203,7 @@ class StandmeetBroker(PostgresBroker):
             raise QueueNotFound(message.queue_name)
         message.options.pop("eta", None)  # Dramatiq would hold an ``eta`` message in memory
         self.emit_before("enqueue", message, delay)
-        params = enqueue_params(message, delay)
+        params = enqueue_params([message], delay)
         backoff = 0.05
         while True:
             try:
@@ -577,13 +577,14 @@ def message_json(message: Message | MessageProxy) -> str:
     return message.encode().decode("utf-8")
 
 
-def enqueue_params(message: Message | MessageProxy, delay: int | None) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.ENQUEUE` for ``message`` due after ``delay`` ms."""
+def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.sql.ENQUEUE` for ``messages``, due after ``delay`` ms."""
+    batch = list(messages)
     return {
-        "queue": message.queue_name,
-        "message_id": message.message_id,
-        "message": message_json(message),
-        "delay_s": (delay or 0) / 1000.0,
+        "queues": [m.queue_name for m in batch],
+        "message_ids": [m.message_id for m in batch],
+        "messages": [message_json(m) for m in batch],
+        "delays": [(delay or 0) / 1000.0] * len(batch),
     }
 
 

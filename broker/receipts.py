@@ -173,12 +173,10 @@ class Listener:
         self._close()
 
     def _close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
-            self._conn = None
+        from broker.db import close_quietly
+
+        close_quietly(self._conn)
+        self._conn = None
 
     @property
     def connection_pid(self) -> int | None:

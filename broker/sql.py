@@ -9,27 +9,9 @@ from __future__ import annotations
 #: Channel a consumer of queue Q listens on; a NOTIFY on it means "look again".
 ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
 
-#: Insert (or re-queue) one message, due after ``delay_s``, and wake the queue's consumers.
+#: Insert (or re-queue) messages, each due after its delay, and wake each queue once.
 #: NOTIFYs with the same channel and payload in one transaction are sent once at commit.
 ENQUEUE = """
-WITH enqueued AS (
-    INSERT INTO dramatiq.queue AS q (queue_name, message_id, "state", message, eta, enqueued_at, mtime)
-    VALUES (%(queue)s, %(message_id)s, 'queued', %(message)s::jsonb,
-            now() + make_interval(secs => %(delay_s)s), now(), now())
-    ON CONFLICT (message_id) DO UPDATE SET
-        "state" = 'queued',
-        message = EXCLUDED.message,
-        queue_name = EXCLUDED.queue_name,
-        eta = EXCLUDED.eta,
-        worker_id = NULL,
-        mtime = now()
-    RETURNING q.queue_name
-)
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM enqueued
-"""
-
-#: Insert (or re-queue) many messages in one statement, and wake each queue once.
-ENQUEUE_MANY = """
 WITH enqueued AS (
     INSERT INTO dramatiq.queue AS q (queue_name, message_id, "state", message, eta, enqueued_at, mtime)
     SELECT m.queue_name, m.message_id, 'queued', m.message, now() + make_interval(secs => m.delay_s), now(), now()

@@ -26,7 +26,7 @@ def test_every_backend_terminated_three_times_and_all_jobs_still_complete(
     # Given 1,000 queued jobs and a worker draining them
     total = 1_000
     with psycopg.connect(database_url) as conn, conn.cursor() as cur:
-        cur.executemany(sql.ENQUEUE, [enqueue_params(mark.message("fault"), None) for _ in range(total)])
+        cur.execute(sql.ENQUEUE, enqueue_params([mark.message("fault") for _ in range(total)]))
     log = tmp_path / "worker.log"
     with running(worker_cmd("--queues", "index"), subprocess_env, log=log) as worker:
         # When every backend of the worker is terminated three times during the drain
@@ -50,7 +50,7 @@ def test_a_message_whose_worker_died_too_often_is_rejected_with_the_reason(broke
     # Given a message held by a process that is gone, already rescued max_crashes times
     message = mark.message("poison")
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(message, None))
+        conn.execute(sql.ENQUEUE, enqueue_params([message]))
         conn.execute(
             "UPDATE dramatiq.queue SET state = 'consumed', worker_id = gen_random_uuid(), crashes = %s"
             " WHERE message_id = %s",
@@ -70,7 +70,7 @@ def test_a_message_of_a_live_worker_is_left_alone_by_rescue(broker, database_url
     message = mark.message("alive")
     broker.ensure_registered()
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(message, None))
+        conn.execute(sql.ENQUEUE, enqueue_params([message]))
         conn.execute("UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s WHERE message_id = %s",
                      (broker.worker_id, message.message_id))
     broker.heartbeat_once()

@@ -111,9 +111,8 @@ def test_a_backlog_drained_by_two_processes_runs_each_message_once_with_few_lock
     from broker import sql
     from broker.pgbroker import enqueue_params
 
-    params = [enqueue_params(mark.message("backlog"), None) for _ in range(total)]
-    with psycopg.connect(database_url) as conn, conn.cursor() as cur:
-        cur.executemany(sql.ENQUEUE, params)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params([mark.message("backlog") for _ in range(total)]))
     dbname = scalar(database_url, "SELECT current_database()")
     max_locks = 0
     # When two worker processes drain it

@@ -18,7 +18,7 @@ def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, d
     messages = [mark.message(f"retention-{i}") for i in range(9)]
     with psycopg.connect(database_url, autocommit=True) as conn:
         for m in messages:
-            conn.execute(sql.ENQUEUE, enqueue_params(m, None))
+            conn.execute(sql.ENQUEUE, enqueue_params([m]))
         ids = [m.message_id for m in messages]
         conn.execute("UPDATE dramatiq.queue SET state = 'done', mtime = now() - interval '30 days' WHERE message_id = ANY(%s::uuid[])", (ids[:5],))
         conn.execute("UPDATE dramatiq.queue SET state = 'rejected', mtime = now() - interval '30 days' WHERE message_id = ANY(%s::uuid[])", (ids[5:7],))
