@@ -283,9 +283,22 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
         "webhook-signature": sign(secrets, msg_id, timestamp, body),
     }
     end = time.monotonic() + timeout_s
+
+    def total_deadline(event: str, info: dict[str, Any]) -> None:
+        # httpx's timeouts are per phase; httpcore reads them at the start of each phase,
+        # so each phase gets only what remains of the total.
+        request = info.get("request")
+        if event.endswith(".started") and request is not None:
+            phases = request.extensions.get("timeout")
+            if isinstance(phases, dict):
+                left = max(0.001, end - time.monotonic())
+                for phase in ("read", "write", "pool"):
+                    phases[phase] = left
+
     try:
         with CLIENT.stream("POST", target.pinned_url(), content=body, headers=headers,
-                           extensions=target.extensions(), timeout=httpx.Timeout(timeout_s)) as response:
+                           extensions={**target.extensions(), "trace": total_deadline},
+                           timeout=httpx.Timeout(timeout_s)) as response:
             chunks, size, truncated = [], 0, False
             for chunk in response.iter_bytes():
                 if time.monotonic() > end:  # httpx's timeouts are per phase: keep the total
