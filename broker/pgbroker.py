@@ -22,7 +22,6 @@ What changes against ``dramatiq_pg.PostgresBroker`` / ``PostgresConsumer``:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -56,6 +55,9 @@ logger = logging.getLogger(__name__)
 MAX_RECONNECT_BACKOFF_S = 5.0
 #: Queues whose final acks send a receipt (R5): the ones a request waits on.
 AWAITED = sorted(AWAITED_QUEUES)
+#: A message for an unknown actor is given back this much later, and rejected after this many claims.
+UNKNOWN_ACTOR_DELAY_S = 10.0
+UNKNOWN_ACTOR_MAX_CLAIMS = 30
 #: Shortest sleep when due messages exist but were all locked by another claimer.
 MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
@@ -445,11 +447,14 @@ class StandmeetConsumer(Consumer):
         with conn.cursor() as cur:
             cur.execute(sql.CLAIM, {"queue": self.state.name, "n": want, "worker_id": self.broker.worker_id})
             rows = sorted(cur.fetchall(), key=lambda row: row[2])
-            for text, claims, _eta in rows:
+            for text, claims, _eta, row_id in rows:
                 try:
                     message = Message.decode(text.encode("utf-8"))
                 except Exception as exc:  # a malformed row: reject it, keep going
-                    self._reject_malformed(cur, text, exc)
+                    self._reject_malformed(cur, row_id, exc)
+                    continue
+                if message.actor_name not in self.broker.actors:
+                    self._bounce_unknown_actor(cur, message)
                     continue
                 self.state.hold(message, claims)
             if len(rows) < want:
@@ -467,18 +472,17 @@ class StandmeetConsumer(Consumer):
         self.backoff_s = 0.0
         return len(rows)
 
-    def _reject_malformed(self, cur: Any, text: str, exc: Exception) -> None:
-        try:
-            message_id = json.loads(text).get("message_id")
-        except Exception:
-            message_id = None
+    def _reject_malformed(self, cur: Any, message_id: str, exc: Exception) -> None:
         logger.error("queue %r: rejecting a malformed message %s: %s", self.state.name, message_id, exc)
-        if message_id:
-            cur.execute(
-                "UPDATE dramatiq.queue SET \"state\" = 'rejected', worker_id = NULL, error = %(error)s"
-                " WHERE message_id = %(message_id)s",
-                {"message_id": message_id, "error": f"malformed message: {exc}"},
-            )
+        cur.execute(sql.REJECT_MALFORMED, {"message_id": message_id, "error": f"malformed message: {exc!r}"})
+
+    def _bounce_unknown_actor(self, cur: Any, message: Message) -> None:
+        error = (f"no actor {message.actor_name!r} in worker {self.broker.worker_id} "
+                 f"(host {socket.gethostname()}, pid {os.getpid()})")
+        logger.warning("queue %r: message %s is for an unknown actor %r; giving it back for %.0f s",
+                       self.state.name, message.message_id, message.actor_name, UNKNOWN_ACTOR_DELAY_S)
+        cur.execute(sql.UNKNOWN_ACTOR, {"message_id": message.message_id, "error": error,
+                                        "delay_s": UNKNOWN_ACTOR_DELAY_S, "max_claims": UNKNOWN_ACTOR_MAX_CLAIMS})
 
     def _wait(self, conn: psycopg2.extensions.connection) -> None:
         now = time.monotonic()

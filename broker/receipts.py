@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -223,9 +222,3 @@ class Waiters:
         for listener in listeners:
             listener.stop()
 
-
-def timed_wait(waiter: Waiter | None, timeout_s: float) -> tuple[bool, float]:
-    """(done, seconds waited) — a helper for the write path's logs and benchmarks."""
-    start = time.monotonic()
-    ok = waiter is not None and waiter.wait(timeout_s)
-    return ok, time.monotonic() - start

@@ -49,7 +49,7 @@ UPDATE dramatiq.queue q
 SET "state" = 'consumed', mtime = now(), worker_id = %(worker_id)s, claims = q.claims + 1
 FROM picked
 WHERE q.message_id = picked.message_id
-RETURNING q.message::text, q.claims, q.eta
+RETURNING q.message::text, q.claims, q.eta, q.message_id::text
 """
 
 #: Seconds until the next queued message of a queue is due (None when there is none).
@@ -84,6 +84,21 @@ WITH settled AS (
 )
 SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':rejected')
 FROM settled WHERE queue_name = ANY(%(awaited)s::text[])
+"""
+
+#: A claimed row that Dramatiq cannot decode: kept, rejected with the reason.
+REJECT_MALFORMED = """
+UPDATE dramatiq.queue SET "state" = 'rejected', worker_id = NULL, error = %(error)s
+WHERE message_id = %(message_id)s
+"""
+
+#: A message for an actor this process does not have (a rolling deploy?): back to the
+#: queue for a later or other worker, and rejected with the reason after many tries.
+UNKNOWN_ACTOR = """
+UPDATE dramatiq.queue
+SET "state" = CASE WHEN claims >= %(max_claims)s THEN 'rejected'::dramatiq.state ELSE 'queued'::dramatiq.state END,
+    eta = now() + make_interval(secs => %(delay_s)s), worker_id = NULL, mtime = now(), error = %(error)s
+WHERE message_id = %(message_id)s
 """
 
 #: Give claimed-but-not-started messages back to their queue and wake its consumers.

@@ -56,3 +56,38 @@ def test_messages_handed_out_but_not_started_go_back_to_the_queue_and_wake_consu
     assert woken == ["dramatiq.index.enqueue"]
     assert broker.queue_states["index"].in_flight == set()
     consumer.close()
+
+
+def test_a_malformed_message_is_rejected_with_the_reason_and_the_others_run(broker, database_url, start_worker):
+    import uuid
+
+    bad = str(uuid.uuid4())
+    query(database_url, "INSERT INTO dramatiq.queue (queue_name, message_id, state, message)"
+                        " VALUES ('index', %s, 'queued', '{\"not\": \"a dramatiq message\"}')", (bad,))
+    good = mark.send("after-malformed")
+    start_worker(queues=["index"], threads=4)
+    from tests.support.db import wait_for
+
+    wait_for(lambda: _state(database_url, good.message_id)[0][0] == "done", timeout_s=10, what="the good message")
+    wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s", (bad,))
+             == [("rejected",)], timeout_s=10, what="the malformed one rejected")
+    (error,) = query(database_url, "SELECT error FROM dramatiq.queue WHERE message_id = %s", (bad,))[0]
+    assert error.startswith("malformed message:")
+
+
+def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(broker, database_url, start_worker):
+    import dramatiq
+
+    from tests.support.db import wait_for
+
+    message = dramatiq.Message(queue_name="index", actor_name="newer.release.actor", args=(), kwargs={}, options={})
+    broker.enqueue(message)
+    good = mark.send("after-unknown")
+    start_worker(queues=["index"], threads=4)
+    wait_for(lambda: _state(database_url, good.message_id)[0][0] == "done", timeout_s=10, what="the good message")
+    wait_for(lambda: query(database_url, "SELECT error IS NOT NULL FROM dramatiq.queue WHERE message_id = %s",
+                           (message.message_id,)) == [(True,)], timeout_s=10, what="the unknown actor's message bounced")
+    state, error, later = query(database_url, "SELECT state::text, error, eta > now() FROM dramatiq.queue WHERE message_id = %s",
+                                (message.message_id,))[0]
+    assert (state, later) == ("queued", True)  # kept, for a worker that has the actor
+    assert "no actor 'newer.release.actor'" in error

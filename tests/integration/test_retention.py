@@ -25,6 +25,11 @@ def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, d
         conn.execute("UPDATE dramatiq.queue SET state = 'done' WHERE message_id = %s", (ids[7],))
         conn.execute("UPDATE dramatiq.queue SET state = 'queued', queue_name = 'maintenance', eta = now() + interval '1 day',"
                      " mtime = now() - interval '30 days' WHERE message_id = %s", (ids[8],))
+        # and the rows of a worker process stopped two days ago, and of one stopped just now
+        conn.execute("INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at, stopped_at) VALUES"
+                     " ('00000000-0000-0000-0000-0000000000aa', 'h', 1, '{index}', now() - interval '2 days',"
+                     "  now() - interval '2 days'),"
+                     " ('00000000-0000-0000-0000-0000000000bb', 'h', 2, '{index}', now(), now())")
     # When the maintenance job runs with a batch of 2
     broker.settings = replace(broker.settings, prune_batch=2)
     start_worker(queues=["maintenance"], threads=1)
@@ -34,6 +39,8 @@ def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, d
     # Then the old finished ones are gone, the recent and the unfinished are kept
     left = {row[0] for row in query(database_url, "SELECT message_id::text FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))}
     assert left == {ids[7], ids[8]}
+    workers = {r[0] for r in query(database_url, "SELECT id::text FROM standmeet.worker_processes WHERE hostname = 'h'")}
+    assert workers == {"00000000-0000-0000-0000-0000000000bb"}
 
 
 def test_relayed_outbox_rows_are_pruned_after_their_retention_and_pending_ones_kept(broker, database_url, start_worker):
