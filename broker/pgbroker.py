@@ -234,8 +234,9 @@ class StandmeetBroker(PostgresBroker):
     # -- consuming ----------------------------------------------------------------
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> StandmeetConsumer:
-        # ``prefetch`` is ignored on purpose: a queue holds at most its own limit.
-        self.ensure_registered()
+        # ``prefetch`` is ignored on purpose: a queue holds at most its own limit. No I/O
+        # here: the consumer registers this process on its first connection, inside its
+        # outage handling (a database down at start-up is one log line, then a retry).
         return StandmeetConsumer(self, self.queue_states[queue_name], timeout_ms=timeout)
 
     def stop_claiming(self) -> None:
@@ -516,6 +517,7 @@ class StandmeetConsumer(Consumer):
     def _connection(self) -> psycopg2.extensions.connection:
         if self.conn is not None and not self.conn.closed:
             return self.conn
+        self.broker.ensure_registered()  # before the first claim: rescue must know us
         conn = self.broker.pool.getconn()
         try:
             conn.autocommit = True
