@@ -54,7 +54,8 @@ def measure(url: str, writes: int, *, saturate: bool) -> list[float]:
             if saturate:
                 running = testdb.scalar(url, "SELECT count(*) FROM dramatiq.queue WHERE queue_name = 'webhook'"
                                              " AND state = 'consumed'")
-                assert running == 8, f"the webhook queue should still be full ({running} running)"
+                # 8 running (+ up to 4 prefetched): the queue stayed at its limit
+                assert running >= 8, f"the webhook queue should still be full ({running} claimed)"
         finally:
             server.release.set()
             stop()

@@ -76,8 +76,8 @@ def emit_latency(admin_url: str, count: int) -> list[float]:
         started[label] = time.perf_counter()
         ready.set()
 
-    if "bench.emit_probe" not in b.actors:
-        dramatiq.actor(probe, broker=b, actor_name="bench.emit_probe", queue_name="index", max_retries=0)
+    b.actors.pop("bench.emit_probe", None)  # configure() carried the last run's closure over
+    dramatiq.actor(probe, broker=b, actor_name="bench.emit_probe", queue_name="index", max_retries=0)
     route("bench.ping", "bench.emit_probe", lambda event_id, payload: ((payload["label"],), {}))
     stop = run_worker(b, threads=4, queues=["index"])
     try:
