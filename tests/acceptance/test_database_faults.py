@@ -39,6 +39,9 @@ def test_every_backend_terminated_three_times_and_all_jobs_still_complete(
         assert worker.poll() is None, log.read_text()
         wait_for(lambda: scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state <> 'done'") == 0,
                  timeout_s=30, what="every ack to be written")
+        # the end of the last outage is logged at the next successful claim (≤ 1 s poll)
+        wait_for(lambda: log.read_text().count("database unreachable") == log.read_text().count("reachable again"),
+                 timeout_s=10, what="the last outage's recovery line")
     assert all(n >= 1 for n in killed), killed
     text = log.read_text()
     # One line when the database went away and one when it came back, per outage: not one per message
