@@ -32,9 +32,6 @@ def open_pool(url: str, *, max_size: int) -> ConnectionPool:
         open=True,
         kwargs={"application_name": "standmeet-app", "autocommit": True},
         timeout=DEFAULT_CHECKOUT_TIMEOUT_S,
-        # A connection killed while idle (server restart, pg_terminate_backend) is
-        # replaced at checkout instead of failing the job that drew it.
-        check=ConnectionPool.check_connection,
     )
 
 
@@ -51,15 +48,30 @@ def connection(*, timeout_s: float | None = None) -> Iterator[psycopg.Connection
     limit = deadline.remaining_s()
     if timeout_s is not None:
         limit = timeout_s if limit is None else min(limit, timeout_s)
+    conn = _checkout(pool, _ms(limit))
     try:
-        conn = pool.getconn()
-    except PoolTimeout as exc:
-        raise DatabaseUnavailable(f"no application connection became free: {exc}") from exc
-    try:
-        conn.execute(SET_STATEMENT_TIMEOUT, (str(_ms(limit)),))
         yield conn
     finally:
         pool.putconn(conn)
+
+
+def _checkout(pool: ConnectionPool, statement_timeout_ms: int) -> psycopg.Connection:
+    """A pooled connection with its statement_timeout set; that first statement doubles as
+    the health check: a connection killed while idle (server restart,
+    pg_terminate_backend) is dropped and replaced once, instead of failing the job."""
+    for attempt in (1, 2):
+        try:
+            conn = pool.getconn()
+        except PoolTimeout as exc:
+            raise DatabaseUnavailable(f"no application connection became free: {exc}") from exc
+        try:
+            conn.execute(SET_STATEMENT_TIMEOUT, (str(statement_timeout_ms),))
+            return conn
+        except psycopg.OperationalError as exc:
+            pool.putconn(conn)  # broken: the pool discards it
+            if attempt == 2:
+                raise DatabaseUnavailable(str(exc)) from exc
+    raise AssertionError("unreachable")
 
 
 def _ms(limit_s: float | None) -> int:
