@@ -24,6 +24,7 @@ from typing import Any
 import dramatiq
 import httpx
 
+from actors.http import CLIENT
 from actors.netguard import UrlRefused, check_url
 from broker import db, deadline
 from broker.enqueue import build_message, enqueue_message
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 #: The largest feed read; a bigger one is an error on its source.
 MAX_FEED_BYTES = 5 * 1024 * 1024
 KINDS = ("json", "rss")
-CLIENT = httpx.Client(follow_redirects=False)
 
 ADD_SOURCE = """
 INSERT INTO standmeet.job_sources (url, kind, time_limit_s) VALUES (%s, %s, %s)

@@ -18,6 +18,7 @@ import dramatiq
 import httpx
 import psycopg
 
+from actors.http import CLIENT
 from broker import db, deadline
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
@@ -38,7 +39,6 @@ SET attempts = attempts + 1, status = %(status)s, status_code = %(code)s, respon
 WHERE id = %(id)s
 """
 
-CLIENT = httpx.Client(follow_redirects=False)
 
 
 class SupplierRefused(StandmeetError):

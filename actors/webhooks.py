@@ -34,6 +34,7 @@ import psycopg
 from dramatiq.errors import Retry
 from dramatiq.middleware import CurrentMessage
 
+from actors.http import CLIENT
 from actors.netguard import UrlRefused, check_url
 from broker import db
 from broker.enqueue import enqueue
@@ -49,7 +50,6 @@ SCHEDULE = (5, 300, 1800, 7200, 18000, 36000, 36000)
 RETRY_AFTER_BOUNDS = (1, 36000)
 #: Response bodies are kept up to this size.
 BODY_CAP = 16 * 1024
-CLIENT = httpx.Client(follow_redirects=False)
 
 
 class WebhookError(StandmeetError):

@@ -105,3 +105,8 @@ def run_worker(broker: dramatiq.Broker, *, threads: int, queues: list[str]) -> C
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def pct(values: list[float], p: float) -> float:
+    """The p-th quantile of sorted ``values`` (nearest rank)."""
+    return values[min(len(values) - 1, int(p * len(values)))]

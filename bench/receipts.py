@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import fresh_database, median, quiet, run_worker  # noqa: E402
+from bench.common import fresh_database, median, pct, quiet, run_worker  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 #: The seed's Go system, per write: a poll (≤ 100 ms, ~50 on average) + a 250 ms batch,
@@ -61,9 +61,6 @@ def measure(url: str, writes: int, *, saturate: bool) -> list[float]:
             stop()
     return sorted(latencies)
 
-
-def pct(values: list[float], p: float) -> float:
-    return values[min(len(values) - 1, int(p * len(values)))]
 
 
 def main() -> int:

@@ -31,6 +31,7 @@ from bench.common import (  # noqa: E402
     bulk_insert_vanilla,
     fresh_database,
     median,
+    pct,
     quiet,
     run_worker,
     vanilla_broker,
@@ -146,7 +147,7 @@ def _latencies(broker: dramatiq.Broker, queue: str, threads: int, count: int) ->
             actor.send(i)
             if not ready.wait(10):
                 raise TimeoutError(f"message {i} did not start within 10 s")
-            out.append(started[i] - sent)
+            out.append((started[i] - sent) * 1000)  # ms
             time.sleep(0.005)
         return sorted(out)
     finally:
@@ -178,9 +179,6 @@ def declare(broker: dramatiq.Broker, fn, name: str, queue: str) -> dramatiq.Acto
         return broker.actors[name]
     return dramatiq.actor(fn, broker=broker, actor_name=name, queue_name=queue, max_retries=0)
 
-
-def pct(values: list[float], p: float) -> float:
-    return values[min(len(values) - 1, int(p * len(values)))] * 1000
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
 
-from bench.common import fresh_database, quiet, run_worker  # noqa: E402
+from bench.common import fresh_database, pct, quiet, run_worker  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 
@@ -106,8 +106,6 @@ def main() -> int:
         infra.current_broker().close()
         testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
 
-    def pct(values: list[float], p: float) -> float:
-        return values[min(len(values) - 1, int(p * len(values)))]
 
     print(f"write->indexed idle: p50 {pct(idle, .5):.1f} ms, p95 {pct(idle, .95):.1f} ms")
     print(f"write->indexed with 8 slow endpoints holding the webhook queue: p50 {pct(busy, .5):.1f} ms,"
