@@ -7,8 +7,11 @@ global broker; ``import actors`` calls it, so ``dramatiq actors`` just works.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import dramatiq
+import psycopg
 
 from broker.embedded import resolve_database_url
 from broker.enqueue import enqueue
@@ -27,9 +30,20 @@ __all__ = [
     "current_broker",
     "emit",
     "enqueue",
+    "enqueue_many",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connection[Any] | None = None,
+                 delay_ms: int | None = None) -> list[dramatiq.Message]:
+    """Enqueue many Dramatiq messages in one statement, due after ``delay_ms``.
+
+    With ``conn``, they are written in the caller's transaction (woken at its commit);
+    without, on the broker's own connection.
+    """
+    return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 
 
 def configure(settings: Settings | None = None, *, url: str | None = None) -> StandmeetBroker:

@@ -1,12 +1,13 @@
-"""The start-up connection budget (R7).
+"""The start-up connection budget.
 
 A process may use at most half of the application pool for background work: the
 sum of the max workers of the queues it serves, plus the relay. The other half is
 for web requests. A configuration that breaks this fails at boot, never as
 queueing in production.
 
-The broker's own psycopg2 pool (dramatiq-pg's driver) must also serve one
-connection per consumer plus the acks, or an ack would wait on a full pool.
+The broker's own connections are counted beside it, from the queues the process
+really serves: one per consumer (its LISTEN and claims), one for the settler, and the
+small pool for sends, heartbeats and rescue (``STANDMEET_BROKER_ACK_CONNECTIONS``).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class Budget:
 
 
 def broker_pool_size(settings: Settings, consumers: int) -> int:
-    """Size of the psycopg2 pool: one connection per consumer, plus the ack slots."""
-    return consumers + settings.broker_ack_connections
+    """The broker's connections: one per consumer, the settler's, and the send pool."""
+    return consumers + 1 + settings.broker_ack_connections
 
 
 def compute_budget(settings: Settings, queues: Iterable[str] | None = None) -> Budget:
@@ -73,12 +74,7 @@ def check_budget(settings: Settings, queues: Iterable[str] | None = None) -> Bud
             "refusing to start: webhook timings must be HTTP timeout < job limit < endpoint lease "
             f"(STANDMEET_WEBHOOK_HTTP_TIMEOUT_S={settings.webhook_http_timeout_s:g} < "
             f"STANDMEET_QUEUE_WEBHOOK_TIME_LIMIT_S={webhook_limit:g} < STANDMEET_WEBHOOK_LEASE_S="
-            f"{settings.webhook_lease_s:g}), so a slow endpoint times out before its job is killed (R9) "
-            "and a dead worker's lease expires by itself (R3)"
-        )
-    if budget.broker_pool_size < budget.consumers + 1:
-        raise BudgetError(
-            f"refusing to start: the broker pool ({budget.broker_pool_size}) cannot hold "
-            f"{budget.consumers} consumer connections and at least one ack connection"
+            f"{settings.webhook_lease_s:g}), so a slow endpoint times out before its job is killed "
+            "and a dead worker's lease expires by itself"
         )
     return budget

@@ -16,6 +16,9 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker import deadline
 from broker.errors import DatabaseUnavailable
+from broker.pgpool import close_quietly
+
+__all__ = ["close_quietly", "connection", "open_pool"]
 
 #: How long a job waits for a pooled connection before failing (retryable).
 DEFAULT_CHECKOUT_TIMEOUT_S = 10.0
@@ -78,12 +81,3 @@ def _ms(limit_s: float | None) -> int:
     if limit_s is None:
         return 0  # no limit outside a job
     return max(1, int(limit_s * 1000))
-
-
-def close_quietly(conn: psycopg.Connection | None) -> None:
-    """Close a dedicated connection (a LISTEN or relay connection) that may be broken."""
-    if conn is not None:
-        try:
-            conn.close()
-        except psycopg.Error:
-            pass

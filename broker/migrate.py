@@ -32,6 +32,21 @@ CREATE TABLE IF NOT EXISTS standmeet.schema_migrations (
 APPLIED_SQL = "SELECT version FROM standmeet.schema_migrations"
 RECORD_SQL = "INSERT INTO standmeet.schema_migrations (version, name) VALUES (%s, %s)"
 
+#: Adopt what dramatiq-pg writes (run on every migrate, so a database still written by
+#: dramatiq-pg processes during a switch-over is adopted again): its delayed messages live
+#: in a queue named ``<queue>.DQ`` with an ``eta`` option in epoch milliseconds; ours
+#: live on their canonical queue with the ``eta`` column. Messages it left ``consumed``
+#: carry no worker id: crash rescue requeues them, without blame (they never started here).
+ADOPT_DRAMATIQ_PG = r"""
+UPDATE dramatiq.queue
+SET queue_name = left(queue_name, -3),
+    eta = CASE WHEN message->'options' ? 'eta'
+               THEN to_timestamp((message->'options'->>'eta')::float8 / 1000.0)
+               ELSE eta END,
+    message = jsonb_set(message #- '{options,eta}', '{queue_name}', to_jsonb(left(queue_name, -3)))
+WHERE queue_name LIKE '%.DQ'
+"""
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -71,6 +86,9 @@ def migrate(url: str) -> list[Migration]:
                     conn.execute(migration.sql.encode())
                     conn.execute(RECORD_SQL, (migration.version, migration.name))
                     applied.append(migration)
+                adopted = conn.execute(ADOPT_DRAMATIQ_PG).rowcount
+                if adopted:
+                    logger.info("adopted %d delayed message(s) written by dramatiq-pg", adopted)
         except psycopg.Error as exc:
             raise MigrationError(f"migration failed and was rolled back: {exc}") from exc
     return applied

@@ -1,77 +1,92 @@
-"""Our Postgres broker: dramatiq-pg, subclassed to fix its measured defects.
+"""Our Postgres broker: a ``dramatiq.Broker`` on psycopg 3, in dramatiq-pg's table.
 
-What changes against ``dramatiq_pg.PostgresBroker`` / ``PostgresConsumer``:
+What it guarantees:
 
-* **Claiming.** A consumer claims due messages with one ``UPDATE … FROM (SELECT …
-  FOR UPDATE SKIP LOCKED LIMIT n)`` statement, recording the claiming process
-  (``worker_id``) and a claim counter on the row. No advisory lock outlives the
-  statement, so the locks held stay bounded whatever the backlog.
-* **Per-queue prefetch.** Each queue's consumer holds at most that queue's
-  ``max_workers`` messages (claimed and not yet acked) in this process, whatever
-  prefetch Dramatiq's worker asks for, and wakes the moment one of them is acked
-  (a self-pipe beside the LISTEN socket): no back-off counter, no fixed wait.
-* **Delays live in the database.** ``enqueue(delay=…)`` writes the message with an
-  ``eta``; it is claimed only when due, and the consumer sleeps exactly until the
-  next due message. No delay queues, nothing held in worker memory.
-* **Acks never vanish.** Acks go through a pool that waits rather than raising, and
-  are retried through an outage; an ack only applies to the claim it belongs to.
-* **Liveness.** Every consuming process registers itself and sends heartbeats; the
-  messages of a process that stopped or fell silent are requeued (crash rescue).
-* **One line per outage.** Consumers reconnect with back-off by themselves.
+* **Claims are bounded per queue.** A consumer claims due messages with one
+  ``UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)`` statement (lower
+  ``priority`` first, then oldest due), never more than its queue's limit running plus
+  a small prefetch. It wakes on NOTIFY, or the moment one of its jobs finishes. No
+  advisory lock outlives the statement, so the locks held stay bounded at any backlog.
+* **One settle path.** Every outcome of a run — done, retry with back-off, snooze,
+  reject — is one statement bound to the claim it settles (``message_id`` *and* claim
+  number), written by the broker's settler thread, never by the worker thread (which
+  only hands the outcome over and goes on). A message is ``done`` only if its actor
+  returned. What the run sent from its after-hooks (pipelines, callbacks) is enqueued
+  in the same transaction. If the database is down, the message stays ``consumed``
+  and the settler keeps trying; nothing is recorded that did not happen.
+* **Delays live in the database** (the ``eta`` column): nothing waits in worker memory.
+* **Fair rescue.** Every process heartbeats by the database's clock; it proves it is
+  alive before it claims again after an outage. The messages of a process that
+  stopped or fell silent go back to their queue; only a message that had *started* in a
+  process that died uncleanly is blamed, and one that died beside others is re-run
+  alone (with no other of that set beside it) before it can be blamed.
+* **Graceful stops carry no blame.** Prefetched messages go back the moment shutdown
+  starts; a job cut off at the shutdown timeout is requeued without a crash counted.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import select
 import socket
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import dramatiq
-import psycopg2
-import psycopg2.extensions
+import psycopg
 from dramatiq.broker import Consumer, MessageProxy
-from dramatiq.errors import ConnectionError as DramatiqConnectionError
-from dramatiq.errors import QueueNotFound
+from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
-from dramatiq_pg import PostgresBroker
 
 from broker import detach, sql
-from broker.budget import broker_pool_size
-from broker.errors import Deferred
-from broker.pgpool import DISCONNECTS, BlockingPool, Outage
-from broker.settings import AWAITED_QUEUES, QueueSettings, Settings
+from broker.backoff import Backoff
+from broker.errors import ConfigError, Deferred
+from broker.pgpool import DISCONNECTS, Outage, close_quietly, connect, open_send_pool
+from broker.settings import QueueSettings, Settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("standmeet.broker")
 
-#: Longest back-off between reconnection attempts of a consumer or an ack.
-MAX_RECONNECT_BACKOFF_S = 5.0
-#: Queues whose final acks send a receipt (R5): the ones a request waits on.
-AWAITED = sorted(AWAITED_QUEUES)
-#: A message for an unknown actor is given back this much later, and rejected after this many claims.
-UNKNOWN_ACTOR_DELAY_S = 10.0
-UNKNOWN_ACTOR_MAX_CLAIMS = 30
 #: Shortest sleep when due messages exist but were all locked by another claimer.
 MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
 SHUTDOWN_POLL_S = 0.05
+#: How long ``join`` sleeps between two looks at a queue.
+JOIN_POLL_S = 0.02
+#: How long ``close`` lets the settler write what is pending.
+CLOSE_FLUSH_S = 5.0
+#: Longest text of an error kept on a rejected message.
+MAX_ERROR_CHARS = 4000
+
+_local = threading.local()
+
+
+@dataclass
+class Claim:
+    """One claim of a message by this process: (message id, claim number)."""
+
+    message: Message
+    number: int
+    started: bool
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.message.message_id, self.number)
 
 
 class QueueState:
-    """What this process holds of one queue: shared by its successive consumers and acks.
+    """What this process holds of one queue: shared by its successive consumers.
 
     A claim is identified by (message id, claim number): the same message can be
-    claimed again (a snooze or retry due at once) before the previous run is settled.
-    At most ``limit`` claims are *running* (handed to Dramatiq's worker); up to
-    ``prefetch`` more wait in :attr:`buffer`, claimed, and start the moment a running
-    one finishes, without a round trip to the database.
+    claimed again (a snooze due at once) before the previous run is settled. At most
+    ``limit`` claims are *running* (handed to Dramatiq's worker); up to ``prefetch`` more
+    wait in :attr:`buffer`, claimed, and start the moment a running one finishes. A claim
+    stays *in flight* until its settle is written.
     """
 
     def __init__(self, settings: QueueSettings) -> None:
@@ -80,12 +95,9 @@ class QueueState:
         self.limit = settings.max_workers
         self.prefetch = settings.prefetch
         self.lock = threading.Lock()
-        #: every claim made and not yet settled: (message_id, claim number).
         self.in_flight: set[tuple[str, int]] = set()
-        #: the claims handed to Dramatiq's worker and not finished: at most ``limit``.
         self.running: set[tuple[str, int]] = set()
-        #: claimed messages not yet handed to Dramatiq's worker, with their claim number.
-        self.buffer: deque[tuple[Message, int]] = deque()
+        self.buffer: deque[Claim] = deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -95,68 +107,223 @@ class QueueState:
         with self.lock:
             return self.limit + self.prefetch - len(self.in_flight)
 
-    def hold(self, message: Message, claims: int) -> None:
+    def start_now(self) -> int:
+        """How many claimed messages would start at once (free running slots)."""
         with self.lock:
-            self.in_flight.add((message.message_id, claims))
-            self.buffer.append((message, claims))
+            return max(0, self.limit - len(self.running) - len(self.buffer))
 
-    def next_buffered(self) -> MessageProxy | None:
+    def hold(self, claim: Claim) -> None:
+        with self.lock:
+            self.in_flight.add(claim.key)
+            self.buffer.append(claim)
+
+    def next_buffered(self) -> Claim | None:
         """The next claimed message to start, if fewer than ``limit`` are running."""
         with self.lock:
             if not self.buffer or len(self.running) >= self.limit:
                 return None
-            message, claims = self.buffer.popleft()
-            self.running.add((message.message_id, claims))
-        proxy = MessageProxy(message)
-        proxy.standmeet_claim = claims  # type: ignore[attr-defined]  # travels with the message to its ack
-        return proxy
+            claim = self.buffer.popleft()
+            self.running.add(claim.key)
+            return claim
 
-    def take_buffer(self) -> list[tuple[Message, int]]:
+    def take_buffer(self) -> list[Claim]:
         with self.lock:
             taken = list(self.buffer)
             self.buffer.clear()
             return taken
 
-    def finished(self, claim: tuple[str, int]) -> None:
-        """A running job has ended: its slot is free (its ack may still be on its way)."""
+    def finished(self, key: tuple[str, int]) -> None:
+        """A running job has ended: its slot is free (its settle may still be on its way)."""
         with self.lock:
-            self.running.discard(claim)
+            self.running.discard(key)
         self.wake()
 
-    def release(self, claims: Iterable[tuple[str, int]]) -> None:
+    def release(self, keys: Iterable[tuple[str, int]]) -> None:
+        """Settled (or given back): the claims no longer count against the queue."""
         with self.lock:
-            for claim in claims:
-                self.in_flight.discard(claim)
-                self.running.discard(claim)
+            for key in keys:
+                self.in_flight.discard(key)
+                self.running.discard(key)
         self.wake()
 
     def wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
+        except OSError:
             pass  # the pipe is full: the consumer is going to wake anyway
 
     def drain_wake(self) -> None:
         try:
             while os.read(self._wake_r, 4096):
                 pass
-        except (BlockingIOError, OSError):
+        except OSError:
             pass
 
     @property
     def wake_fd(self) -> int:
         return self._wake_r
 
-    def close(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
+
+@dataclass
+class Outcome:
+    """How one run ended, as the settler writes it."""
+
+    message_id: str
+    claim: int
+    queue_name: str
+    outcome: str  # done | rejected | queued
+    message_json: str
+    delay_s: float = 0.0
+    error: str | None = None
+    followups: list[tuple[Message, float]] = field(default_factory=list)
+
+
+@dataclass
+class SettleContext:
+    """The after-hooks of one run are running on this thread: what they send is kept."""
+
+    proxy: MessageProxy
+    requeue_delay_ms: int | None = None
+    followups: list[tuple[Message, float]] = field(default_factory=list)
+    returned: bool = False
+    skipped: bool = False
+
+
+class Settler:
+    """The broker's one writer of outcomes: batches, retries through outages, never drops.
+
+    Worker threads :meth:`submit` and go on. The settler's thread writes everything
+    pending in one statement (plus one for start marks), on a dedicated connection;
+    when the database is down it keeps the outcomes, logs the outage once, and after
+    reconnecting proves this process alive before writing.
+    """
+
+    def __init__(self, broker: StandmeetBroker) -> None:
+        self.broker = broker
+        self._cond = threading.Condition()
+        self._pending: list[Outcome] = []
+        self._started: list[tuple[str, int]] = []
+        self._busy = False
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread: detach.Detached | None = None
+        self.written = 0
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = detach.go(f"settler-{self.broker.worker_id[:8]}", self.run)
+
+    def submit(self, outcome: Outcome) -> None:
+        with self._cond:
+            self._pending.append(outcome)
+            self._cond.notify()
+        self.start()
+
+    def mark_started(self, key: tuple[str, int]) -> None:
+        with self._cond:
+            self._started.append(key)
+            self._cond.notify()
+        self.start()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending) + len(self._started) + (1 if self._busy else 0)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything submitted is written; False if time ran out."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending or self._started or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        backoff = Backoff(start_s=0.05, cap_s=2.0)
+        while True:
+            with self._cond:
+                while not self._pending and not self._started and not stop.is_set():
+                    self._cond.wait(0.5)
+                if not self._pending and not self._started:
+                    return  # stopped, nothing left
+                outcomes, self._pending = self._pending, []
+                started, self._started = self._started, []
+                self._busy = True
             try:
-                os.close(fd)
-            except OSError:
-                pass
+                self.settle_once(outcomes, started)
+                backoff.reset()
+            except DISCONNECTS as exc:
+                self.broker.outage.failed("settle", exc)
+                close_quietly(self._conn)
+                self._conn = None
+                with self._cond:  # keep them, in order, for the next attempt
+                    self._pending[:0] = outcomes
+                    self._started[:0] = started
+                    self._busy = False
+                    self._cond.notify_all()
+                if self.broker.abandon_settles:
+                    return  # closing: what is left stays consumed and runs again
+                time.sleep(backoff.next_s()) if stop.is_set() else stop.wait(backoff.next_s())
+                continue
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.broker.url, application_name="standmeet-settler", async_commit=True)
+            self.broker.prove_alive(self._conn)
+        return self._conn
+
+    def settle_once(self, outcomes: Sequence[Outcome], started: Sequence[tuple[str, int]]) -> int:
+        """Write ``outcomes`` and start marks in one round trip; return outcomes written."""
+        conn = self._connection()
+        settling = {(o.message_id, o.claim) for o in outcomes}
+        started = [key for key in started if key not in settling]  # one update per row and statement
+        with conn.pipeline():
+            if started:
+                conn.execute(sql.MARK_STARTED, {"ids": [k[0] for k in started], "claims": [k[1] for k in started]})
+            if outcomes:
+                conn.execute(sql.SETTLE, settle_params(outcomes, self.broker.awaited))
+        self.broker.outage.ok()
+        self.written += len(outcomes)
+        by_queue: dict[str, list[tuple[str, int]]] = {}
+        for o in outcomes:
+            by_queue.setdefault(o.queue_name, []).append((o.message_id, o.claim))
+        for queue_name, keys in by_queue.items():
+            state = self.broker.queue_states.get(queue_name)
+            if state is not None:
+                state.release(keys)
+        return len(outcomes)
+
+    def close(self) -> None:
+        close_quietly(self._conn)
+        self._conn = None
 
 
-class StandmeetBroker(PostgresBroker):
-    """dramatiq-pg's broker with per-queue limits, database delays and crash rescue."""
+def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str]) -> dict[str, Any]:
+    followups = [(o.message_id, m, delay) for o in outcomes for m, delay in o.followups]
+    return {
+        "ids": [o.message_id for o in outcomes],
+        "claims": [o.claim for o in outcomes],
+        "outcomes": [o.outcome for o in outcomes],
+        "messages": [o.message_json for o in outcomes],
+        "delays": [o.delay_s for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "f_parents": [parent for parent, _, _ in followups],
+        "f_queues": [m.queue_name for _, m, _ in followups],
+        "f_ids": [m.message_id for _, m, _ in followups],
+        "f_messages": [message_json(m) for _, m, _ in followups],
+        "f_delays": [delay for _, _, delay in followups],
+        "f_priorities": [message_priority(m) for _, m, _ in followups],
+        "awaited": list(awaited),
+    }
+
+
+class StandmeetBroker(dramatiq.Broker):
+    """A Dramatiq broker on Postgres: per-queue limits, database delays, one settle path."""
 
     def __init__(self, *, settings: Settings, url: str, middleware: list[Any] | None = None) -> None:
         self.settings = settings
@@ -165,15 +332,19 @@ class StandmeetBroker(PostgresBroker):
         self.outage = Outage("worker")
         self.claiming = True
         self.closing = False
+        #: set on close once the settler gave up waiting for the database
+        self.abandon_settles = False
         self.queue_states: dict[str, QueueState] = {}
-        self._registered = False
-        self._register_lock = threading.Lock()
+        self.awaited = sorted(settings.awaited_queues)
+        self.served: set[str] = set()
+        self.settler = Settler(self)
+        self._lock = threading.Lock()
         self._heartbeat: detach.Detached | None = None
+        self._pool: Any = None
         self._app_pool: Any = None
         self.relay: Any = None
         self._waiters: Any = None
-        pool = BlockingPool(url, broker_pool_size(settings, len(settings.queues)))
-        super().__init__(pool=pool, results=False, middleware=middleware)
+        super().__init__(middleware=middleware or [])
         for name in settings.queues:
             self.declare_queue(name)
 
@@ -183,155 +354,283 @@ class StandmeetBroker(PostgresBroker):
         # No delay queues: delays live in the database (the ``eta`` column).
         if queue_name not in self.queues:
             self.emit_before("declare_queue", queue_name)
-            self.queues[queue_name] = True
-            self.queue_states[queue_name] = QueueState(self._queue_settings(queue_name))
+            self.queue_states[queue_name] = QueueState(self.settings.queue(queue_name))
+            self.queues[queue_name] = self.queue_states[queue_name]
             self.emit_after("declare_queue", queue_name)
 
-    def _queue_settings(self, queue_name: str) -> QueueSettings:
-        if queue_name in self.settings.queues:
-            return self.settings.queues[queue_name]
-        # A queue outside R1 (declared by an application actor): limits like "fetch".
-        base = self.settings.queues["fetch"]
-        return QueueSettings(queue_name, base.max_workers, base.time_limit_s, base.poll_s)
-
     def queue_settings(self, queue_name: str) -> QueueSettings:
-        return self.queue_states[queue_name].settings
+        state = self.queue_states.get(queue_name)
+        return state.settings if state is not None else self.settings.queue(queue_name)
+
+    def get_declared_queues(self) -> set[str]:
+        return set(self.queues)
+
+    def get_declared_delay_queues(self) -> set[str]:
+        return set()
+
+    # -- connections ----------------------------------------------------------------
+
+    @property
+    def pool(self) -> Any:
+        """The pool for sends, heartbeats and rescue, opened on first use."""
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = open_send_pool(self.url, max_size=self.settings.broker_ack_connections)
+        return self._pool
+
+    def execute(self, query: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        """One autocommit statement on the send pool; its rows (empty if none)."""
+        with self.pool.connection() as conn:
+            cur = conn.execute(query, params)
+            return cur.fetchall() if cur.description else []
 
     # -- enqueue ------------------------------------------------------------------
 
     def enqueue(self, message: Message, *, delay: int | None = None) -> Message:
-        """Write ``message`` (due after ``delay`` ms) and wake its queue's consumers."""
+        """Write ``message`` (due after ``delay`` ms) and wake its queue's consumers.
+
+        Sent from the after-hooks of a run on this thread (a retry, a snooze, a pipeline's
+        next step, a callback), it is written with that run's settle instead: in the same
+        transaction, and only if the run is settled.
+        """
         if message.queue_name not in self.queues:
             raise QueueNotFound(message.queue_name)
         message.options.pop("eta", None)  # Dramatiq would hold an ``eta`` message in memory
+        context: SettleContext | None = getattr(_local, "settling", None)
+        if context is not None:
+            self.emit_before("enqueue", message, delay)
+            if message.message_id == context.proxy.message_id:
+                context.requeue_delay_ms = int(delay or 0)
+            else:
+                context.followups.append((as_message(message), (delay or 0) / 1000.0))
+            self.emit_after("enqueue", message, delay)
+            return message
         self.emit_before("enqueue", message, delay)
         params = enqueue_params([message], delay)
-        backoff = 0.05
-        while True:
-            try:
-                self.pool.execute(sql.ENQUEUE, params)
-                self.outage.ok()
-                break
-            except DISCONNECTS as exc:
-                # A retry re-enqueues from a worker thread: wait out a short outage.
-                self.outage.failed("enqueue", exc)
-                if self.closing or backoff > MAX_RECONNECT_BACKOFF_S * 4:
-                    raise DramatiqConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
-                time.sleep(backoff)
-                backoff *= 2
+        try:
+            self.execute(sql.ENQUEUE, params)
+        except DISCONNECTS as exc:
+            raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
         self.emit_after("enqueue", message, delay)
         return message
 
+    def enqueue_many(self, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None,
+                     delay: int | None = None) -> list[Message]:
+        """Write many messages in one statement (on ``conn``, in its transaction, if given)."""
+        batch = list(messages)
+        if not batch:
+            return batch
+        for message in batch:
+            if message.queue_name not in self.queues:
+                raise QueueNotFound(message.queue_name)
+            message.options.pop("eta", None)
+            self.emit_before("enqueue", message, delay)
+        params = enqueue_params(batch, delay)
+        try:
+            if conn is not None:
+                conn.execute(sql.ENQUEUE, params)
+            else:
+                self.execute(sql.ENQUEUE, params)
+        except DISCONNECTS as exc:
+            raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
+        for message in batch:
+            self.emit_after("enqueue", message, delay)
+        return batch
+
+    # -- the settle path ------------------------------------------------------------
+
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        # A job that asked to run later (Snooze) is not a failure: Dramatiq's worker
-        # reports it as "processed with an exception"; we report it as skipped, so
-        # no retry is counted and no failure callback fires, and every middleware
-        # releases what it acquired in ``after_skip_message``.
-        if signal == "process_message" and isinstance(kwargs.get("exception"), Deferred):
-            signal, kwargs = "skip_message", {}
-        super().emit_after(signal, *args, **kwargs)
-
-    # -- consuming ----------------------------------------------------------------
-
-    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> StandmeetConsumer:
-        # ``prefetch`` is ignored on purpose: a queue holds at most its own limit. No I/O
-        # here: the consumer registers this process on its first connection, inside its
-        # outage handling (a database down at start-up is one log line, then a retry).
-        return StandmeetConsumer(self, self.queue_states[queue_name], timeout_ms=timeout)
-
-    def stop_claiming(self) -> None:
-        """Claim nothing more (shutdown); consumers wake up to notice."""
-        self.claiming = False
-        for state in self.queue_states.values():
-            state.wake()
-
-    def settle(self, message: Message | MessageProxy, query: str, extra: dict[str, Any]) -> None:
-        """Write an ack or nack, retrying through an outage; then free the queue slot."""
-        state = self.queue_states[message.queue_name]
-        claims = claim_of(message)
-        if claims is None:
-            logger.debug("settle: %s was not claimed by this process", message.message_id)
+        if signal not in ("process_message", "skip_message"):
+            super().emit_after(signal, *args, **kwargs)
             return
-        state.finished((message.message_id, claims))  # the next buffered job may start now
-        params = {
-            "message": message_json(message),
-            "message_id": message.message_id,
-            "claims": claims,
-            "awaited": AWAITED,
-            **extra,
-        }
-        backoff = 0.05
-        while True:
-            try:
-                self.pool.execute(query, params)
-                self.outage.ok()
-                break
-            except DISCONNECTS as exc:
-                self.outage.failed("ack", exc)
-                if self.closing:
-                    # Leave it "consumed": crash rescue runs it again (at least once).
-                    raise DramatiqConnectionError(str(exc)) from exc
-                time.sleep(backoff * (1 + random.random()))
-                backoff = min(backoff * 2, MAX_RECONNECT_BACKOFF_S)
-        state.release([(message.message_id, claims)])
+        proxy = args[0]
+        exception = kwargs.get("exception")
+        # A job that asked to run later (Snooze) is not a failure: report it as skipped,
+        # so no retry is counted, no failure callback fires, and every middleware
+        # releases what it acquired in ``after_skip_message``.
+        if signal == "process_message" and isinstance(exception, Deferred):
+            signal, kwargs = "skip_message", {}
+        context = getattr(proxy, "standmeet_settle", None)
+        if context is None and claim_of(proxy) is not None:
+            context = proxy.standmeet_settle = SettleContext(proxy)  # type: ignore[union-attr]
+        if context is not None and signal == "process_message" and exception is None:
+            context.returned = True
+        if context is not None and signal == "skip_message":
+            context.skipped = True  # acked without running, unless a middleware requeues it
+        for middleware in self.middleware:  # the time limit never fires in the settle path
+            disarm = getattr(middleware, "disarm", None)
+            if disarm is not None:
+                disarm()
+        _local.settling = context
+        try:
+            super().emit_after(signal, *args, **kwargs)
+        finally:
+            _local.settling = None
+
+    def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
+        """Hand a finished run's outcome to the settler and free its running slot.
+
+        Never blocks on the database: the worker thread goes on at once.
+        """
+        claim = claim_of(proxy)
+        state = self.queue_states.get(proxy.queue_name)
+        if claim is None or state is None:
+            logger.debug("settle: %s was not claimed by this process", proxy.message_id)
+            return
+        key = (proxy.message_id, claim)
+        context: SettleContext | None = getattr(proxy, "standmeet_settle", None)
+        followups = context.followups if context is not None else []
+        if rejected:
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "rejected", message_json(proxy),
+                              error=rejection_reason(proxy), followups=followups)
+        elif context is not None and context.requeue_delay_ms is not None:
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", message_json(proxy),
+                              delay_s=context.requeue_delay_ms / 1000.0, followups=followups)
+        elif context is not None and (context.returned or context.skipped):
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done", message_json(proxy),
+                              followups=followups)
+        else:
+            # Neither returned, nor retried, nor rejected: a middleware failed in the
+            # middle of the after-hooks. Never record it as done: run it again.
+            logger.error("message %s ended without an outcome; running it again", proxy.message_id)
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", message_json(proxy),
+                              delay_s=self.settings.min_backoff_ms / 1000.0, followups=followups)
+        proxy.standmeet_settle = None  # type: ignore[attr-defined]
+        state.finished(key)  # the next buffered job may start now
+        self.settler.submit(outcome)
 
     def requeue(self, messages: Iterable[Message | MessageProxy], claims: Iterable[int] | None = None) -> int:
-        """Give claimed messages that never started back to their queue."""
-        by_queue: dict[str, list[tuple[str, int]]] = {}
+        """Give claimed messages that never started back to their queue, without blame."""
         messages = list(messages)
         numbers = list(claims) if claims is not None else [claim_of(m) for m in messages]
+        by_queue: dict[str, list[tuple[str, int]]] = {}
         for message, number in zip(messages, numbers, strict=True):
             if number is not None:
                 by_queue.setdefault(message.queue_name, []).append((message.message_id, number))
         total = 0
-        for queue_name, held in by_queue.items():
-            ids = [message_id for message_id, _ in held]
-            self.pool.execute(sql.REQUEUE, {"message_ids": ids, "worker_id": self.worker_id})
-            self.queue_states[queue_name].release(held)
-            total += len(ids)
+        for queue_name, keys in by_queue.items():
+            self.execute(sql.REQUEUE, {"ids": [k[0] for k in keys], "claims": [k[1] for k in keys],
+                                       "worker_id": self.worker_id})
+            self.queue_states[queue_name].release(keys)
+            total += len(keys)
         if total:
             logger.info("returned %d prefetched message(s) to the queue", total)
         return total
 
+    # -- consuming ----------------------------------------------------------------
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> StandmeetConsumer:
+        # ``prefetch`` is ignored on purpose: a queue holds at most its own limit plus its
+        # own prefetch. No I/O here: the consumer proves this process alive on its first
+        # connection, inside its outage handling.
+        if queue_name not in self.queue_states:
+            raise QueueNotFound(queue_name)
+        with self._lock:
+            self.served.add(queue_name)
+        return StandmeetConsumer(self, self.queue_states[queue_name], timeout_ms=timeout)
+
+    def stop_claiming(self) -> None:
+        """Claim nothing more (shutdown), and give back at once what was prefetched."""
+        self.claiming = False
+        for state in self.queue_states.values():
+            buffered = state.take_buffer()
+            if buffered:
+                try:
+                    self.requeue([c.message for c in buffered], [c.number for c in buffered])
+                except DISCONNECTS as exc:
+                    # Still ours: the graceful stop gives them back, or rescue does.
+                    logger.warning("could not give back %d prefetched message(s) yet: %s", len(buffered), exc)
+            state.wake()
+
     # -- liveness -----------------------------------------------------------------
 
+    def prove_alive(self, conn: psycopg.Connection[Any] | None = None) -> None:
+        """Record a heartbeat (registering this process if needed), on ``conn`` or the pool.
+
+        Called before the first claim, and again before claiming or settling after an
+        outage: rescue never takes back the claims of a process that proved it is alive.
+        """
+        params = {
+            "worker_id": self.worker_id,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "queues": sorted(self.served),
+        }
+        if conn is not None:
+            conn.execute(sql.HEARTBEAT, params)
+        else:
+            self.execute(sql.HEARTBEAT, params)
+        self.outage.ok()
+        self._start_heartbeat()
+
     def ensure_registered(self) -> None:
-        """Register this process and start its heartbeat (once, before the first claim)."""
-        with self._register_lock:
-            if self._registered:
-                return
-            self.pool.execute(
-                sql.REGISTER_WORKER,
-                {
-                    "worker_id": self.worker_id,
-                    "hostname": socket.gethostname(),
-                    "pid": os.getpid(),
-                    "queues": sorted(self.queues),
-                },
-            )
-            self._registered = True
-            self._heartbeat = detach.every(
-                f"heartbeat-{self.worker_id[:8]}", self.settings.heartbeat_s, self.heartbeat_once
-            )
+        self.prove_alive()
+
+    def _start_heartbeat(self) -> None:
+        with self._lock:
+            if self._heartbeat is None and not self.closing:
+                self._heartbeat = detach.every(
+                    f"heartbeat-{self.worker_id[:8]}", self.settings.heartbeat_s, self.heartbeat_once
+                )
 
     def heartbeat_once(self) -> dict[str, tuple[int, int]]:
         """Prove this process alive, and rescue the messages of dead ones."""
-        self.pool.execute(sql.HEARTBEAT, {"worker_id": self.worker_id})
+        try:
+            self.prove_alive()
+        except DISCONNECTS as exc:
+            self.outage.failed("heartbeat", exc)
+            raise
         return self.rescue_once()
 
     def rescue_once(self) -> dict[str, tuple[int, int]]:
-        """Requeue messages whose process died; returns {queue: (requeued, rejected)}."""
-        rows = self.pool.execute(
+        """Requeue messages whose process died; returns {queue: (requeued, rejected)}.
+
+        A process that was itself cut off from the database judges nobody until it has
+        been back for a whole rescue window: the others need that long to prove they live.
+        """
+        ended = self.outage.ended_at
+        if self.outage.down or (ended is not None and time.monotonic() - ended < self.settings.rescue_after_s):
+            return {}
+        rows = self.execute(
             sql.RESCUE,
             {"after_s": self.settings.rescue_after_s, "max_crashes": self.settings.max_crashes},
         )
         result = {row[0]: (int(row[1]), int(row[2])) for row in rows}
-        for queue_name, (requeued, rejected) in result.items():
+        for row in rows:
             logger.warning(
-                "crash rescue: %d message(s) of queue %r requeued, %d rejected after too many crashes",
-                requeued, queue_name, rejected,
+                "crash rescue: %d message(s) of queue %r requeued (%d suspect), %d rejected after too many crashes",
+                int(row[1]), row[0], int(row[3]), int(row[2]),
             )
         return result
+
+    # -- Dramatiq's test-support contract ---------------------------------------------
+
+    def flush(self, queue_name: str) -> None:
+        """Drop the messages of ``queue_name`` that wait (queued or delayed)."""
+        if queue_name not in self.queues:
+            raise QueueNotFound(queue_name)
+        self.execute(sql.FLUSH, {"queues": [queue_name]})
+
+    def flush_all(self) -> None:
+        """Drop the waiting messages of every declared queue."""
+        self.execute(sql.FLUSH, {"queues": sorted(self.queues)})
+
+    def join(self, queue_name: str, *, timeout: int | None = None) -> None:
+        """Wait until ``queue_name`` has nothing queued, delayed or running.
+
+        ``timeout`` is in milliseconds; :class:`dramatiq.errors.QueueJoinTimeout` past it.
+        """
+        if queue_name not in self.queues:
+            raise QueueNotFound(queue_name)
+        deadline = None if timeout is None else time.monotonic() + timeout / 1000
+        while True:
+            (outstanding,) = self.execute(sql.OUTSTANDING, {"queue": queue_name})[0]
+            if outstanding == 0 and self.settler.pending() == 0:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise QueueJoinTimeout(queue_name)
+            time.sleep(JOIN_POLL_S)
 
     # -- the outbox relay ------------------------------------------------------------
 
@@ -339,7 +638,7 @@ class StandmeetBroker(PostgresBroker):
         """Run the outbox relay in this process (every worker process runs one)."""
         from broker.outbox import Relay
 
-        with self._register_lock:
+        with self._lock:
             if self.relay is None:
                 self.relay = Relay(
                     self.url, batch=self.settings.relay_batch, poll_s=self.settings.relay_poll_s, outage=self.outage
@@ -357,7 +656,7 @@ class StandmeetBroker(PostgresBroker):
     def waiters(self) -> Any:
         """This process's receipt listeners and waiters (one LISTEN connection a channel)."""
         if self._waiters is None:
-            with self._register_lock:
+            with self._lock:
                 if self._waiters is None:
                     from broker.receipts import Waiters
 
@@ -370,7 +669,7 @@ class StandmeetBroker(PostgresBroker):
     def app_pool(self) -> Any:
         """The application's psycopg 3 pool, opened on first use."""
         if self._app_pool is None:
-            with self._register_lock:
+            with self._lock:
                 if self._app_pool is None:
                     from broker.db import open_pool
 
@@ -380,197 +679,216 @@ class StandmeetBroker(PostgresBroker):
     # -- shutdown -----------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop: write what is settled, give back what this process still holds, without blame."""
         if self.closing:
             return
         self.closing = True
         self.stop_relay()
-        self.stop_claiming()
+        if self.claiming:
+            self.stop_claiming()
+        if not self.settler.flush(CLOSE_FLUSH_S):
+            logger.warning("%d outcome(s) not written before exit: their messages run again",
+                           self.settler.pending())
+        self.abandon_settles = True
+        if self.settler._thread is not None:
+            self.settler._thread.stop(timeout_s=1)
+        self.settler.close()
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=2)
-        if self._registered:
+        if self._heartbeat is not None or self.served:
             try:
-                self.pool.execute(sql.STOP_WORKER, {"worker_id": self.worker_id})
+                self.execute(sql.STOP_WORKER, {"worker_id": self.worker_id})
             except DISCONNECTS as exc:
                 logger.warning("could not record this worker as stopped: %s", exc)
         if self._waiters is not None:
             self._waiters.close()
         if self._app_pool is not None:
             self._app_pool.close(timeout=1.0)  # a job still running past shutdown keeps its own
-        self.pool.closeall()
-        super().close()
+        if self._pool is not None:
+            self._pool.close(timeout=1.0)
+        for state in self.queue_states.values():
+            state.wake()
 
 
 class StandmeetConsumer(Consumer):
-    """Claims due messages of one queue, never more than its limit in flight."""
+    """Claims due messages of one queue, never more than its limit running plus prefetch."""
 
     def __init__(self, broker: StandmeetBroker, state: QueueState, *, timeout_ms: int) -> None:
         self.broker = broker
         self.state = state
         self.timeout_s = max(0.05, timeout_ms / 1000)
-        self.conn: psycopg2.extensions.connection | None = None
+        self.conn: psycopg.Connection[Any] | None = None
         self.next_due_s: float | None = 0.0
-        self.backoff_s = 0.0
+        self.backoff = Backoff(start_s=0.1, cap_s=5.0)
         self.channel = sql.ENQUEUE_CHANNEL.format(queue=state.name)
 
     def __iter__(self) -> StandmeetConsumer:
         return self
 
     def __next__(self) -> MessageProxy | None:
-        # Shutting down: start nothing more; the buffer goes back to the queue on close.
-        proxy = self.state.next_buffered() if self.broker.claiming else None
-        if proxy is not None:
-            return proxy
+        # Shutting down: start nothing more; the buffer went back to the queue.
+        if self.broker.claiming:
+            proxy = self._hand_out()
+            if proxy is not None:
+                return proxy
         try:
             return self._claim_or_wait()
         except DISCONNECTS as exc:
             self.broker.outage.failed(f"consumer {self.state.name}", exc)
             self._drop_connection()
-            self.backoff_s = min(max(0.1, self.backoff_s * 2), MAX_RECONNECT_BACKOFF_S)
-            self._wait_on_pipe(self.backoff_s * (0.5 + random.random() / 2))
+            self._wait_on_pipe(self.backoff.next_s())
             return None
+
+    def _hand_out(self) -> MessageProxy | None:
+        claim = self.state.next_buffered()
+        if claim is None:
+            return None
+        if not claim.started:
+            self.broker.settler.mark_started(claim.key)
+        proxy = MessageProxy(claim.message)
+        proxy.standmeet_claim = claim.number  # type: ignore[attr-defined]  # travels with it to its settle
+        return proxy
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
         if self.broker.claiming and self.state.free() > 0 and self._due():
             if self.claim_once(conn):
-                return self.state.next_buffered()
+                return self._hand_out()
         self._wait(conn)
         return None
 
     def _due(self) -> bool:
         return self.next_due_s is not None and self.next_due_s <= time.monotonic()
 
-    def claim_once(self, conn: psycopg2.extensions.connection) -> int:
+    def claim_once(self, conn: psycopg.Connection[Any]) -> int:
         """Claim up to the free slots of this queue; return how many were claimed."""
         want = self.state.free()
         if want <= 0:
             return 0
-        with conn.cursor() as cur:
-            cur.execute(sql.CLAIM, {"queue": self.state.name, "n": want, "worker_id": self.broker.worker_id})
-            rows = sorted(cur.fetchall(), key=lambda row: row[2])
-            for text, claims, _eta, row_id in rows:
-                try:
-                    message = Message.decode(text.encode("utf-8"))
-                except Exception as exc:  # a malformed row: reject it, keep going
-                    self._reject_malformed(cur, row_id, exc)
-                    continue
-                if message.actor_name not in self.broker.actors:
-                    self._bounce_unknown_actor(cur, message)
-                    continue
-                self.state.hold(message, claims)
-            if len(rows) < want:
-                cur.execute(sql.NEXT_DUE, {"queue": self.state.name})
-                (seconds,) = cur.fetchone() or (None,)
-                now = time.monotonic()
-                if seconds is None:
-                    self.next_due_s = now + self.state.settings.poll_s
-                else:
-                    wait = max(MIN_WAIT_S, float(seconds))
-                    self.next_due_s = now + min(wait, self.state.settings.poll_s)
+        start_now = self.state.start_now()
+        rows = conn.execute(sql.CLAIM, {"queue": self.state.name, "n": want, "n_start": start_now,
+                                        "worker_id": self.broker.worker_id}).fetchall()
+        rows.sort(key=lambda row: row[2])
+        for text, number, rank, row_id, row_queue in rows:
+            message = self._decode(conn, text, row_id, row_queue)
+            if message is None:
+                continue
+            if message.actor_name not in self.broker.actors:
+                self._bounce_unknown_actor(conn, message)
+                continue
+            self.state.hold(Claim(message, int(number), started=rank <= start_now))
+        if len(rows) < want:
+            seconds = conn.execute(sql.NEXT_DUE, {"queue": self.state.name}).fetchone()
+            now = time.monotonic()
+            poll_s = self.state.settings.poll_s
+            if seconds is None or seconds[0] is None:
+                self.next_due_s = now + poll_s
             else:
-                self.next_due_s = 0.0  # there may be more: claim again when a slot frees
+                self.next_due_s = now + min(max(MIN_WAIT_S, float(seconds[0])), poll_s)
+        else:
+            self.next_due_s = 0.0  # there may be more: claim again when a slot frees
         self.broker.outage.ok()
-        self.backoff_s = 0.0
+        self.backoff.reset()
         return len(rows)
 
-    def _reject_malformed(self, cur: Any, message_id: str, exc: Exception) -> None:
-        logger.error("queue %r: rejecting a malformed message %s: %s", self.state.name, message_id, exc)
-        cur.execute(sql.REJECT_MALFORMED, {"message_id": message_id, "error": f"malformed message: {exc!r}"})
+    def _decode(self, conn: psycopg.Connection[Any], text: str, row_id: str, row_queue: str) -> Message | None:
+        """The row's message, or None after rejecting a row that cannot be run as it is."""
+        try:
+            message = Message.decode(text.encode("utf-8"))
+        except Exception as exc:
+            self._reject_malformed(conn, row_id, f"malformed message: {exc!r}")
+            return None
+        if message.message_id != row_id:
+            self._reject_malformed(
+                conn, row_id, f"malformed message: its message_id {message.message_id!r} is not the row's {row_id!r}")
+            return None
+        if message.queue_name != row_queue:
+            self._reject_malformed(
+                conn, row_id, f"malformed message: its queue_name {message.queue_name!r} is not the row's {row_queue!r}")
+            return None
+        return message
 
-    def _bounce_unknown_actor(self, cur: Any, message: Message) -> None:
+    def _reject_malformed(self, conn: psycopg.Connection[Any], row_id: str, error: str) -> None:
+        logger.error("queue %r: rejecting message %s: %s", self.state.name, row_id, error)
+        conn.execute(sql.REJECT_MALFORMED, {"message_id": row_id, "error": error})
+
+    def _bounce_unknown_actor(self, conn: psycopg.Connection[Any], message: Message) -> None:
+        settings = self.broker.settings
         error = (f"no actor {message.actor_name!r} in worker {self.broker.worker_id} "
-                 f"(host {socket.gethostname()}, pid {os.getpid()})")
+                 f"(host {socket.gethostname()}, pid {os.getpid()}); given back every "
+                 f"{settings.unknown_actor_delay_s:g} s, rejected after {settings.unknown_actor_max_claims} claims")
         logger.warning("queue %r: message %s is for an unknown actor %r; giving it back for %.0f s",
-                       self.state.name, message.message_id, message.actor_name, UNKNOWN_ACTOR_DELAY_S)
-        cur.execute(sql.UNKNOWN_ACTOR, {"message_id": message.message_id, "error": error,
-                                        "delay_s": UNKNOWN_ACTOR_DELAY_S, "max_claims": UNKNOWN_ACTOR_MAX_CLAIMS})
+                       self.state.name, message.message_id, message.actor_name, settings.unknown_actor_delay_s)
+        conn.execute(sql.UNKNOWN_ACTOR, {"message_id": message.message_id, "error": error,
+                                         "delay_s": settings.unknown_actor_delay_s,
+                                         "max_claims": settings.unknown_actor_max_claims})
 
-    def _wait(self, conn: psycopg2.extensions.connection) -> None:
-        now = time.monotonic()
+    def _wait(self, conn: psycopg.Connection[Any]) -> None:
         timeout = self.timeout_s
         if not self.broker.claiming:
             timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop
         elif self.state.free() > 0 and self.next_due_s is not None:
             # a due time matters only with room to claim; when full, a finishing job wakes us
-            timeout = min(timeout, max(0.0, self.next_due_s - now))
-        if conn.notifies:
-            self._heard(conn)
+            timeout = min(timeout, max(0.0, self.next_due_s - time.monotonic()))
+        if self._heard(conn):
             return
-        readable, _, _ = select.select([conn, self.state.wake_fd], [], [], timeout)
+        readable, _, _ = select.select([conn.fileno(), self.state.wake_fd], [], [], timeout)
         if self.state.wake_fd in readable:
             self.state.drain_wake()
             self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())
-        if conn in readable:
-            conn.poll()
-        if conn.notifies:
+        if readable:
             self._heard(conn)
 
-    def _heard(self, conn: psycopg2.extensions.connection) -> None:
-        conn.notifies.clear()
-        self.next_due_s = 0.0
+    def _heard(self, conn: psycopg.Connection[Any]) -> bool:
+        """Consume the notifications that arrived; True if any did (look again now)."""
+        heard = False
+        for _ in conn.notifies(timeout=0):
+            heard = True
+        if heard:
+            self.next_due_s = 0.0
+        return heard
 
     def _wait_on_pipe(self, timeout: float) -> None:
         readable, _, _ = select.select([self.state.wake_fd], [], [], timeout)
         if readable:
             self.state.drain_wake()
 
-    def _connection(self) -> psycopg2.extensions.connection:
+    def _connection(self) -> psycopg.Connection[Any]:
         if self.conn is not None and not self.conn.closed:
             return self.conn
-        self.broker.ensure_registered()  # before the first claim: rescue must know us
-        conn = self.broker.pool.getconn()
+        conn = connect(self.broker.url, application_name=f"standmeet-consumer-{self.state.name}"[:63],
+                       async_commit=True)
         try:
-            conn.autocommit = True
-            with conn.cursor() as cur:
-                cur.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
+            # Before the first claim, and after every outage: rescue must know we live.
+            self.broker.prove_alive(conn)
+            conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
         except BaseException:
-            self.broker.pool.putconn(conn, close=True)
+            close_quietly(conn)
             raise
         self.conn = conn
         self.next_due_s = 0.0  # we may have missed notifications: look now
         return conn
 
     def _drop_connection(self) -> None:
-        if self.conn is not None:
-            try:
-                self.broker.pool.putconn(self.conn, close=True)
-            except Exception:  # the pool refuses a connection it does not know
-                pass
-            self.conn = None
+        close_quietly(self.conn)
+        self.conn = None
 
     # -- settling (called from worker threads) ------------------------------------
 
     def ack(self, message: MessageProxy) -> None:
-        self.broker.settle(message, sql.ACK, {})
+        self.broker.settle(message, rejected=False)
 
     def nack(self, message: MessageProxy) -> None:
-        error = message.options.get("traceback") or message.options.get("error") or "failed"
-        self.broker.settle(message, sql.NACK, {"error": str(error)[-4000:]})
+        self.broker.settle(message, rejected=True)
 
-    def requeue(self, messages: Iterable[Message]) -> None:
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
         try:
             self.broker.requeue(messages)
         except DISCONNECTS as exc:
-            raise DramatiqConnectionError(str(exc)) from exc
+            raise BrokerConnectionError(str(exc)) from exc
 
     def close(self) -> None:
-        buffered = self.state.take_buffer()
-        if buffered:
-            try:
-                self.broker.requeue([m for m, _ in buffered], [c for _, c in buffered])
-            except DISCONNECTS as exc:
-                # Still ours: hand them out again when the next consumer starts.
-                with self.state.lock:
-                    self.state.buffer.extendleft(reversed(buffered))
-                logger.warning("could not return prefetched messages yet: %s", exc)
-        if self.conn is not None:
-            try:
-                with self.conn.cursor() as cur:
-                    cur.execute("UNLISTEN *")
-                self.broker.pool.putconn(self.conn)
-            except DISCONNECTS:
-                self._drop_connection()
-            self.conn = None
+        self._drop_connection()
 
 
 def claim_of(message: Message | MessageProxy) -> int | None:
@@ -578,9 +896,36 @@ def claim_of(message: Message | MessageProxy) -> int | None:
     return getattr(message, "standmeet_claim", None) if isinstance(message, MessageProxy) else None
 
 
+def as_message(message: Message | MessageProxy) -> Message:
+    return message._message if isinstance(message, MessageProxy) else message  # type: ignore[attr-defined]
+
+
 def message_json(message: Message | MessageProxy) -> str:
     """The message as JSON text, as Dramatiq encodes it."""
-    return message.encode().decode("utf-8")
+    return as_message(message).encode().decode("utf-8")
+
+
+def message_priority(message: Message | MessageProxy) -> int:
+    """Lower runs first: the message's ``priority`` option, else its actor's priority."""
+    value = message.options.get("priority")
+    if value is None:
+        broker = dramatiq.broker.global_broker
+        actor = broker.actors.get(message.actor_name) if broker is not None else None
+        value = actor.priority if actor is not None else 0
+    return int(value)
+
+
+def rejection_reason(message: MessageProxy) -> str:
+    """Why a message is rejected, kept on its row: never the bare word 'failed'."""
+    reason = message.options.get("error")
+    if not reason:
+        exc = getattr(message, "_exception", None)
+        traceback_text = message.options.get("traceback")
+        if traceback_text:
+            reason = traceback_text
+        elif exc is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+    return str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:]
 
 
 def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None) -> dict[str, Any]:
@@ -591,13 +936,12 @@ def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None
         "message_ids": [m.message_id for m in batch],
         "messages": [message_json(m) for m in batch],
         "delays": [(delay or 0) / 1000.0] * len(batch),
+        "priorities": [message_priority(m) for m in batch],
     }
 
 
 def current_broker() -> StandmeetBroker:
     """The configured broker; a clear error if ``broker.configure()`` was not called."""
-    from broker.errors import ConfigError
-
     current = dramatiq.broker.global_broker
     if not isinstance(current, StandmeetBroker):
         raise ConfigError("the broker is not configured: import actors, or call broker.configure()")

@@ -1,9 +1,13 @@
-"""The broker's psycopg2 pool (dramatiq-pg's driver), fixed so an ack never fails on it.
+"""The broker's connections (psycopg 3): a small pool for sends, dedicated ones for the rest.
 
-dramatiq-pg's ``ThreadedConnectionPool`` raises ``PoolError`` the moment it is
-exhausted, and the ack that met it was lost. This pool waits for a free connection
-instead (bounded by ``wait_s``), drops connections that broke, and tells one story
-per outage (see :class:`Outage`).
+* Every consumer owns one dedicated connection (its LISTEN and its claims), and so does
+  the settler: none of them is taken from a pool, so however many queues a process
+  serves, sending a message never waits on a consumer's connection.
+* Sends, heartbeats and rescue share :func:`open_send_pool`, a ``psycopg_pool`` pool
+  whose size does not depend on the number of queues.
+
+:class:`Outage` tells one story per outage: one line when the database goes away and
+one when it is back, whatever the number of threads that noticed.
 """
 
 from __future__ import annotations
@@ -11,27 +15,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import psycopg2
-import psycopg2.extensions
-from psycopg2.pool import ThreadedConnectionPool
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
 
-from broker.errors import DatabaseUnavailable
+logger = logging.getLogger("standmeet.broker")
 
-logger = logging.getLogger(__name__)
+#: psycopg errors that mean "the connection or the server is gone": retry later.
+DISCONNECTS: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
-#: psycopg2 errors that mean "the connection or the server is gone": retry later.
-DISCONNECTS: tuple[type[BaseException], ...] = (psycopg2.OperationalError, psycopg2.InterfaceError)
-
-#: How long a caller waits for a free connection before giving up.
-DEFAULT_POOL_WAIT_S = 30.0
-
-
+#: How long a send waits for a pooled connection before it fails.
+DEFAULT_POOL_WAIT_S = 10.0
 #: An outage is over once things have worked this long after its last failure.
 OUTAGE_QUIET_S = 0.5
+#: TCP keepalives, so a connection to a vanished server is noticed within seconds.
+KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 2}
+#: A connection attempt gives up after this long (libpq's connect_timeout).
+CONNECT_TIMEOUT_S = 5
 
 
 class Outage:
@@ -39,7 +40,8 @@ class Outage:
 
     Failures that follow each other (several broken connections discovered one by one)
     belong to one outage: it ends only when an operation succeeds at least
-    :data:`OUTAGE_QUIET_S` after the last failure.
+    :data:`OUTAGE_QUIET_S` after the last failure. :attr:`ended_at` (monotonic) tells
+    when the last outage ended, so that rescue can wait before judging others.
     """
 
     def __init__(self, name: str) -> None:
@@ -47,6 +49,11 @@ class Outage:
         self._lock = threading.Lock()
         self.down_since: float | None = None
         self.last_failure = 0.0
+        self.ended_at: float | None = None
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
 
     def failed(self, where: str, exc: BaseException) -> None:
         with self._lock:
@@ -54,11 +61,10 @@ class Outage:
             if self.down_since is not None:
                 return
             self.down_since = self.last_failure
+        text = str(exc).strip()
         logger.warning(
             "%s: database unreachable (%s: %s); retrying with back-off",
-            self.name,
-            where,
-            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            self.name, where, text.splitlines()[0] if text else type(exc).__name__,
         )
 
     def ok(self) -> None:
@@ -68,88 +74,39 @@ class Outage:
             if self.down_since is None or time.monotonic() - self.last_failure < OUTAGE_QUIET_S:
                 return
             since, self.down_since = self.down_since, None
-        if since is not None:
-            logger.warning("%s: database reachable again after %.1f s", self.name, time.monotonic() - since)
+            self.ended_at = time.monotonic()
+        logger.warning("%s: database reachable again after %.1f s", self.name, time.monotonic() - since)
 
 
-class BlockingPool:
-    """A thread-safe psycopg2 pool that waits for a connection instead of raising."""
+def connect(url: str, *, application_name: str, async_commit: bool = False) -> psycopg.Connection[Any]:
+    """A dedicated autocommit connection (a consumer's, the settler's, a listener's)."""
+    from broker.sql import ASYNC_COMMIT_OPTIONS
 
-    def __init__(self, dsn: str, maxconn: int, *, wait_s: float = DEFAULT_POOL_WAIT_S,
-                 application_name: str = "standmeet-broker") -> None:
-        self.maxconn = maxconn
-        self.minconn = 0  # read by dramatiq-pg helpers
-        self.wait_s = wait_s
-        self._slots = threading.BoundedSemaphore(maxconn)
-        self._pool = ThreadedConnectionPool(
-            0, maxconn, dsn,
-            application_name=application_name,
-            keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=2,
-        )
-        # Opened lazily (0 at start), but kept once opened: psycopg2 closes a returned
-        # connection whenever the pool holds ``minconn`` or more, so with 0 every ack
-        # would reconnect.
-        self._pool.minconn = maxconn
+    extra: dict[str, Any] = {"options": ASYNC_COMMIT_OPTIONS} if async_commit else {}
+    return psycopg.connect(
+        url, autocommit=True, application_name=application_name,
+        connect_timeout=CONNECT_TIMEOUT_S, **KEEPALIVES, **extra,
+    )
 
-    def getconn(self) -> psycopg2.extensions.connection:
-        if not self._slots.acquire(timeout=self.wait_s):
-            raise DatabaseUnavailable(
-                f"no broker connection became free within {self.wait_s:.0f} s "
-                f"(pool of {self.maxconn}); raise STANDMEET_BROKER_ACK_CONNECTIONS"
-            )
+
+def open_send_pool(url: str, *, max_size: int, wait_s: float = DEFAULT_POOL_WAIT_S) -> ConnectionPool:
+    """The broker's pool for sends, heartbeats and rescue; connections are made on demand."""
+    return ConnectionPool(
+        url,
+        min_size=0,
+        max_size=max_size,
+        open=True,
+        timeout=wait_s,
+        kwargs={"autocommit": True, "application_name": "standmeet-broker",
+                "connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES},
+        name="standmeet-broker",
+    )
+
+
+def close_quietly(conn: psycopg.Connection[Any] | None) -> None:
+    """Close a dedicated connection that may already be broken."""
+    if conn is not None:
         try:
-            return self._pool.getconn()
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def putconn(self, conn: psycopg2.extensions.connection, close: bool = False) -> None:
-        try:
-            self._pool.putconn(conn, close=close or bool(conn.closed))
-        finally:
-            self._slots.release()
-
-    @contextmanager
-    def connection(self, *, autocommit: bool = True) -> Iterator[psycopg2.extensions.connection]:
-        """A connection for one short piece of work; a broken one is closed, not reused."""
-        conn = self.getconn()
-        broken = False
-        try:
-            if conn.autocommit != autocommit:
-                conn.autocommit = autocommit
-            yield conn
-            if not autocommit:
-                conn.commit()
-        except DISCONNECTS:
-            broken = True
-            self.discard_idle()  # its siblings are likely dead too: do not hand them out
-            raise
-        except BaseException:
-            if not autocommit and not conn.closed:
-                conn.rollback()
-            raise
-        finally:
-            self.putconn(conn, close=broken)
-
-    def execute(self, query: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        """Run one autocommit statement and return its rows (empty if it returns none)."""
-        with self.connection() as conn, conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-
-    def discard_idle(self) -> None:
-        """Close the idle connections; new ones are opened on demand."""
-        pool = self._pool
-        with pool._lock:  # psycopg2's own lock around its idle list
-            idle, pool._pool = list(pool._pool), []
-        for conn in idle:
-            try:
-                conn.close()
-            except Exception:
-                pass
-
-    def closeall(self) -> None:
-        try:
-            self._pool.closeall()
-        except psycopg2.pool.PoolError:
+            conn.close()
+        except psycopg.Error:
             pass

@@ -7,7 +7,9 @@ Every option has a named default below and one environment variable, prefixed
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,11 +31,22 @@ DEFAULT_QUEUE_LIMITS: dict[str, tuple[int, float]] = {
     "fetch": (3, 60.0),
 }
 
+#: A queue no module declares limits for: one job at a time, Dramatiq's default time limit.
+DEFAULT_OTHER_QUEUE_MAX_WORKERS = 1
+DEFAULT_OTHER_QUEUE_TIME_LIMIT_S = 600.0
+#: The per-queue variables, for any queue: STANDMEET_QUEUE_<NAME>_<FIELD>, where <NAME> is
+#: the queue's name upper-cased with every other character than A-Z and 0-9 as ``_``.
+QUEUE_VARIABLE = re.compile(r"^STANDMEET_QUEUE_(?P<name>[A-Z0-9_]+?)_(?P<field>MAX_WORKERS|TIME_LIMIT_S|POLL_S|PREFETCH)$")
+#: A message for an actor this process does not know (a rolling deploy) is given back this
+#: much later, and rejected with the reason after this many claims (about 5 minutes).
+DEFAULT_UNKNOWN_ACTOR_DELAY_S = 10.0
+DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS = 30
 #: Connections of the application pool (psycopg 3); half is reserved for requests (R7).
 DEFAULT_POOL_MAX_SIZE = 40
 #: Connections the relay takes from the application pool in each process (R7).
 RELAY_CONNECTIONS = 1
-#: Connections of the broker's psycopg2 pool kept for acks, besides one per consumer.
+#: Connections of the broker's pool for sends, heartbeats and rescue (beside one per
+#: consumer and the settler's, which are not pooled).
 DEFAULT_BROKER_ACK_CONNECTIONS = 4
 #: How long a worker waits for running jobs on SIGTERM before cancelling them (R11).
 DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S = 20.0
@@ -112,6 +125,22 @@ class QueueSettings:
         return int(self.time_limit_s * 1000)
 
 
+def queue_variable_name(queue: str) -> str:
+    """The <NAME> part of a queue's variables: upper-cased, non-alphanumerics as ``_``."""
+    return re.sub(r"[^A-Z0-9]", "_", queue.upper())
+
+
+def _queue_settings(env: Mapping[str, str], name: str, workers: int, limit_s: float) -> QueueSettings:
+    prefix = f"STANDMEET_QUEUE_{queue_variable_name(name)}_"
+    return QueueSettings(
+        name=name,
+        max_workers=_int(env, prefix + "MAX_WORKERS", workers, minimum=1),
+        time_limit_s=_float(env, prefix + "TIME_LIMIT_S", limit_s, minimum=0.001),
+        poll_s=_float(env, prefix + "POLL_S", DEFAULT_POLL_S, minimum=0.01),
+        prefetch_setting=_int(env, prefix + "PREFETCH", -1, minimum=-1),
+    )
+
+
 def _default_queues() -> dict[str, QueueSettings]:
     return {
         name: QueueSettings(name=name, max_workers=workers, time_limit_s=limit)
@@ -159,22 +188,40 @@ class Settings:
     webhook_http_timeout_s: float = DEFAULT_WEBHOOK_HTTP_TIMEOUT_S
     webhook_busy_snooze_s: float = DEFAULT_WEBHOOK_BUSY_SNOOZE_S
     webhook_disable_after_days: float = DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS
+    #: the STANDMEET_QUEUE_* variables, for queues declared later by any module
+    queue_env: Mapping[str, str] = field(default_factory=dict)
+    awaited_queues: frozenset[str] = AWAITED_QUEUES
+    unknown_actor_delay_s: float = DEFAULT_UNKNOWN_ACTOR_DELAY_S
+    unknown_actor_max_claims: int = DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS
+
+    def __post_init__(self) -> None:
+        if self.rescue_after_s < 2 * self.heartbeat_s:
+            raise ConfigError(
+                f"STANDMEET_RESCUE_AFTER_S={self.rescue_after_s:g} must be at least twice "
+                f"STANDMEET_HEARTBEAT_S={self.heartbeat_s:g}: a live worker would be rescued "
+                "(its jobs run twice at once) after one late heartbeat"
+            )
+        if self.min_backoff_ms > self.max_backoff_ms:
+            raise ConfigError(
+                f"STANDMEET_MIN_BACKOFF_MS={self.min_backoff_ms} is above "
+                f"STANDMEET_MAX_BACKOFF_MS={self.max_backoff_ms}"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
-        queues = {}
-        for name, default in _default_queues().items():
-            prefix = f"STANDMEET_QUEUE_{name.upper()}_"
-            queues[name] = QueueSettings(
-                name=name,
-                max_workers=_int(env, prefix + "MAX_WORKERS", default.max_workers, minimum=1),
-                time_limit_s=_float(env, prefix + "TIME_LIMIT_S", default.time_limit_s, minimum=0.001),
-                poll_s=_float(env, prefix + "POLL_S", default.poll_s, minimum=0.01),
-                prefetch_setting=_int(env, prefix + "PREFETCH", -1, minimum=-1),
-            )
+        queues = {
+            name: _queue_settings(env, name, default.max_workers, default.time_limit_s)
+            for name, default in _default_queues().items()
+        }
+        queue_env = {k: v for k, v in env.items() if QUEUE_VARIABLE.match(k)}
+        for key in queue_env:  # malformed values of any queue fail now, naming the variable
+            match = QUEUE_VARIABLE.match(key)
+            assert match is not None
+            _queue_settings(queue_env, match["name"].lower(), 1, 1.0)
         return cls(
             database_url=env.get("DATABASE_URL") or None,
+            queue_env=queue_env,
             embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR),
             queues=queues,
             pool_max_size=_int(env, "STANDMEET_POOL_MAX_SIZE", DEFAULT_POOL_MAX_SIZE, minimum=2),
@@ -221,18 +268,25 @@ class Settings:
             webhook_busy_snooze_s=_float(
                 env, "STANDMEET_WEBHOOK_BUSY_SNOOZE_S", DEFAULT_WEBHOOK_BUSY_SNOOZE_S, minimum=0.01
             ),
+            unknown_actor_delay_s=_float(
+                env, "STANDMEET_UNKNOWN_ACTOR_DELAY_S", DEFAULT_UNKNOWN_ACTOR_DELAY_S, minimum=0.01
+            ),
+            unknown_actor_max_claims=_int(
+                env, "STANDMEET_UNKNOWN_ACTOR_MAX_CLAIMS", DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS, minimum=1
+            ),
             webhook_disable_after_days=_float(
                 env, "STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS", DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS, minimum=0
             ),
         )
 
     def queue(self, name: str) -> QueueSettings:
-        try:
-            return self.queues[name]
-        except KeyError:
-            raise ConfigError(
-                f"unknown queue {name!r}: the queues are {', '.join(self.queues)}"
-            ) from None
+        """A queue's limits: the built-in defaults or the documented ones for any other
+        queue, each overridable by STANDMEET_QUEUE_<NAME>_MAX_WORKERS / _TIME_LIMIT_S."""
+        known = self.queues.get(name)
+        if known is not None:
+            return known
+        return _queue_settings(self.queue_env, name, DEFAULT_OTHER_QUEUE_MAX_WORKERS,
+                               DEFAULT_OTHER_QUEUE_TIME_LIMIT_S)
 
     def with_database_url(self, url: str) -> Settings:
         return replace(self, database_url=url)
@@ -293,6 +347,8 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float)
         value = float(raw.strip())
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value != value or value < minimum:  # NaN or too small
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r} is not a finite number")
+    if value < minimum:
         raise ConfigError(f"{name}={raw!r} is below its minimum of {minimum}")
     return value

@@ -1,55 +1,82 @@
 """SQL of the broker, as module-level constants (never built from values).
 
-Placeholders are ``%(name)s``, which psycopg2 (the broker's driver) and psycopg 3
-(the caller's connection, for transactional enqueue) both understand.
+Placeholders are ``%(name)s`` (psycopg 3). Channel and table names are spelt here and
+nowhere else in the broker.
 """
 
 from __future__ import annotations
 
 #: Channel a consumer of queue Q listens on; a NOTIFY on it means "look again".
 ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
+#: Channel a final settle on an awaited queue notifies, with '<message id>:<state>'.
+RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
 
-#: Insert (or re-queue) messages, each due after its delay, and wake each queue once.
-#: NOTIFYs with the same channel and payload in one transaction are sent once at commit.
+#: Insert messages, each due after its delay, and wake each queue once (NOTIFYs with the
+#: same channel and payload in one transaction are sent once, at commit).
+#: An existing id is never resurrected: a message that is running or has finished is left
+#: alone (a re-relayed event cannot run its job twice); a queued one takes the new text.
 ENQUEUE = """
 WITH enqueued AS (
-    INSERT INTO dramatiq.queue AS q (queue_name, message_id, "state", message, eta, enqueued_at, mtime)
-    SELECT m.queue_name, m.message_id, 'queued', m.message, now() + make_interval(secs => m.delay_s), now(), now()
-    FROM unnest(%(queues)s::text[], %(message_ids)s::uuid[], %(messages)s::jsonb[], %(delays)s::float8[])
-         AS m(queue_name, message_id, message, delay_s)
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    SELECT m.queue_name, m.message_id, 'queued', m.message,
+           now() + make_interval(secs => m.delay_s), now(), now(), m.priority
+    FROM unnest(%(queues)s::text[], %(message_ids)s::uuid[], %(messages)s::jsonb[],
+                %(delays)s::float8[], %(priorities)s::int[])
+         AS m(queue_name, message_id, message, delay_s, priority)
     ON CONFLICT (message_id) DO UPDATE SET
-        "state" = 'queued',
-        message = EXCLUDED.message,
-        queue_name = EXCLUDED.queue_name,
-        eta = EXCLUDED.eta,
-        worker_id = NULL,
-        mtime = now()
+        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
+    WHERE q."state" = 'queued'
     RETURNING q.queue_name
 )
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 """
 
-#: Acks and claims commit asynchronously (no WAL flush wait). Losing one in a server
-#: crash only means a message runs again (at least once), never that one is lost;
-#: enqueues stay synchronous. Sent with the statement in one round trip: a multi-
-#: statement query runs as one implicit transaction, so SET LOCAL applies to it.
-ASYNC_COMMIT = "SET LOCAL synchronous_commit = off;\n"
+#: The settings of the broker's own connections (each consumer's, the settler's): claims
+#: and settles commit asynchronously (no WAL flush wait). Losing one in a server crash only
+#: means a message runs again (at least once), never that one is lost; enqueues, on the
+#: broker's pool and on callers' connections, stay synchronous.
+ASYNC_COMMIT_OPTIONS = "-c synchronous_commit=off"
 
-#: Claim up to ``n`` due messages of a queue for this worker process. Rows locked by a
-#: concurrent claimer are skipped, not waited on; no advisory lock outlives the statement.
-CLAIM = ASYNC_COMMIT + """
-WITH picked AS (
-    SELECT message_id FROM dramatiq.queue
-    WHERE queue_name = %(queue)s AND "state" = 'queued' AND eta <= now()
-    ORDER BY eta
+#: Claim up to ``n`` due messages of a queue for this worker process, lower priority
+#: number first, then oldest due. Rows locked by a concurrent claimer are skipped, not
+#: waited on. The first ``n_start`` are marked started (they run at once); the rest are
+#: prefetched and carry no blame if this process dies before starting them.
+#: A suspect (a message whose worker died running it beside others) is claimed only
+#: when no other message of its set runs anywhere, one at a time: the advisory lock
+#: of its set (held for this statement only) keeps two claimers from racing.
+#: A paused queue is claimed from by nobody.
+CLAIM = """
+WITH normal AS (
+    SELECT message_id, priority, eta FROM dramatiq.queue
+    WHERE queue_name = %(queue)s AND "state" = 'queued' AND eta <= now() AND suspect_of IS NULL
+      AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
+    ORDER BY priority, eta
     LIMIT %(n)s
     FOR UPDATE SKIP LOCKED
+), suspect AS (
+    SELECT s.message_id, s.priority, s.eta FROM dramatiq.queue s
+    WHERE s.queue_name = %(queue)s AND s."state" = 'queued' AND s.eta <= now() AND s.suspect_of IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
+      AND NOT EXISTS (SELECT 1 FROM dramatiq.queue c
+                      WHERE c.suspect_of = s.suspect_of AND c."state" = 'consumed')
+      AND pg_try_advisory_xact_lock(727274002, hashtext(s.suspect_of::text))
+    ORDER BY s.eta
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT message_id, row_number() OVER (ORDER BY priority, eta) AS rn
+    FROM (SELECT * FROM suspect UNION ALL SELECT * FROM normal) AS both_kinds
+    ORDER BY priority, eta
+    LIMIT %(n)s
 )
 UPDATE dramatiq.queue q
-SET "state" = 'consumed', mtime = now(), worker_id = %(worker_id)s, claims = q.claims + 1
+SET "state" = 'consumed', mtime = now(), worker_id = %(worker_id)s, claims = q.claims + 1,
+    started_at = CASE WHEN picked.rn <= %(n_start)s THEN now() END
 FROM picked
 WHERE q.message_id = picked.message_id
-RETURNING q.message::text, q.claims, q.eta, q.message_id::text
+RETURNING q.message::text, q.claims, picked.rn, q.message_id::text, q.queue_name
 """
 
 #: Seconds until the next queued message of a queue is due (None when there is none).
@@ -59,108 +86,187 @@ FROM dramatiq.queue
 WHERE queue_name = %(queue)s AND "state" = 'queued'
 """
 
-#: Mark a message done, only if it is still the claim we made (a message re-enqueued by
-#: the retry policy, or rescued and claimed again elsewhere, is left alone). On an
-#: awaited queue, the receipt is sent in the same statement: at once, no batching.
-ACK = ASYNC_COMMIT + """
-WITH settled AS (
-    UPDATE dramatiq.queue
-    SET "state" = 'done', message = %(message)s::jsonb, mtime = now(), worker_id = NULL
-    WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
-    RETURNING queue_name, message_id
+#: Settle finished claims, many at once, each only if it is still the claim it names
+#: (a message rescued and claimed again elsewhere is left alone):
+#:   done      the actor returned
+#:   rejected  failed for good, with the reason
+#:   queued    run again after a delay: a retry with back-off or a snooze (which never
+#:             counts a retry); a cancelled message is rejected instead
+#: In the same statement (one transaction): the messages the settled runs sent from their
+#: after-hooks (pipelines, callbacks) are enqueued, only for claims that were settled;
+#: receipts are sent for final states of awaited queues, and consumers of queues that got
+#: messages are woken.
+SETTLE = """
+WITH outcome AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::int[], %(outcomes)s::text[],
+                         %(messages)s::jsonb[], %(delays)s::float8[], %(errors)s::text[])
+         AS o(message_id, claims, outcome, message, delay_s, error)
+), settled AS (
+    UPDATE dramatiq.queue q
+    SET "state" = (CASE WHEN o.outcome = 'queued' AND q.cancelled_at IS NOT NULL THEN 'rejected'
+                        ELSE o.outcome END)::dramatiq.state,
+        message = o.message,
+        eta = CASE WHEN o.outcome = 'queued' THEN now() + make_interval(secs => o.delay_s) ELSE q.eta END,
+        error = CASE WHEN o.outcome = 'rejected' THEN o.error
+                     WHEN o.outcome = 'queued' AND q.cancelled_at IS NOT NULL
+                          THEN coalesce(q.error, 'cancelled: not retried')
+                     WHEN o.outcome = 'done' THEN NULL
+                     ELSE q.error END,
+        worker_id = NULL, started_at = NULL, mtime = now()
+    FROM outcome o
+    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state
+), followed AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    SELECT f.queue_name, f.message_id, 'queued', f.message,
+           now() + make_interval(secs => f.delay_s), now(), now(), f.priority
+    FROM unnest(%(f_parents)s::uuid[], %(f_queues)s::text[], %(f_ids)s::uuid[], %(f_messages)s::jsonb[],
+                %(f_delays)s::float8[], %(f_priorities)s::int[])
+         AS f(parent_id, queue_name, message_id, message, delay_s, priority)
+    WHERE f.parent_id IN (SELECT message_id FROM settled)
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING q.queue_name
 )
-SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':done')
-FROM settled WHERE queue_name = ANY(%(awaited)s::text[])
+SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':' || state)
+FROM settled WHERE state IN ('done', 'rejected') AND queue_name = ANY(%(awaited)s::text[])
+UNION ALL
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+FROM (SELECT queue_name FROM settled WHERE state = 'queued'
+      UNION SELECT queue_name FROM followed) AS woken
 """
 
-#: Mark a message rejected (failed for good), under the same condition as ACK.
-NACK = ASYNC_COMMIT + """
-WITH settled AS (
-    UPDATE dramatiq.queue
-    SET "state" = 'rejected', message = %(message)s::jsonb, mtime = now(), worker_id = NULL,
-        error = %(error)s
-    WHERE message_id = %(message_id)s AND "state" = 'consumed' AND claims = %(claims)s
-    RETURNING queue_name, message_id
-)
-SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':rejected')
-FROM settled WHERE queue_name = ANY(%(awaited)s::text[])
+#: Record that prefetched claims have started running (they can now be blamed for a
+#: crash of their process).
+MARK_STARTED = """
+UPDATE dramatiq.queue q SET started_at = now()
+FROM unnest(%(ids)s::uuid[], %(claims)s::int[]) AS s(message_id, claims)
+WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed'
+  AND q.started_at IS NULL
 """
 
-#: A claimed row that Dramatiq cannot decode: kept, rejected with the reason.
+#: A claimed row that cannot be run as it is (not a Dramatiq message, or one whose text
+#: disagrees with its own row): rejected by its row id, with the reason.
 REJECT_MALFORMED = """
-UPDATE dramatiq.queue SET "state" = 'rejected', worker_id = NULL, error = %(error)s
+UPDATE dramatiq.queue SET "state" = 'rejected', worker_id = NULL, started_at = NULL, mtime = now(),
+    error = %(error)s
 WHERE message_id = %(message_id)s
 """
 
 #: A message for an actor this process does not have (a rolling deploy?): back to the
-#: queue for a later or other worker, and rejected with the reason after many tries.
+#: queue for a later or other worker, and rejected with the reason after ``max_claims``.
 UNKNOWN_ACTOR = """
 UPDATE dramatiq.queue
 SET "state" = CASE WHEN claims >= %(max_claims)s THEN 'rejected'::dramatiq.state ELSE 'queued'::dramatiq.state END,
-    eta = now() + make_interval(secs => %(delay_s)s), worker_id = NULL, mtime = now(), error = %(error)s
+    eta = now() + make_interval(secs => %(delay_s)s), worker_id = NULL, started_at = NULL, mtime = now(),
+    error = %(error)s
 WHERE message_id = %(message_id)s
 """
 
-#: Give claimed-but-not-started messages back to their queue and wake its consumers.
+#: Give claimed-but-not-started messages back to their queue, without blame, and wake
+#: its consumers.
 REQUEUE = """
 WITH requeued AS (
-    UPDATE dramatiq.queue
-    SET "state" = 'queued', worker_id = NULL, mtime = now()
-    WHERE message_id = ANY(%(message_ids)s::uuid[]) AND "state" = 'consumed'
-      AND worker_id = %(worker_id)s
-    RETURNING queue_name
+    UPDATE dramatiq.queue q
+    SET "state" = 'queued', worker_id = NULL, started_at = NULL, mtime = now()
+    FROM unnest(%(ids)s::uuid[], %(claims)s::int[]) AS r(message_id, claims)
+    WHERE q.message_id = r.message_id AND q.claims = r.claims AND q."state" = 'consumed'
+      AND q.worker_id = %(worker_id)s
+    RETURNING q.queue_name
 )
 SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
-REGISTER_WORKER = """
+#: Register this process, or prove it alive: a heartbeat by the database's clock. A
+#: process proves it is alive this way before it claims again after an outage.
+HEARTBEAT = """
 INSERT INTO standmeet.worker_processes (id, hostname, pid, queues)
 VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, queues = EXCLUDED.queues
 """
+REGISTER_WORKER = HEARTBEAT
 
-HEARTBEAT = """
-UPDATE standmeet.worker_processes SET heartbeat_at = now()
-WHERE id = %(worker_id)s AND stopped_at IS NULL
-"""
-
+#: A graceful stop: the process is recorded as stopped and every message it still holds
+#: (a job cut off at the shutdown timeout) goes back to its queue without blame.
 STOP_WORKER = """
-UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %(worker_id)s
+WITH stopped AS (
+    UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %(worker_id)s RETURNING id
+), requeued AS (
+    UPDATE dramatiq.queue
+    SET "state" = 'queued', worker_id = NULL, started_at = NULL, mtime = now()
+    WHERE worker_id = %(worker_id)s AND "state" = 'consumed'
+    RETURNING queue_name
+)
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
-#: Requeue (and wake) the messages held by processes that stopped or whose heartbeat is
-#: older than ``after_s``; a message that has crashed its worker more than
-#: ``max_crashes`` times is rejected with the reason instead.
+#: Crash rescue, judged by the database's clock only. The messages of processes that
+#: stopped, or whose heartbeat is older than ``after_s``, go back to their queue:
+#:   * never started (prefetched), or held by a process that stopped gracefully: no blame;
+#:   * started by a process that died with only that one running, or a suspect (it was
+#:     re-run with no other of its set beside it): a crash is counted, and past
+#:     ``max_crashes`` it is rejected with the reason;
+#:   * started beside others, no suspect among them: each becomes a suspect of that set,
+#:     no crash counted; started beside a suspect: innocent, no blame.
+#: Nothing is rescued within ``after_s`` of the server's own start: every process lost
+#: its connection then, and needs the time to prove it is alive.
 RESCUE = """
 WITH orphaned AS (
-    SELECT q.message_id
+    SELECT q.message_id, q.worker_id, q.started_at IS NOT NULL AS started, q.suspect_of,
+           coalesce(w.stopped_at IS NOT NULL, false) AS graceful
     FROM dramatiq.queue q
     LEFT JOIN standmeet.worker_processes w ON w.id = q.worker_id
     WHERE q."state" = 'consumed'
       AND (w.id IS NULL OR w.stopped_at IS NOT NULL
            OR w.heartbeat_at < now() - make_interval(secs => %(after_s)s))
+      AND pg_postmaster_start_time() < now() - make_interval(secs => %(after_s)s)
     FOR UPDATE OF q SKIP LOCKED
+), per_worker AS (
+    SELECT worker_id,
+           count(*) FILTER (WHERE started) AS n_started,
+           count(*) FILTER (WHERE started AND suspect_of IS NOT NULL) AS n_suspects
+    FROM orphaned GROUP BY worker_id
+), verdict AS (
+    SELECT o.message_id, o.worker_id,
+           CASE WHEN o.graceful OR NOT o.started OR o.worker_id IS NULL THEN 'requeue'
+                WHEN o.suspect_of IS NOT NULL THEN 'blame'
+                WHEN p.n_suspects > 0 THEN 'requeue'
+                WHEN p.n_started = 1 THEN 'blame'
+                ELSE 'suspect' END AS verdict
+    FROM orphaned o JOIN per_worker p ON p.worker_id IS NOT DISTINCT FROM o.worker_id
 ), rescued AS (
     UPDATE dramatiq.queue q
-    SET crashes = q.crashes + 1,
-        worker_id = NULL,
-        mtime = now(),
-        "state" = CASE WHEN q.crashes + 1 > %(max_crashes)s
+    SET crashes = q.crashes + (v.verdict = 'blame')::int,
+        suspect_of = CASE WHEN v.verdict = 'suspect' THEN v.worker_id ELSE q.suspect_of END,
+        worker_id = NULL, started_at = NULL, mtime = now(),
+        "state" = CASE WHEN v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s
                        THEN 'rejected'::dramatiq.state ELSE 'queued'::dramatiq.state END,
-        error = CASE WHEN q.crashes + 1 > %(max_crashes)s
+        error = CASE WHEN v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s
                      THEN 'rejected: its worker process died while running it '
                           || (q.crashes + 1) || ' times'
                      ELSE q.error END
-    FROM orphaned
-    WHERE q.message_id = orphaned.message_id
-    RETURNING q.queue_name, q."state"
+    FROM verdict v
+    WHERE q.message_id = v.message_id
+    RETURNING q.queue_name, q."state", v.verdict
 )
 SELECT queue_name,
        count(*) FILTER (WHERE "state" = 'queued') AS requeued,
        count(*) FILTER (WHERE "state" = 'rejected') AS rejected,
+       count(*) FILTER (WHERE verdict = 'suspect') AS suspects,
        pg_notify('dramatiq.' || queue_name || '.enqueue', '')
 FROM rescued
 GROUP BY queue_name
+"""
+
+#: What ``join`` waits for: messages of a queue not yet finished (queued, delayed or running).
+OUTSTANDING = """
+SELECT count(*) FROM dramatiq.queue WHERE queue_name = %(queue)s AND "state" IN ('queued', 'consumed')
+"""
+
+#: ``flush``: drop the messages of some queues that wait (queued or delayed).
+FLUSH = """
+DELETE FROM dramatiq.queue WHERE queue_name = ANY(%(queues)s::text[]) AND "state" = 'queued'
 """
 
 #: Forget the rows of processes stopped or silent for a day (their messages are rescued).

@@ -2,16 +2,20 @@
 
 Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to top.
 
-1. ``ConnectionBudget``  refuse to boot over the connection budget (R7)
-2. ``QueueConcurrency``  ≤ max_workers jobs per queue at once (R1, R2)
+1. ``ConnectionBudget``  refuse to boot over the connection budget, or for an unknown queue
+2. ``QueueConcurrency``  never more than a queue's max_workers jobs at once in a process
 3. ``AgeLimit``          (Dramatiq's) drop messages older than their ``max_age``
-4. ``TimeLimit``         hard limit per job kind; records the deadline (R8)
+4. ``TimeLimit``         a hard limit per job kind; records the deadline where jobs block
 5. ``CurrentMessage``, ``ShutdownNotifications`` (Dramatiq's)
 6. ``Callbacks``, ``Pipelines`` (Dramatiq's)
-7. ``Retries``           retry failures with back-off, in the database (R10)
-8. ``SnoozePolicy``      re-enqueue snoozed jobs without a retry count (R3)
-9. ``EndpointLease``     ≤ 1 webhook delivery in flight per endpoint, by a row lease (R3)
-10. ``GracefulShutdown`` stop the relay and claiming on SIGTERM (R11)
+7. ``Retries``           retry failures with back-off; the delay lives in the database
+8. ``SnoozePolicy``      run a job again later without counting a retry
+9. ``EndpointLease``     at most one webhook delivery in flight per endpoint, by a row lease
+10. ``GracefulShutdown`` stop the relay and claiming on SIGTERM
+
+The broker disarms the time limit before any after-hook runs, so the limit never fires
+inside the settle path; what after-hooks send (retries, snoozes, pipelines, callbacks)
+is written with the run's settle, in one transaction.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Graceful shutdown (R11): on SIGTERM, stop the relay first, claim nothing more, finish what runs.
+"""Graceful shutdown: on SIGTERM, stop the relay first, claim nothing more, finish what runs.
 
 The relay of the outbox starts with the worker (every process runs one) and is the
 first thing stopped.
@@ -7,8 +7,10 @@ Dramatiq's worker stops its worker threads first (each finishes its current job,
 for up to ``--worker-shutdown-timeout``), then its consumers, and gives back the
 messages it had prefetched. This middleware makes the broker stop claiming the
 moment shutdown starts, so no new message is taken while the running ones finish.
-Jobs still running when the process exits stay marked as claimed by this process,
-which is recorded as stopped: crash rescue runs them again (at least once).
+Prefetched messages (claimed, not started) go back to their queue the moment shutdown
+starts. A job still running at the shutdown timeout is cut off and requeued by the
+broker's close without a crash counted (a deploy is not a crash): it runs again, at
+least once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class GracefulShutdown(Middleware):
         broker.start_relay()
 
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
-        logger.info("shutdown: relay stopped, no new message will be claimed; waiting for running jobs")
         broker.stop_relay()
         broker.stop_claiming()
+        logger.info("shutdown: relay stopped, prefetched messages given back, nothing more claimed; "
+                    "waiting for running jobs")

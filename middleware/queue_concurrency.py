@@ -1,10 +1,13 @@
-"""Per-queue concurrency (R1): never more than a queue's ``max_workers`` jobs at once.
+"""Per-queue concurrency: never more than a queue's ``max_workers`` jobs at once in a process.
 
-The consumer already holds at most that many messages of the queue; this middleware
-guards the count where jobs actually start, with one semaphore per queue, so the
-limit holds even if a message reached the worker another way. It also raises the
-process's worker threads to the sum of the limits of the queues it serves, so that
-one queue at its limit never keeps another from a free thread (R2).
+The broker's consumer hands out at most that many messages of a queue at once; this
+middleware holds the same count where jobs actually start, with one semaphore per
+queue, keyed by the claim (message id and claim number: the same message can be
+claimed again before its previous run is settled). What ``before_process_message``
+acquires is released on every path (returned, raised, skipped). It also raises the
+process's worker threads to the sum of the limits of the queues it serves, so that one
+queue at its limit never keeps another from a free thread: a slow webhook endpoint
+fills only the webhook queue.
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ import threading
 from typing import Any
 
 from dramatiq import Broker, Middleware
-from dramatiq.message import Message
+from dramatiq.broker import MessageProxy
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("standmeet.middleware")
+
+
+def _claim_key(message: Any) -> tuple[str, Any]:
+    claim = getattr(message, "standmeet_claim", None)
+    return (message.message_id, claim if claim is not None else id(message))
 
 
 class QueueConcurrency(Middleware):
     def __init__(self) -> None:
         self._semaphores: dict[str, threading.BoundedSemaphore] = {}
         self._lock = threading.Lock()
-        self._held: set[str] = set()
+        self._held: dict[tuple[str, Any], str] = {}
 
     def _semaphore(self, broker: Any, queue_name: str) -> threading.BoundedSemaphore:
         with self._lock:
@@ -42,24 +50,28 @@ class QueueConcurrency(Middleware):
             )
             worker.worker_threads = needed
 
-    def before_process_message(self, broker: Broker, message: Message) -> None:
+    def held(self, queue_name: str) -> int:
+        """Jobs of ``queue_name`` running now in this process."""
+        with self._lock:
+            return sum(1 for q in self._held.values() if q == queue_name)
+
+    def before_process_message(self, broker: Broker, message: MessageProxy) -> None:
         self._semaphore(broker, message.queue_name).acquire()
         with self._lock:
-            self._held.add(message.message_id)
+            self._held[_claim_key(message)] = message.queue_name
 
-    def _release(self, broker: Broker, message: Message) -> None:
+    def _release(self, broker: Broker, message: MessageProxy) -> None:
         with self._lock:
-            if message.message_id not in self._held:
+            if self._held.pop(_claim_key(message), None) is None:
                 return
-            self._held.discard(message.message_id)
         self._semaphore(broker, message.queue_name).release()
 
     def after_process_message(
-        self, broker: Broker, message: Message, *, result: Any = None, exception: BaseException | None = None
+        self, broker: Broker, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
         self._release(broker, message)
 
-    def after_skip_message(self, broker: Broker, message: Message) -> None:
+    def after_skip_message(self, broker: Broker, message: MessageProxy) -> None:
         self._release(broker, message)
 
 

@@ -1,7 +1,7 @@
-"""Hard time limits (R8): every job kind has one; reaching it cancels the job.
+"""Hard time limits: every job kind has one; reaching it cancels the job.
 
 The limit is resolved in one order: the message's ``time_limit`` option, the actor's,
-then the queue's default (R1 table, ``STANDMEET_QUEUE_<QUEUE>_TIME_LIMIT_S``). The
+then the queue's default (``STANDMEET_QUEUE_<QUEUE>_TIME_LIMIT_S``). The
 job is cancelled by Dramatiq's asynchronous ``TimeLimitExceeded``, which the retry
 policy treats as a retryable failure.
 
@@ -17,13 +17,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from dramatiq.message import Message
+from dramatiq.broker import MessageProxy
 from dramatiq.middleware.time_limit import TimeLimit as DramatiqTimeLimit
 
 from broker import deadline
 
 
-def resolve_time_limit_ms(broker: Any, message: Message) -> int:
+def resolve_time_limit_ms(broker: Any, message: MessageProxy) -> int:
     """Message option, then actor option, then the queue's default."""
     value = message.options.get("time_limit")
     if value is None:
@@ -49,19 +49,23 @@ class TimeLimit(DramatiqTimeLimit):
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
         self.after_process_boot(broker)
 
-    def before_process_message(self, broker: Any, message: Message) -> None:
+    def before_process_message(self, broker: Any, message: MessageProxy) -> None:
         limit_ms = resolve_time_limit_ms(broker, message)
         deadline.set_deadline(limit_ms / 1000)
         self.manager.add_timeout(threading.get_ident(), limit_ms)
 
-    def after_process_message(
-        self, broker: Any, message: Message, *, result: Any = None, exception: BaseException | None = None
-    ) -> None:
-        self.manager.remove_timeout(threading.get_ident())
+    def disarm(self) -> None:
+        """Stop this thread's limit. The broker calls it before any after-hook runs."""
+        if self._started:
+            self.manager.remove_timeout(threading.get_ident())
         deadline.clear()
 
-    def after_skip_message(  # type: ignore[override]  # Dramatiq aliases it to after_process_message
-        self, broker: Any, message: Message
+    def after_process_message(
+        self, broker: Any, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
-        self.manager.remove_timeout(threading.get_ident())
-        deadline.clear()
+        self.disarm()
+
+    def after_skip_message(  # type: ignore[override]  # Dramatiq aliases it to after_process_message
+        self, broker: Any, message: MessageProxy
+    ) -> None:
+        self.disarm()

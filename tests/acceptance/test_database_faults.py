@@ -55,7 +55,7 @@ def test_a_message_whose_worker_died_too_often_is_rejected_with_the_reason(broke
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(sql.ENQUEUE, enqueue_params([message]))
         conn.execute(
-            "UPDATE dramatiq.queue SET state = 'consumed', worker_id = gen_random_uuid(), crashes = %s"
+            "UPDATE dramatiq.queue SET state = 'consumed', worker_id = gen_random_uuid(), started_at = now(), crashes = %s"
             " WHERE message_id = %s",
             (broker.settings.max_crashes, message.message_id),
         )

@@ -50,12 +50,15 @@ def test_sigterm_finishes_short_jobs_returns_the_rest_and_the_long_one_runs_agai
     states = query(database_url, "SELECT state::text, worker_id FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
                    ([m.message_id for m in waiting],))
     assert states == [("queued", None)] * 3
-    # The long job was cut off: it is still marked running, by a worker recorded as stopped
-    assert query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
-                 (long_job.message_id,)) == [("consumed",)]
+    # The long job was cut off at the shutdown timeout: back in its queue, without blame
+    # (a deploy is not a crash), and the worker is recorded as stopped
+    assert query(database_url, "SELECT state::text, worker_id, crashes, suspect_of FROM dramatiq.queue"
+                               " WHERE message_id = %s", (long_job.message_id,)) == [("queued", None, 0, None)]
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.worker_processes WHERE stopped_at IS NULL") == 0
     # And a new worker runs it again (at least once)
     with running(cmd, subprocess_env, log=tmp_path / "second.log"):
         wait_for(lambda: _started(database_url, "long") == 2, timeout_s=20, what="the long job to start again")
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (long_job.message_id,))
 
 
 def test_a_sigkilled_workers_job_is_run_by_the_other_worker_within_the_rescue_window(

@@ -10,37 +10,60 @@ def _state(url: str, message_id: str) -> list[tuple[str, int]]:
     return query(url, "SELECT state::text, claims FROM dramatiq.queue WHERE message_id = %s", (message_id,))
 
 
-def test_a_message_claimed_again_before_its_first_ack_is_settled_claim_by_claim(broker, database_url):
+def test_a_settle_applies_only_to_the_claim_it_names_never_to_a_later_claim(broker, database_url):
     # Given a message claimed once by this process
     broker.claiming = True
     state = broker.queue_states["index"]
-    consumer = broker.consume("index")
+    consumer = broker.consume("index", timeout=100)
     message = mark.send("reclaimed")
     first = consumer.__next__()
     assert first is not None and first.message_id == message.message_id
-    # When it is re-enqueued at once (a snooze of 0 s) and claimed again before the first ack
-    broker.enqueue(first, delay=0)
+    # When it is taken back (as rescue would) and claimed again before the first run settles
+    query(database_url, "UPDATE dramatiq.queue SET state = 'queued', worker_id = NULL WHERE message_id = %s",
+          (message.message_id,))
+    consumer.next_due_s = 0.0
     second = None
     for _ in range(20):
         second = second or consumer.__next__()
     assert second is not None and second.message_id == message.message_id
     assert _state(database_url, message.message_id) == [("consumed", 2)]
-    # Then the first run's ack leaves the second claim running
+    # Then the first run's settle leaves the second claim running
+    broker.emit_after("process_message", first, result=None)
     consumer.ack(first)
+    assert broker.settler.flush(5)
     assert _state(database_url, message.message_id) == [("consumed", 2)]
     assert state.in_flight == {(message.message_id, 2)}
-    # And the second run's ack finishes it and frees the slot
+    # And the second run's settle finishes it and frees the slot
+    broker.emit_after("process_message", second, result=None)
     consumer.ack(second)
+    assert broker.settler.flush(5)
     assert _state(database_url, message.message_id) == [("done", 2)]
     assert state.in_flight == set()
     consumer.close()
+
+
+def test_a_run_that_ended_without_returning_is_never_recorded_as_done(broker, database_url):
+    # Given a claimed message whose after-hooks never said how it ended (a middleware broke)
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    message = mark.send("no-outcome")
+    proxy = consumer.__next__()
+    assert proxy is not None and proxy.message_id == message.message_id
+    # When the worker acks it anyway (Dramatiq acks whatever was not failed)
+    consumer.ack(proxy)
+    assert broker.settler.flush(5)
+    # Then it is queued to run again, not done
+    assert query(database_url, "SELECT state::text, eta > now() - interval '1 second' FROM dramatiq.queue"
+                               " WHERE message_id = %s", (message.message_id,)) == [("queued", True)]
+    consumer.close()
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
 
 
 def test_messages_handed_out_but_not_started_go_back_to_the_queue_and_wake_consumers(broker, database_url):
     import psycopg
 
     broker.claiming = True
-    consumer = broker.consume("index")
+    consumer = broker.consume("index", timeout=100)
     messages = [mark.send(f"requeued-{i}") for i in range(2)]
     handed = [consumer.__next__() for _ in range(2)]
     assert {m.message_id for m in handed} == {m.message_id for m in messages}
@@ -73,6 +96,39 @@ def test_a_malformed_message_is_rejected_with_the_reason_and_the_others_run(brok
              == [("rejected",)], timeout_s=10, what="the malformed one rejected")
     (error,) = query(database_url, "SELECT error FROM dramatiq.queue WHERE message_id = %s", (bad,))[0]
     assert error.startswith("malformed message:")
+
+
+def test_a_row_whose_message_disagrees_with_its_own_columns_is_rejected_by_its_row_id(
+    broker, database_url, start_worker
+):
+    import json
+    import uuid
+
+    from tests.support.db import wait_for
+
+    # Given two rows whose JSON names another queue or another id than the row itself
+    other_queue = mark.message("wrong-queue")
+    wrong_queue_row = other_queue.message_id
+    text = json.loads(other_queue.encode())
+    text["queue_name"] = "webhook"
+    query(database_url, "INSERT INTO dramatiq.queue (queue_name, message_id, state, message)"
+                        " VALUES ('index', %s, 'queued', %s)", (wrong_queue_row, json.dumps(text)))
+    other_id = mark.message("wrong-id")
+    wrong_id_row = str(uuid.uuid4())
+    query(database_url, "INSERT INTO dramatiq.queue (queue_name, message_id, state, message)"
+                        " VALUES ('index', %s, 'queued', %s)", (wrong_id_row, other_id.encode().decode()))
+    good = mark.send("after-disagreeing")
+    # When a worker serves the queue
+    start_worker(queues=["index"], threads=4)
+    # Then both rows are rejected by their own ids, with the reason, and the queue goes on
+    wait_for(lambda: _state(database_url, good.message_id)[0][0] == "done", timeout_s=10, what="the good message")
+    rows = dict(query(database_url, "SELECT message_id::text, error FROM dramatiq.queue"
+                                    " WHERE message_id = ANY(%s::uuid[]) AND state = 'rejected'",
+                      ([wrong_queue_row, wrong_id_row],)))
+    assert "queue_name 'webhook' is not the row's 'index'" in rows[wrong_queue_row]
+    assert f"is not the row's '{wrong_id_row}'" in rows[wrong_id_row]
+    assert query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = %s",
+                 (other_id.message_id,)) == [(0,)]
 
 
 def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(broker, database_url, start_worker):

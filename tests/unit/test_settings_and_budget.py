@@ -69,6 +69,31 @@ def test_a_process_serving_fewer_queues_counts_only_those():
         check_budget(settings, ["webhook"])
 
 
-def test_an_unknown_queue_is_a_clear_error():
-    with pytest.raises(ConfigError, match="unknown queue 'emails'"):
-        Settings.from_env({}).queue("emails")
+def test_any_queue_has_documented_defaults_and_its_own_variables():
+    settings = Settings.from_env({"STANDMEET_QUEUE_BULK_EMAIL_MAX_WORKERS": "5",
+                                  "STANDMEET_QUEUE_BULK_EMAIL_TIME_LIMIT_S": "42"})
+    emails = settings.queue("bulk-email")
+    assert (emails.max_workers, emails.time_limit_s) == (5, 42.0)
+    other = settings.queue("reports")
+    assert (other.max_workers, other.time_limit_s) == (1, 600.0)
+
+
+def test_a_malformed_variable_of_any_queue_is_refused_with_its_name():
+    with pytest.raises(ConfigError, match="STANDMEET_QUEUE_REPORTS_MAX_WORKERS"):
+        Settings.from_env({"STANDMEET_QUEUE_REPORTS_MAX_WORKERS": "lots"})
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_numbers_are_refused_with_the_variable(value):
+    with pytest.raises(ConfigError, match="STANDMEET_QUEUE_INDEX_TIME_LIMIT_S"):
+        Settings.from_env({"STANDMEET_QUEUE_INDEX_TIME_LIMIT_S": value})
+
+
+def test_a_rescue_window_shorter_than_two_heartbeats_is_refused():
+    with pytest.raises(ConfigError, match="STANDMEET_RESCUE_AFTER_S"):
+        Settings.from_env({"STANDMEET_HEARTBEAT_S": "5", "STANDMEET_RESCUE_AFTER_S": "9"})
+
+
+def test_a_minimum_back_off_above_the_maximum_is_refused():
+    with pytest.raises(ConfigError, match="STANDMEET_MIN_BACKOFF_MS"):
+        Settings.from_env({"STANDMEET_MIN_BACKOFF_MS": "10", "STANDMEET_MAX_BACKOFF_MS": "5"})
