@@ -345,8 +345,8 @@ class StandmeetBroker(dramatiq.Broker):
         self.relay: Any = None
         self._waiters: Any = None
         super().__init__(middleware=middleware or [])
-        for name in settings.queues:
-            self.declare_queue(name)
+        # Queues are declared by the actors that name them (and by declare_queue): a
+        # process serves the queues of the modules it loads, no others.
 
     # -- queues -------------------------------------------------------------------
 
@@ -578,10 +578,10 @@ class StandmeetBroker(dramatiq.Broker):
         """Prove this process alive, and rescue the messages of dead ones."""
         try:
             self.prove_alive()
+            return self.rescue_once()
         except DISCONNECTS as exc:
-            self.outage.failed("heartbeat", exc)
-            raise
-        return self.rescue_once()
+            self.outage.failed("heartbeat", exc)  # one line per outage, not one per beat
+            return {}
 
     def rescue_once(self) -> dict[str, tuple[int, int]]:
         """Requeue messages whose process died; returns {queue: (requeued, rejected)}.

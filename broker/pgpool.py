@@ -21,6 +21,8 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 logger = logging.getLogger("standmeet.broker")
+# psycopg_pool logs every failed connection attempt; an outage is told by Outage, once.
+logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
 
 #: psycopg errors that mean "the connection or the server is gone": retry later.
 DISCONNECTS: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)

@@ -1,0 +1,147 @@
+"""Fair crash rescue: only the job that kills its worker is blamed.
+
+Rows are set up as dead processes leave them (a worker row whose heartbeat is old, its
+messages ``consumed``), then the broker's rescue pass judges them by the database's
+clock.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+
+from broker import sql
+from broker.pgbroker import enqueue_params
+from tests.support.db import query
+from tests.support.jobs import mark
+
+DEAD_WORKER = """
+INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at, stopped_at)
+VALUES (%s, 'gone', 1, '{index}', now() - interval '1 hour', %s::timestamptz)
+"""
+HOLD = """
+UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s, claims = claims + 1,
+       started_at = CASE WHEN %s THEN now() END, suspect_of = %s, crashes = %s
+WHERE message_id = %s
+"""
+
+
+def _held_by_dead_worker(url: str, runs: list[tuple[bool, str | None, int]], *, graceful: bool = False) -> list[str]:
+    """Messages held by a dead worker: one per (started, suspect_of, crashes)."""
+    worker = str(uuid.uuid4())
+    messages = [mark.message(f"rescue-{i}") for i in range(len(runs))]
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(DEAD_WORKER, (worker, None))
+        if graceful:
+            conn.execute("UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %s", (worker,))
+        conn.execute(sql.ENQUEUE, enqueue_params(messages, delay=60_000))  # nobody else claims them
+        for message, (started, suspect, crashes) in zip(messages, runs, strict=True):
+            conn.execute(HOLD, (worker, started, suspect, crashes, message.message_id))
+    return [m.message_id for m in messages]
+
+
+def _rows(url: str, ids: list[str]) -> list[tuple[str, int, bool, str | None]]:
+    found = dict(
+        (row[0], row[1:]) for row in query(
+            url, "SELECT message_id::text, state::text, crashes, suspect_of IS NOT NULL, error FROM dramatiq.queue"
+                 " WHERE message_id = ANY(%s::uuid[])", (ids,))
+    )
+    return [found[i] for i in ids]
+
+
+def test_prefetched_messages_of_a_dead_worker_are_requeued_without_blame(broker, database_url):
+    # Given a dead worker that had started one message and prefetched two
+    ids = _held_by_dead_worker(database_url, [(True, None, 0), (False, None, 0), (False, None, 0)])
+    # When rescue runs
+    broker.rescue_once()
+    # Then the started one is blamed once; the prefetched ones are requeued with no crash
+    assert _rows(database_url, ids) == [("queued", 1, False, None), ("queued", 0, False, None),
+                                        ("queued", 0, False, None)]
+
+
+def test_messages_of_a_gracefully_stopped_worker_carry_no_blame(broker, database_url):
+    # Given a worker recorded as stopped (a deploy), still holding a started job
+    ids = _held_by_dead_worker(database_url, [(True, None, 0)], graceful=True)
+    broker.rescue_once()
+    assert _rows(database_url, ids) == [("queued", 0, False, None)]
+
+
+def test_jobs_that_died_together_become_suspects_and_none_is_blamed_yet(broker, database_url):
+    # Given a worker that died running three jobs at once
+    ids = _held_by_dead_worker(database_url, [(True, None, 0)] * 3)
+    # When rescue runs
+    broker.rescue_once()
+    # Then all three are requeued as suspects of that crash, none blamed
+    assert _rows(database_url, ids) == [("queued", 0, True, None)] * 3
+
+
+def test_a_suspect_that_dies_again_is_blamed_and_its_innocent_neighbours_are_not(broker, database_url):
+    # Given a worker that died running a suspect of an earlier crash beside an innocent job
+    earlier_crash = str(uuid.uuid4())
+    ids = _held_by_dead_worker(database_url, [(True, earlier_crash, 0), (True, None, 0)])
+    broker.rescue_once()
+    # Then the suspect is blamed; the job beside it is requeued with no crash, not a suspect
+    assert _rows(database_url, ids) == [("queued", 1, True, None), ("queued", 0, False, None)]
+
+
+def test_a_message_blamed_past_max_crashes_is_rejected_with_the_reason(broker, database_url):
+    max_crashes = broker.settings.max_crashes
+    ids = _held_by_dead_worker(database_url, [(True, None, max_crashes)])
+    broker.rescue_once()
+    [(state, crashes, _, error)] = _rows(database_url, ids)
+    assert (state, crashes) == ("rejected", max_crashes + 1)
+    assert f"its worker process died while running it {max_crashes + 1} times" in error
+
+
+def test_suspects_of_one_crash_run_one_at_a_time(broker, database_url):
+    # Given two due suspects of the same crash
+    crash = str(uuid.uuid4())
+    messages = [mark.message(f"suspect-{i}") for i in range(2)]
+    ids = [m.message_id for m in messages]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params(messages))
+        conn.execute("UPDATE dramatiq.queue SET suspect_of = %s WHERE message_id = ANY(%s::uuid[])", (crash, ids))
+    # When a consumer with free slots claims
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    first = consumer.__next__()
+    for _ in range(5):
+        consumer.__next__()
+    # Then only one of them is running; the other waits for it
+    states = sorted(s for s, *_ in _rows(database_url, ids))
+    assert first is not None and first.message_id in ids
+    assert states == ["consumed", "queued"]
+    # And once the first is settled, the other is claimed
+    broker.emit_after("process_message", first, result=None)
+    consumer.ack(first)
+    assert broker.settler.flush(5)
+    consumer.next_due_s = 0.0
+    second = None
+    for _ in range(20):
+        second = second or consumer.__next__()
+    assert second is not None and {first.message_id, second.message_id} == set(ids)
+    broker.emit_after("process_message", second, result=None)
+    consumer.ack(second)
+    assert broker.settler.flush(5)
+    consumer.close()
+
+
+def test_a_live_workers_claims_are_never_taken_back(broker, database_url):
+    # Given a message claimed by this (live) process, whose heartbeat is fresh
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    message = mark.send("live-claim")
+    proxy = None
+    for _ in range(20):
+        proxy = proxy or consumer.__next__()
+    assert proxy is not None and proxy.message_id == message.message_id
+    # When rescue runs, here and in any other process
+    broker.rescue_once()
+    # Then the claim is untouched
+    assert query(database_url, "SELECT state::text, crashes FROM dramatiq.queue WHERE message_id = %s",
+                 (message.message_id,)) == [("consumed", 0)]
+    broker.emit_after("process_message", proxy, result=None)
+    consumer.ack(proxy)
+    assert broker.settler.flush(5)
+    consumer.close()
