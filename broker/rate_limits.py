@@ -100,11 +100,12 @@ RETURNING r.expires_at > now()
 """
 
 #: First step of incr_and_sum: make a row exist for every key (absent ones are written
-#: expired, i.e. still absent) and lock them all, in key order.
+#: expired, i.e. still absent) and lock them all, in key order. ``DO UPDATE … WHERE false``
+#: locks an existing row without writing a new version of it.
 LOCK_KEYS = """
 INSERT INTO standmeet.rate_limits AS r (key, value, expires_at)
 SELECT k, 0, '-infinity' FROM unnest(%(keys)s::text[]) AS k ORDER BY k
-ON CONFLICT (key) DO UPDATE SET value = r.value
+ON CONFLICT (key) DO UPDATE SET value = r.value WHERE false
 """
 
 #: Second step: increment ``key`` if both it and the sum of the (locked) keys stay in bound.

@@ -161,7 +161,10 @@ class Database:
             raise ValueError("give a database url or a ConnectionPool")
         if pool is not None and url is None and not isinstance(pool.conninfo, str):
             raise ValueError("the pool's conninfo is not a string: give url= too, for the LISTEN connection")
-        self.url: str = url if url is not None else str(pool.conninfo if pool is not None else "")
+        if url is None:
+            assert pool is not None and isinstance(pool.conninfo, str)
+            url = pool.conninfo
+        self.url: str = url
         self.application_name = application_name
         self._given_pool = pool
         self._own_pool: ConnectionPool[Any] | None = None

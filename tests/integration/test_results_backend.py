@@ -212,7 +212,7 @@ def test_a_blocked_reader_does_not_poll_it_sleeps_until_a_notification(db_url: s
                    what="the reader waiting on its LISTEN connection")
 
         # When the result row appears without a notification, the reader keeps sleeping
-        query(db_url, WRITE_WITHOUT_NOTIFY, (key, writer.encoder.encode("written quietly")))
+        query(db_url, WRITE_WITHOUT_NOTIFY, (key, writer.encoder.encode({"note": "written quietly"})))
         with pytest.raises(subprocess.TimeoutExpired):
             reader.wait(timeout=1.5)
 
@@ -221,7 +221,7 @@ def test_a_blocked_reader_does_not_poll_it_sleeps_until_a_notification(db_url: s
         report = child_report(reader, timeout_s=10)
     writer.close()
 
-    assert report["result"] == "written quietly"
+    assert report["result"] == {"note": "written quietly"}
     assert report["waited_s"] < 25
 
 
