@@ -13,6 +13,7 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.message import Message
 from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeout
+from psycopg_pool import ConnectionPool
 
 from tests.integration.backends_support import (
     apply_migration,
@@ -247,6 +248,28 @@ def test_a_backend_that_only_stores_opens_no_listen_connection(
     backend.store_result(a_message(), "fire and forget", 60_000)
 
     assert listeners(db_url, app_name) == 0
+
+
+def test_a_given_pool_is_used_as_it_is_and_left_open(db_url: str) -> None:
+    # Given the application's pool, whose connections are not autocommit
+    app_name = f"given-{uuid.uuid4().hex[:12]}"
+    with ConnectionPool(db_url, min_size=0, max_size=2, kwargs={"application_name": app_name}) as pool:
+        backend = PostgresResultBackend(pool=pool, application_name=app_name)
+        message = a_message()
+
+        # When a result is stored and read back through it
+        backend.store_result(message, "through the app pool", 60_000)
+        read_back = backend.get_result(message, block=True, timeout=1_000)
+        eventually(lambda: listeners(db_url, app_name) == 1, what="the LISTEN connection opening")
+        backend.close()
+
+        # Then the write was committed, the LISTEN connection came from the pool's URL,
+        # and closing the backend left the pool open
+        assert read_back == "through the app pool"
+        assert scalar(db_url, COUNT_KEY, (backend.build_message_key(message),)) == 1
+        assert not pool.closed
+        with pool.connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_an_unreachable_database_is_reported_as_database_unavailable() -> None:
