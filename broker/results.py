@@ -44,7 +44,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker import detach
-from broker.errors import DatabaseError, DatabaseUnavailable
+from broker.errors import ConfigError, DatabaseError, DatabaseUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def prune_expired(
 ) -> int:
     """Run one batched DELETE of expired rows; return how many rows it deleted."""
     if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}")
+        raise ConfigError(f"batch must be at least 1, got {batch}")
     with translated_errors(what):
         if isinstance(conn_or_url, str):
             with psycopg.connect(conn_or_url, autocommit=True) as conn:
@@ -157,12 +157,11 @@ class Database:
         checkout_timeout_ms: int,
         application_name: str,
     ) -> None:
-        if url is None and pool is None:
-            raise ValueError("give a database url or a ConnectionPool")
-        if pool is not None and url is None and not isinstance(pool.conninfo, str):
-            raise ValueError("the pool's conninfo is not a string: give url= too, for the LISTEN connection")
         if url is None:
-            assert pool is not None and isinstance(pool.conninfo, str)
+            if pool is None:
+                raise ConfigError("a backend needs url= or pool=")
+            if not isinstance(pool.conninfo, str):
+                raise ConfigError("the pool's conninfo is not a string: give url= too, for the LISTEN connection")
             url = pool.conninfo
         self.url: str = url
         self.application_name = application_name
