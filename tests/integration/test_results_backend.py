@@ -40,6 +40,10 @@ INSERT INTO standmeet.results (message_key, value, expires_at)
 VALUES (%s, %s, now() + interval '1 minute')
 """
 NOTIFY = "SELECT pg_notify(%s, %s)"
+KILL_LISTENERS = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = %s
+"""
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +228,28 @@ def test_a_blocked_reader_does_not_poll_it_sleeps_until_a_notification(db_url: s
 
     assert report["result"] == {"note": "written quietly"}
     assert report["waited_s"] < 25
+
+
+def test_a_result_stored_while_the_readers_listen_connection_was_down_still_wakes_it(
+    db_url: str, backend: PostgresResultBackend
+) -> None:
+    # Given another process blocked on a result, asleep on its LISTEN connection
+    message = a_message("outage")
+    reader_app = f"reader-{uuid.uuid4().hex[:12]}"
+    with children(
+        [start_child("wait-result", url=db_url, app=reader_app, message=message.encode().decode(), timeout_ms=30_000)]
+    ) as (reader,):
+        eventually(lambda: read_since_listening(db_url, reader_app, "standmeet.results"),
+                   what="the reader waiting on its LISTEN connection")
+
+        # When its LISTEN connection is killed and the result is stored before it is back
+        assert scalar(db_url, KILL_LISTENERS, (f"{reader_app}-listen",)) == 1
+        backend.store_result(message, "stored during the outage", 60_000)
+        report = child_report(reader, timeout_s=20)
+
+    # Then the reader reconnects, looks again and finds it, well before its timeout
+    assert report["result"] == "stored during the outage"
+    assert report["waited_s"] < 15
 
 
 def test_one_backend_waits_on_one_listen_connection_however_often_it_blocks(
