@@ -226,17 +226,17 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         """Add ``amount`` to ``key`` unless it, or ``amount`` plus the sum of ``keys()``,
         would exceed ``maximum``; True if it was added."""
         summed = sorted(set(keys()))
+        locked = sorted({key, *summed})
         params = {
             "key": key,
             "keys": summed,
-            "locked": sorted({key, *summed}),
             "amount": int(amount),
             "maximum": int(maximum),
             "ttl_ms": int(ttl),
         }
         with translated_errors("incrementing a rate-limit window"), self.database.connection() as conn:
             with conn.transaction():
-                conn.execute(LOCK_KEYS, {"keys": params["locked"]})
+                conn.execute(LOCK_KEYS, {"keys": locked})
                 row = conn.execute(INCREMENT_IF_SUM_ALLOWS, params).fetchone()
         return row is not None
 
