@@ -18,11 +18,15 @@ from broker.enqueue import enqueue
 from broker.errors import BudgetError, ConfigError, StandmeetError
 from broker.outbox import emit
 from broker.pgbroker import StandmeetBroker, current_broker
+from broker.rate_limits import PostgresRateLimiterBackend
+from broker.results import PostgresResultBackend
 from broker.settings import Settings
 
 __all__ = [
     "BudgetError",
     "ConfigError",
+    "PostgresRateLimiterBackend",
+    "PostgresResultBackend",
     "Settings",
     "StandmeetBroker",
     "StandmeetError",
@@ -51,11 +55,16 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
     ``url`` overrides the database; otherwise ``DATABASE_URL`` or the embedded server.
     """
+    from broker.rate_limits import PostgresRateLimiterBackend
+    from broker.results import PostgresResultBackend
     from middleware import default_middleware
 
     settings = settings or Settings.from_env()
     url = url or resolve_database_url(settings)
-    broker = StandmeetBroker(settings=settings, url=url, middleware=default_middleware(settings))
+    results = PostgresResultBackend(url=url, pool_max_size=2)
+    rate_limiter = PostgresRateLimiterBackend(url=url, pool_max_size=2)
+    broker = StandmeetBroker(settings=settings, url=url, backends=(results, rate_limiter),
+                             middleware=default_middleware(settings, results=results, rate_limiter=rate_limiter))
     previous = dramatiq.broker.global_broker
     if previous is not None and previous is not broker:
         for actor in list(previous.actors.values()):

@@ -86,7 +86,7 @@ class QueueState:
     claimed again (a snooze due at once) before the previous run is settled. At most
     ``limit`` claims are *running* (handed to Dramatiq's worker); up to ``prefetch`` more
     wait in :attr:`buffer`, claimed, and start the moment a running one finishes. A claim
-    stays *in flight* until its settle is written.
+    is *in flight* while it runs or waits in the buffer.
     """
 
     def __init__(self, settings: QueueSettings) -> None:
@@ -133,9 +133,11 @@ class QueueState:
             return taken
 
     def finished(self, key: tuple[str, int]) -> None:
-        """A running job has ended: its slot is free (its settle may still be on its way)."""
+        """A running job has ended: its slot is free, and another may be claimed at once
+        (its settle is on its way; until written, the row stays ``consumed``)."""
         with self.lock:
             self.running.discard(key)
+            self.in_flight.discard(key)
         self.wake()
 
     def release(self, keys: Iterable[tuple[str, int]]) -> None:
@@ -289,13 +291,6 @@ class Settler:
                 conn.execute(sql.SETTLE, settle_params(outcomes, self.broker.awaited))
         self.broker.outage.ok()
         self.written += len(outcomes)
-        by_queue: dict[str, list[tuple[str, int]]] = {}
-        for o in outcomes:
-            by_queue.setdefault(o.queue_name, []).append((o.message_id, o.claim))
-        for queue_name, keys in by_queue.items():
-            state = self.broker.queue_states.get(queue_name)
-            if state is not None:
-                state.release(keys)
         return len(outcomes)
 
     def close(self) -> None:
@@ -325,8 +320,11 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str]) -> dict[s
 class StandmeetBroker(dramatiq.Broker):
     """A Dramatiq broker on Postgres: per-queue limits, database delays, one settle path."""
 
-    def __init__(self, *, settings: Settings, url: str, middleware: list[Any] | None = None) -> None:
+    def __init__(self, *, settings: Settings, url: str, middleware: list[Any] | None = None,
+                 backends: Sequence[Any] = ()) -> None:
         self.settings = settings
+        #: result and rate-limiter backends this broker closes with itself
+        self.backends = list(backends)
         self.url = url
         self.worker_id = str(uuid.uuid4())
         self.outage = Outage("worker")
@@ -344,6 +342,7 @@ class StandmeetBroker(dramatiq.Broker):
         self._app_pool: Any = None
         self.relay: Any = None
         self._waiters: Any = None
+        refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
         # Queues are declared by the actors that name them (and by declare_queue): a
         # process serves the queues of the modules it loads, no others.
@@ -396,6 +395,7 @@ class StandmeetBroker(dramatiq.Broker):
         """
         if message.queue_name not in self.queues:
             raise QueueNotFound(message.queue_name)
+        refuse_non_json_encoder()
         message.options.pop("eta", None)  # Dramatiq would hold an ``eta`` message in memory
         context: SettleContext | None = getattr(_local, "settling", None)
         if context is not None:
@@ -702,6 +702,8 @@ class StandmeetBroker(dramatiq.Broker):
                 logger.warning("could not record this worker as stopped: %s", exc)
         if self._waiters is not None:
             self._waiters.close()
+        for backend in self.backends:
+            backend.close()
         if self._app_pool is not None:
             self._app_pool.close(timeout=1.0)  # a job still running past shutdown keeps its own
         if self._pool is not None:
@@ -938,6 +940,16 @@ def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None
         "delays": [(delay or 0) / 1000.0] * len(batch),
         "priorities": [message_priority(m) for m in batch],
     }
+
+
+def refuse_non_json_encoder() -> None:
+    """Messages live in a ``jsonb`` column: an encoder that does not write JSON is refused."""
+    encoder = dramatiq.get_encoder()
+    if not isinstance(encoder, dramatiq.JSONEncoder):
+        raise ConfigError(
+            f"the message encoder is {type(encoder).__name__}, but this broker stores messages as JSON "
+            "(dramatiq-pg's jsonb column): use dramatiq.JSONEncoder or a subclass of it"
+        )
 
 
 def current_broker() -> StandmeetBroker:

@@ -1,8 +1,9 @@
 """Completion receipts and the waiters of a web request (R5, R12).
 
 When a job on an awaited queue (index, notify) finishes for good — done, or rejected
-with no retry left; not when it is retried or snoozed — its ack sends, in the same
-statement and so at once, ``NOTIFY standmeet_receipts_<queue>, '<message id>:<state>'``.
+with no retry left; not when it is retried or snoozed — its settle sends, in the same
+statement and so at once, ``NOTIFY standmeet_receipts_<queue>, '<message id>:<state>,…'``
+(one notification for the receipts of a settled batch, at most 150 a notification).
 
 Each process has **one** LISTEN connection per channel (:class:`Listener`, owned by a
 ``broker.detach`` thread), shared by all its waiters. A request that wrote something
@@ -131,9 +132,10 @@ class Listener:
             self.recheck()  # receipts sent while we were not listening
         dispatched = 0
         for notify in self._conn.notifies(timeout=timeout_s):
-            message_id, _, state = notify.payload.partition(":")
-            self.dispatch(message_id, state or "done")
-            dispatched += 1
+            for receipt in notify.payload.split(","):  # one notification per settled batch
+                message_id, _, state = receipt.partition(":")
+                self.dispatch(message_id, state or "done")
+                dispatched += 1
             if stop.is_set():
                 break
         return dispatched

@@ -94,8 +94,9 @@ WHERE queue_name = %(queue)s AND "state" = 'queued'
 #:             counts a retry); a cancelled message is rejected instead
 #: In the same statement (one transaction): the messages the settled runs sent from their
 #: after-hooks (pipelines, callbacks) are enqueued, only for claims that were settled;
-#: receipts are sent for final states of awaited queues, and consumers of queues that got
-#: messages are woken.
+#: receipts are sent for final states of awaited queues (one notification per queue and
+#: 150 receipts, under Postgres' 8000-byte payload limit), and consumers of queues that
+#: got messages are woken.
 SETTLE = """
 WITH outcome AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::int[], %(outcomes)s::text[],
@@ -128,8 +129,11 @@ WITH outcome AS (
     ON CONFLICT (message_id) DO NOTHING
     RETURNING q.queue_name
 )
-SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':' || state)
-FROM settled WHERE state IN ('done', 'rejected') AND queue_name = ANY(%(awaited)s::text[])
+SELECT pg_notify('standmeet_receipts_' || queue_name, string_agg(message_id::text || ':' || state, ','))
+FROM (SELECT queue_name, message_id, state,
+             (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
+      FROM settled WHERE state IN ('done', 'rejected') AND queue_name = ANY(%(awaited)s::text[])) AS receipts
+GROUP BY queue_name, chunk
 UNION ALL
 SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
 FROM (SELECT queue_name FROM settled WHERE state = 'queued'

@@ -9,9 +9,11 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 5. ``CurrentMessage``, ``ShutdownNotifications`` (Dramatiq's)
 6. ``Callbacks``, ``Pipelines`` (Dramatiq's)
 7. ``Retries``           retry failures with back-off; the delay lives in the database
-8. ``SnoozePolicy``      run a job again later without counting a retry
-9. ``EndpointLease``     at most one webhook delivery in flight per endpoint, by a row lease
-10. ``GracefulShutdown`` stop the relay and claiming on SIGTERM
+8. ``Results``           results in Postgres (``store_results=True``), none for a snoozed run
+9. ``GroupCallbacks``    (Dramatiq's) group completion callbacks, on the Postgres rate limiter
+10. ``SnoozePolicy``     run a job again later without counting a retry
+11. ``EndpointLease``    at most one webhook delivery in flight per endpoint, by a row lease
+12. ``GracefulShutdown`` stop the relay and claiming on SIGTERM
 
 The broker disarms the time limit before any after-hook runs, so the limit never fires
 inside the settle path; what after-hooks send (retries, snoozes, pipelines, callbacks)
@@ -26,15 +28,19 @@ from dramatiq.middleware import (
     AgeLimit,
     Callbacks,
     CurrentMessage,
+    GroupCallbacks,
     Pipelines,
     ShutdownNotifications,
 )
+from dramatiq.rate_limits import RateLimiterBackend
+from dramatiq.results import ResultBackend
 
 from broker.settings import Settings
 from middleware.connection_budget import ConnectionBudget
 from middleware.endpoint_lease import EndpointLease
 from middleware.graceful_shutdown import GracefulShutdown
 from middleware.queue_concurrency import QueueConcurrency
+from middleware.results import Results
 from middleware.retries import Retries
 from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
 from middleware.time_limit import TimeLimit
@@ -42,7 +48,13 @@ from middleware.time_limit import TimeLimit
 __all__ = ["Snooze", "default_middleware", "snooze_before_start"]
 
 
-def default_middleware(settings: Settings) -> list[Any]:
+def default_middleware(
+    settings: Settings, *, results: ResultBackend | None = None, rate_limiter: RateLimiterBackend | None = None
+) -> list[Any]:
+    """The policies every broker of ours runs, in order; results and group callbacks
+    when their backends are given (``broker.configure()`` gives the Postgres ones)."""
+    stores = [Results(backend=results)] if results is not None else []
+    groups = [GroupCallbacks(rate_limiter)] if rate_limiter is not None else []
     return [
         ConnectionBudget(),
         QueueConcurrency(),
@@ -57,6 +69,8 @@ def default_middleware(settings: Settings) -> list[Any]:
             min_backoff_ms=settings.min_backoff_ms,
             max_backoff_ms=settings.max_backoff_ms,
         ),
+        *stores,
+        *groups,
         SnoozePolicy(),
         EndpointLease(),
         GracefulShutdown(),

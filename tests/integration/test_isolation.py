@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from broker.settings import QUEUE_NAMES
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.jobs import SLEEP, post
@@ -30,7 +31,7 @@ def _index_latencies(database_url: str, label: str, count: int = 50) -> list[flo
 
 
 def test_a_blocked_webhook_queue_does_not_slow_index_jobs(broker, database_url, start_worker):
-    start_worker(threads=32)
+    start_worker(queues=list(QUEUE_NAMES), threads=32)
     # Given the index latency with the webhook queue idle
     idle = _index_latencies(database_url, "idle")
     with http_server(hold=True) as (url, server):

@@ -25,7 +25,7 @@ def test_each_queue_runs_at_most_its_limit_and_reaches_it(broker, database_url, 
         for _ in range(jobs_per_queue):
             SLEEP[queue].send(150, "limits")
     # When one process with 32 threads drains them
-    start_worker(threads=32)
+    start_worker(queues=list(QUEUE_NAMES), threads=32)
     wait_for(
         lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'limits' AND finished_at IS NOT NULL")
         == jobs_per_queue * len(QUEUE_NAMES),

@@ -1,0 +1,64 @@
+"""What a process holds of a queue, and the back-off every retry loop waits with."""
+
+from __future__ import annotations
+
+import random
+
+import dramatiq
+import pytest
+
+from broker.backoff import Backoff
+from broker.pgbroker import Claim, QueueState
+from broker.settings import QueueSettings
+
+
+def _claim(i: int, number: int = 1, *, started: bool = True) -> Claim:
+    message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={},
+                               message_id=f"00000000-0000-0000-0000-{i:012d}")
+    return Claim(message, number, started)
+
+
+def test_a_queue_hands_out_at_most_its_limit_and_claims_at_most_limit_plus_prefetch():
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=1))
+    assert state.free() == 3 and state.start_now() == 2
+    for i in range(3):
+        state.hold(_claim(i))
+    assert state.free() == 0
+    handed = [state.next_buffered(), state.next_buffered(), state.next_buffered()]
+    assert handed[2] is None  # the third waits: two are running
+    assert [c.key[0][-1] for c in handed[:2]] == ["0", "1"]
+    state.finished(handed[0].key)
+    assert state.free() == 1 and state.next_buffered() is not None
+
+
+def test_two_claims_of_one_message_are_counted_apart():
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=0))
+    first, second = _claim(7, 1), _claim(7, 2)
+    state.hold(first)
+    state.hold(second)
+    assert state.next_buffered() is first and state.next_buffered() is second
+    state.finished(first.key)
+    assert state.running == {second.key} and state.in_flight == {second.key}
+
+
+def test_start_now_counts_only_free_running_slots():
+    state = QueueState(QueueSettings("q", max_workers=3, time_limit_s=1, prefetch_setting=3))
+    state.hold(_claim(1))
+    state.next_buffered()
+    state.hold(_claim(2))
+    assert state.start_now() == 1  # one running, one buffered: one more would start at once
+
+
+def test_back_off_doubles_up_to_its_cap_with_jitter_and_resets():
+    backoff = Backoff(start_s=0.1, cap_s=0.8, rng=random.Random(1))
+    waits = [backoff.next_s() for _ in range(6)]
+    steps = [0.1, 0.2, 0.4, 0.8, 0.8, 0.8]
+    for wait, step in zip(waits, steps, strict=True):
+        assert step / 2 <= wait <= step
+    backoff.reset()
+    assert backoff.next_s() <= 0.1
+
+
+def test_back_off_refuses_bounds_that_make_no_sense():
+    with pytest.raises(ValueError):
+        Backoff(start_s=1.0, cap_s=0.5)
