@@ -97,7 +97,9 @@ def test_a_groups_completion_callback_runs_once_after_every_member(broker, datab
     # "Composition": group(...).add_completion_callback(...) needs a rate-limiter backend
     start_worker(queues=["index"], threads=4)
     members = [work.message(f"grouped-{i}", 20) for i in range(5)]
-    dramatiq.group(members).add_completion_callback(group_done.message("group-finished")).run()
+    group = dramatiq.group(members)
+    group.add_completion_callback(group_done.message("group-finished"))
+    group.run()
     wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'group-finished'"),
              timeout_s=15, what="the completion callback")
     finished_members = scalar(database_url, "SELECT max(finished_at) FROM test_runs WHERE label LIKE 'grouped-%%'")

@@ -116,14 +116,14 @@ def test_an_expired_counter_counts_from_zero_again(db_url: str, backend: Postgre
 
 
 def test_a_concurrent_limiter_of_two_never_lets_three_in_across_two_worker_processes(db_url: str) -> None:
-    # Given two worker processes of four threads each, 12 messages each, whose actor
+    # Given two worker processes of four threads each, 30 messages each, whose actor
     # holds a slot of one ConcurrentRateLimiter(limit=2) while it records, in the
     # database, how many holders are inside at once; both start together at a gate
     key = a_key("concurrent")
     query(db_url, NEW_PROBE, (key,))
     with start_gate(db_url, gate=4242) as open_when, children(
         [
-            start_child("limited-worker", url=db_url, key=key, limit=2, threads=4, messages=12, work_ms=30, gate=4242)
+            start_child("limited-worker", url=db_url, key=key, limit=2, threads=4, messages=30, work_ms=30, gate=4242)
             for _ in range(2)
         ]
     ) as workers:
@@ -137,7 +137,7 @@ def test_a_concurrent_limiter_of_two_never_lets_three_in_across_two_worker_proce
     # and both processes got slots while others were refused: there was contention
     assert all(report["acquired"] >= 1 for report in reports)
     assert sum(report["refused"] for report in reports) >= 1
-    assert sum(report["acquired"] + report["refused"] for report in reports) == 24
+    assert sum(report["acquired"] + report["refused"] for report in reports) == 60
     entries = dict(query(db_url, ENTRIES_BY_PROCESS, (key,)))
     assert len(entries) == 2
     assert sum(entries.values()) == sum(report["acquired"] for report in reports)
