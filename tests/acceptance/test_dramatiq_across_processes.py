@@ -53,5 +53,5 @@ def test_a_concurrent_rate_limiter_holds_across_two_worker_processes(broker, dat
     # Then no two ever overlapped, as the jobs themselves recorded it
     runs = query(database_url, "SELECT started_at, finished_at FROM test_runs WHERE actor = 'contract.limited'"
                                " ORDER BY started_at")
-    for (_, previous_end), (next_start, _) in zip(runs, runs[1:]):
+    for (_, previous_end), (next_start, _) in zip(runs, runs[1:], strict=False):
         assert next_start >= previous_end
