@@ -9,6 +9,7 @@
     standmeet-jobs mail test ADDRESS  a test mail through the notify queue
     standmeet-jobs search WORDS | reindex
     standmeet-jobs sources add URL --kind json|rss | sources list | fetch-new
+    standmeet-jobs dashboard          the web dashboard (loopback:8420 unless told)
     standmeet-jobs db url|stop        the database in use; stop the embedded server
 """
 
@@ -138,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("id", type=int)
     q.add_argument("--count", type=int, default=1)
     q.set_defaults(func=cmd_webhooks_ping)
+
+    p = sub.add_parser("dashboard", help="serve the web dashboard (see and steer the jobs in a browser)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; others need STANDMEET_DASHBOARD_PASSWORD)")
+    p.add_argument("--port", type=int, default=8420, help="port (default 8420)")
+    p.add_argument("--read-only", action="store_true", help="show everything, change nothing")
+    p.set_defaults(func=cmd_dashboard)
 
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
@@ -326,6 +334,16 @@ def cmd_webhooks_ping(args: argparse.Namespace) -> int:
 
     events = ping(args.id, args.count)
     print(f"emitted {len(events)} webhook.ping event(s) for endpoint {args.id}")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from broker.dashboard import serve
+    from broker.dashboard.security import check_bind
+
+    settings = Settings.from_env()
+    check_bind(args.host, settings.dashboard_password)  # before touching the database
+    serve(settings, resolve_database_url(settings), host=args.host, port=args.port, read_only=args.read_only)
     return 0
 
 

@@ -82,6 +82,8 @@ DEFAULT_WEBHOOK_HTTP_TIMEOUT_S = 10.0
 DEFAULT_WEBHOOK_BUSY_SNOOZE_S = 2.0
 #: An endpoint failing without a break for this long is disabled by the health job.
 DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS = 5.0
+#: The dashboard's HTTP basic-auth user (the password has no default: unset, no auth on loopback).
+DEFAULT_DASHBOARD_USER = "admin"
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -141,6 +143,9 @@ class Settings:
     relay_batch: int = DEFAULT_RELAY_BATCH
     relay_poll_s: float = DEFAULT_RELAY_POLL_S
     outbox_retention_hours: float = DEFAULT_OUTBOX_RETENTION_HOURS
+    dashboard_user: str = DEFAULT_DASHBOARD_USER
+    dashboard_password: str | None = field(default=None, repr=False)
+    dashboard_hide_args: bool = False
     max_waiters: int = DEFAULT_MAX_WAITERS
     receipt_wait_s: float = DEFAULT_RECEIPT_WAIT_S
     smtp_host: str = DEFAULT_SMTP_HOST
@@ -200,6 +205,9 @@ class Settings:
             outbox_retention_hours=_float(
                 env, "STANDMEET_OUTBOX_RETENTION_HOURS", DEFAULT_OUTBOX_RETENTION_HOURS, minimum=0
             ),
+            dashboard_user=env.get("STANDMEET_DASHBOARD_USER") or DEFAULT_DASHBOARD_USER,
+            dashboard_password=env.get("STANDMEET_DASHBOARD_PASSWORD") or None,
+            dashboard_hide_args=_bool(env, "STANDMEET_DASHBOARD_HIDE_ARGS", False),
             max_waiters=_int(env, "STANDMEET_MAX_WAITERS", DEFAULT_MAX_WAITERS, minimum=1),
             receipt_wait_s=_float(env, "STANDMEET_RECEIPT_WAIT_S", DEFAULT_RECEIPT_WAIT_S, minimum=0),
             smtp_host=env.get("STANDMEET_SMTP_HOST") or DEFAULT_SMTP_HOST,
