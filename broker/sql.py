@@ -37,10 +37,12 @@ ASYNC_COMMIT = "SET LOCAL synchronous_commit = off;\n"
 
 #: Claim up to ``n`` due messages of a queue for this worker process. Rows locked by a
 #: concurrent claimer are skipped, not waited on; no advisory lock outlives the statement.
+#: A paused queue (``standmeet.queue_pauses``) gives nothing.
 CLAIM = ASYNC_COMMIT + """
 WITH picked AS (
     SELECT message_id FROM dramatiq.queue
     WHERE queue_name = %(queue)s AND "state" = 'queued' AND eta <= now()
+      AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
     ORDER BY eta
     LIMIT %(n)s
     FOR UPDATE SKIP LOCKED
@@ -52,11 +54,13 @@ WHERE q.message_id = picked.message_id
 RETURNING q.message::text, q.claims, q.eta, q.message_id::text
 """
 
-#: Seconds until the next queued message of a queue is due (None when there is none).
+#: Seconds until the next queued message of a queue is due (None when there is none, or
+#: when the queue is paused: its consumers then wait for a NOTIFY or their poll).
 NEXT_DUE = """
 SELECT EXTRACT(EPOCH FROM min(eta) - now())::float8
 FROM dramatiq.queue
 WHERE queue_name = %(queue)s AND "state" = 'queued'
+  AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
 """
 
 #: Mark a message done, only if it is still the claim we made (a message re-enqueued by
