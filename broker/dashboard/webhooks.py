@@ -10,6 +10,7 @@ running is only made due now: it is never delivered twice at once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -219,7 +220,7 @@ def replay(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
         if row is not None:
             message = Message.decode(row[2].encode())
             options = {k: v for k, v in message.options.items() if k not in ("retries", "traceback")}
-            message = message.copy(options=options)
+            message = dataclasses.replace(message, options=options)  # copy() would merge them
         else:
             message = Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(delivery_id,),
                               kwargs={}, options={})
