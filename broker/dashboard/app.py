@@ -76,6 +76,8 @@ class DashboardConfig:
     #: seconds between live refreshes of an open page
     refresh_s: float = 3.0
     pool_max_size: int = 4
+    #: how long a request waits for a database connection before answering 503
+    connect_timeout_s: float = 3.0
 
 
 def create_app(config: DashboardConfig) -> Starlette:
@@ -84,7 +86,7 @@ def create_app(config: DashboardConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         pool = ConnectionPool(
-            config.database_url, min_size=0, max_size=config.pool_max_size, open=True, timeout=5.0,
+            config.database_url, min_size=0, max_size=config.pool_max_size, open=True, timeout=config.connect_timeout_s,
             kwargs={"autocommit": True, "application_name": "standmeet-dashboard",
                     "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
         )

@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import psycopg
+from psycopg_pool import PoolTimeout
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -72,6 +73,8 @@ def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
             return refused_response(request, exc)
         except ops.OpsError as exc:
             return PlainTextResponse(f"{exc}\n", status_code=400)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
 
     run.__name__ = handler.__name__
     run.__doc__ = handler.__doc__
@@ -213,29 +216,36 @@ async def jobs_bulk(request: Request) -> Response:
             count, plans = _bulk_plan(conn, action, kwargs)
             if count > BULK_LIMIT:
                 raise Refused(400, f"{count} jobs match: narrow the filter to at most {BULK_LIMIT}")
-            changed = 0
+            changed, acted_on = 0, []
             for plan in plans:
-                changed += _apply(conn, action, plan, by=by)
-            ops.record_action(conn, action=f"jobs.{action}", target={"filter": filters}, by=by,
-                              source=source, affected=changed)
+                ids = _matching_ids(conn, plan)
+                if ids:
+                    changed += _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
+                    acted_on += ids
+            ops.record_action(conn, action=f"jobs.{action}", target={"filter": filters, "message_ids": acted_on},
+                              by=by, source=source, affected=changed)
         return changed
 
     changed = await with_conn(request, act)
     return redirect("/jobs", "bulk" if changed else "nothing", **filters)
 
 
-def _apply(conn: psycopg.Connection[Any], action: str, plan: dict[str, Any], *, by: str) -> int:
-    """Retry or cancel everything ``plan`` (list filters) matches."""
-    if plan.get("message_id"):  # an id prefix: ops acts on whole ids
-        ids = [j.id for j in ops.list_jobs(conn, **plan, limit=ops.MAX_LIMIT)]
-        if not ids:
-            return 0
-        plan = {"state": plan["state"], "message_ids": ids}
-    else:
-        plan = {k: v for k, v in plan.items() if k != "message_id"}
+def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[str]:
+    """Every job id the list filters ``plan`` match (at most BULK_LIMIT), page by page."""
+    ids: list[str] = []
+    while len(ids) < BULK_LIMIT:
+        page = ops.list_jobs(conn, **plan, limit=ops.MAX_LIMIT, offset=len(ids))
+        ids += [job.id for job in page]
+        if len(page) < ops.MAX_LIMIT:
+            break
+    return ids[:BULK_LIMIT]
+
+
+def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_ids: list[str], by: str) -> int:
+    """Retry or cancel exactly these jobs (those still in ``state``); how many changed."""
     if action == "retry":
-        return ops.retry_jobs(conn, **plan, by=by)
-    return ops.cancel_jobs(conn, **plan, by=by)
+        return ops.retry_jobs(conn, message_ids=message_ids, state=state, by=by)
+    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by)
 
 
 @guarded

@@ -201,7 +201,23 @@ def test_bulk_retry_confirms_how_many_match_then_retries_them_all(broker, databa
     for message in failed:
         assert settled(database_url, message.message_id) == "done"
     (target, affected, _, _) = actions(database_url, "jobs.retry")[-1]
-    assert target == {"filter": filters} and affected == 3
+    assert target["filter"] == filters and affected == 3
+    assert sorted(target["message_ids"]) == sorted(m.message_id for m in failed)  # which jobs, recorded
+
+
+def test_bulk_cancel_of_every_job_matching_a_search_cancels_only_those(broker, database_url, dashboard):
+    doomed = [OK.send_with_options(args=(f"doomed-{i}",), delay=600_000) for i in range(2)]
+    spared = OK.send_with_options(args=("spared",), delay=600_000)
+    filters = {"actor": f"{QUEUE}.ok", "q": "doomed-"}
+    with dashboard() as client:
+        confirm = client.get("/jobs/bulk", params={**filters, "action": "cancel"})
+        assert 'id="bulk-count">2<' in confirm.text
+        hidden = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirm.text))
+        assert client.post("/jobs/bulk", data=hidden, follow_redirects=False).status_code == 303
+    assert [state_of(database_url, m.message_id) for m in doomed] == ["rejected", "rejected"]
+    assert state_of(database_url, spared.message_id) == "queued"
+    (target, affected, _, _) = actions(database_url, "jobs.cancel")[-1]
+    assert affected == 2 and sorted(target["message_ids"]) == sorted(m.message_id for m in doomed)
 
 
 def test_bulk_cancel_of_nothing_says_so_and_changes_nothing(broker, database_url, dashboard):
@@ -380,12 +396,14 @@ def test_hidden_arguments_are_never_shown_nor_searched(broker, database_url, das
     assert message.message_id in search  # the text filter is ignored, not applied
 
 
-def test_healthz_answers_ok_and_503_without_the_database(broker, database_url, dashboard):
+def test_healthz_answers_ok_and_every_page_503_without_the_database(broker, database_url, dashboard):
     with dashboard() as client:
         assert client.get("/healthz").json() == {"status": "ok", "database": "ok"}
-    with dashboard(database_url="postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=1") as client:
+    with dashboard(database_url="postgresql://postgres@127.0.0.1:1/nowhere", connect_timeout_s=0.5) as client:
         answer = client.get("/healthz")
+        page = client.get("/jobs")
     assert answer.status_code == 503 and answer.json()["status"] == "unavailable"
+    assert page.status_code == 503 and "the database is unavailable" in page.text
 
 
 def test_metrics_are_the_database_derived_gauges_in_prometheus_text(broker, database_url, dashboard, start_worker):
