@@ -11,6 +11,8 @@
     standmeet-jobs sources add URL --kind json|rss | sources list | fetch-new
     standmeet-jobs dashboard          the web dashboard (loopback:8420 unless told)
     standmeet-jobs db url|stop        the database in use; stop the embedded server
+    standmeet-jobs status | jobs … | queues …   what runs and what failed; retry, cancel,
+                                      pause (see broker/opscli.py)
 """
 
 from __future__ import annotations
@@ -146,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8420, help="port (default 8420)")
     p.add_argument("--read-only", action="store_true", help="show everything, change nothing")
     p.set_defaults(func=cmd_dashboard)
+
+    from broker import opscli
+
+    opscli.add_commands(sub, wh)
 
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
@@ -287,13 +293,9 @@ def cmd_webhooks_add(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
-    _actors()
-    from actors.webhooks import list_endpoints
+    from broker.opscli import print_endpoints
 
-    for e in list_endpoints():
-        state = "enabled" if e["enabled"] else f"disabled ({e['disabled_reason']})"
-        failing = f"\tfailing since {e['failing_since'].isoformat(timespec='seconds')}" if e["failing_since"] else ""
-        print(f"{e['id']}\t{e['url']}\t{','.join(e['event_types'])}\t{state}{failing}")
+    print_endpoints(Settings.from_env())
     return 0
 
 
