@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import psycopg
+import psycopg.errors
 from psycopg_pool import PoolTimeout
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -73,6 +74,9 @@ def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
             return refused_response(request, exc)
         except ops.OpsError as exc:
             return PlainTextResponse(f"{exc}\n", status_code=400)
+        except psycopg.errors.UndefinedTable as exc:
+            return PlainTextResponse(f"the schema is not up to date (run standmeet-jobs migrate): {exc}\n",
+                                     status_code=503)
         except (psycopg.OperationalError, PoolTimeout) as exc:
             return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
 

@@ -89,6 +89,16 @@ def test_the_command_serves_every_page_and_refuses_a_post_without_a_token(dashbo
                   (message.message_id,)) == "queued"
 
 
+def test_read_only_serves_the_pages_without_any_action(dashboard_process, broker):
+    import tests.support.dashboard_jobs as jobs
+
+    message = jobs.fail_until_retried.send_with_options(args=("read-only",), delay=600_000)
+    with dashboard_process("--read-only") as base:
+        page = httpx.get(f"{base}/jobs/{message.message_id}", timeout=10)
+    assert page.status_code == 200 and message.message_id in page.text
+    assert 'id="retry-job"' not in page.text and 'method="post"' not in page.text
+
+
 def test_with_a_password_it_listens_beyond_loopback_behind_basic_auth(dashboard_process):
     with dashboard_process(host="0.0.0.0", env={"STANDMEET_DASHBOARD_PASSWORD": "s3cret"}) as base:
         assert httpx.get(base + "/", timeout=10).status_code == 401
