@@ -25,13 +25,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from broker.budget import check_budget
 from broker.embedded import resolve_database_url, stop_embedded
-from broker.errors import StandmeetError
+from broker.errors import ConfigError, StandmeetError
+from broker.logging_setup import configure_logging, masked_url
 from broker.migrate import migrate
-from broker.settings import Settings
+from broker.settings import LOG_FORMATS, Settings
 
 logger = logging.getLogger("standmeet")
 
@@ -42,10 +44,7 @@ CHILD_EXIT_GRACE_S = 5.0
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_format or _env_log_format(), level=logging.DEBUG if args.verbose else logging.INFO)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
@@ -59,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                        help="text (default) or json, one object a line (also STANDMEET_LOG_FORMAT)")
     sub = parser.add_subparsers(metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="create or update the database schema")
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S, 20 s)",
     )
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler process")
+    p.add_argument("--module", action="append", dest="modules", metavar="MODULE",
+                   help="a module declaring actors, for the workers to import (repeatable; default: actors)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS,
+                   help="text or json, for this process and its children")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("emit", help="emit one event through the outbox, in its own transaction; print its id")
@@ -360,11 +365,19 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_log_format() -> str:
+    try:
+        return Settings.from_env().log_format
+    except ConfigError:
+        return "text"  # the command reports the malformed setting itself
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     queues = args.queues or list(settings.queues)
     budget = check_budget(settings, queues)
     url = resolve_database_url(settings)
+    logger.info("database: %s", masked_url(url))
     for m in migrate(url):
         logger.info("applied migration %04d_%s", m.version, m.name)
     logger.info("connection budget: %s", budget.describe())
@@ -373,9 +386,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if shutdown_ms is None:
         shutdown_ms = int(settings.worker_shutdown_timeout_s * 1000)
     threads = args.threads or sum(settings.queue(q).max_workers for q in queues)
-    env = {**os.environ, "DATABASE_URL": url}
+    log_format = getattr(args, "log_format", None) or settings.log_format
+    env = {**os.environ, "DATABASE_URL": url, "STANDMEET_LOG_FORMAT": log_format}
     worker = [
-        sys.executable, "-m", "broker.worker",
+        sys.executable, "-m", "broker.worker", *(args.modules or []),
         "--threads", str(threads),
         "--worker-shutdown-timeout", str(shutdown_ms),
         *(["--queues", *queues] if args.queues else []),
@@ -383,7 +397,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     commands = [worker for _ in range(max(1, args.processes))]
     if not args.no_scheduler and importlib.util.find_spec("periodic.__main__") is not None:
         commands.append([sys.executable, "-m", "periodic"])
-    return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)
+    with serving_metrics(settings, url, env):
+        return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)
+
+
+@contextmanager
+def serving_metrics(settings: Settings, url: str, env: dict[str, str]) -> Iterator[None]:
+    """With STANDMEET_METRICS_PORT: one /metrics for every child (prometheus_client's
+    multiprocess mode, in a folder made here and removed after), plus the database
+    gauges, computed here once per scrape."""
+    if settings.metrics_port is None:
+        yield
+        return
+    import shutil
+    import tempfile
+
+    from broker.metrics import registry_for, serve
+
+    folder = tempfile.mkdtemp(prefix="standmeet-metrics-")
+    env["PROMETHEUS_MULTIPROC_DIR"] = folder
+    registry = registry_for(url, multiprocess_dir=folder, rescue_after_s=settings.rescue_after_s)
+    try:
+        server = serve(registry, settings.metrics_host, settings.metrics_port)
+    except OSError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ConfigError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                          f"{exc.strerror or exc}") from exc
+    logger.info("metrics: http://%s:%d/metrics", settings.metrics_host, server.port)
+    try:
+        yield
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _child_exited(pid: int, env: dict[str, str]) -> None:
+    """A child is gone: its live gauges (jobs in progress) no longer count."""
+    folder = env.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, folder)
 
 
 def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: float) -> int:
@@ -419,6 +473,7 @@ def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: flo
                 logger.error("pid %d did not stop in time; killing it", child.pid)
                 child.kill()
                 child.wait()
+            _child_exited(child.pid, env)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -84,6 +84,10 @@ DEFAULT_WEBHOOK_BUSY_SNOOZE_S = 2.0
 DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS = 5.0
 #: The dashboard's HTTP basic-auth user (the password has no default: unset, no auth on loopback).
 DEFAULT_DASHBOARD_USER = "admin"
+#: How logs are written: "text" (one line each) or "json" (one object a line, for shippers).
+LOG_FORMATS = ("text", "json")
+#: Where ``standmeet-jobs run`` serves /metrics (only when STANDMEET_METRICS_PORT is set).
+DEFAULT_METRICS_HOST = "127.0.0.1"
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -164,6 +168,9 @@ class Settings:
     webhook_http_timeout_s: float = DEFAULT_WEBHOOK_HTTP_TIMEOUT_S
     webhook_busy_snooze_s: float = DEFAULT_WEBHOOK_BUSY_SNOOZE_S
     webhook_disable_after_days: float = DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS
+    log_format: str = "text"
+    metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -232,6 +239,9 @@ class Settings:
             webhook_disable_after_days=_float(
                 env, "STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS", DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS, minimum=0
             ),
+            log_format=_choice(env, "STANDMEET_LOG_FORMAT", "text", LOG_FORMATS),
+            metrics_port=_port(env, "STANDMEET_METRICS_PORT"),
+            metrics_host=(env.get("STANDMEET_METRICS_HOST") or DEFAULT_METRICS_HOST).strip(),
         )
 
     def queue(self, name: str) -> QueueSettings:
@@ -256,6 +266,16 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> in
         raise ConfigError(f"{name}={raw!r} is not a whole number") from None
     if value < minimum:
         raise ConfigError(f"{name}={value} is below its minimum of {minimum}")
+    return value
+
+
+def _port(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = _int(env, name, 0, minimum=1)
+    if value > 65535:
+        raise ConfigError(f"{name}={value} is not a TCP port (1-65535)")
     return value
 
 

@@ -12,6 +12,8 @@ import psycopg
 import pytest
 
 from broker import ops
+from middleware.cancellation import Cancellation
+from middleware.retries import Retries
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import cooperative_sleep, record_finish, record_start
 
@@ -56,11 +58,33 @@ def _actors(queue: str) -> Actors:
     )
 
 
+def _checking(key: str) -> None:
+    """A long job that checks its deadline between steps, as long actors do."""
+    from broker import deadline
+
+    run = record_start("ops_cancel.checking", "ops_cancel", key)
+    for _ in range(1500):
+        deadline.check()
+        cooperative_sleep(0.02)
+    record_finish(run)
+
+
+CHECKING = dramatiq.actor(_checking, actor_name="ops_cancel.checking", queue_name="ops_cancel", max_retries=0)
 OVERVIEW = _actors("ops_overview")
 LISTING = _actors("ops_listing")
 RETRY = _actors("ops_retry")
 CANCEL = _actors("ops_cancel")
 PAUSE = _actors("ops_pause")
+
+
+@pytest.fixture
+def cancellation(broker) -> Iterator[Cancellation]:
+    """The in-process broker with the cancellation middleware, looking every 0.1 s."""
+    middleware = Cancellation(poll_s=0.1)
+    broker.add_middleware(middleware, before=Retries)
+    yield middleware
+    broker.middleware.remove(middleware)
+    middleware.watcher.stop()
 
 
 @pytest.fixture
@@ -304,6 +328,18 @@ def test_a_cancelled_running_job_is_marked_and_keeps_its_claim(broker, database_
     assert job.state == "running" and job.cancelled_by == "ops@host" and job.worker_id == broker.worker_id
     _release(database_url, "cancel-running")
     _settled(database_url, held.message_id)
+
+
+def test_a_cancelled_running_job_stops_at_its_next_deadline_check(
+        broker, database_url, conn, start_worker, cancellation):
+    start_worker(queues=[CANCEL.queue], threads=2)
+    held = CHECKING.send("cancel-checking")
+    _running(database_url, "cancel-checking")
+    assert ops.cancel_jobs(conn, message_ids=[held.message_id], by="ops@host") == 1
+    assert _settled(database_url, held.message_id, timeout_s=5) == "rejected"
+    job = ops.show_job(conn, held.message_id)
+    assert "JobCancelled: cancelled by an operator while it ran" in job.error
+    assert scalar(database_url, "SELECT finished_at FROM test_runs WHERE label = 'cancel-checking'") is None
 
 
 def test_a_paused_queue_is_not_claimed_until_resumed(broker, database_url, conn, start_worker):
