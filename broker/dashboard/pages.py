@@ -8,7 +8,9 @@ from urllib.parse import urlencode
 
 import psycopg
 import psycopg.errors
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from psycopg_pool import PoolTimeout
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -29,7 +31,7 @@ from broker.dashboard.app import (
     render,
     with_conn,
 )
-from broker.dashboard.metrics import DatabaseGauges, render_metrics
+from broker.metrics import DatabaseCollector
 
 #: The list filters, as query parameters (``id``: a job id or its start; ``q``: text
 #: in the arguments; ``since``: an ISO time or an age like 15m).
@@ -405,14 +407,13 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """The database-derived gauges of ``broker.metrics`` (the ones ``run`` serves too)."""
     config = config_of(request)
-    pool = request.app.state.pool
-    collector = DatabaseGauges(pool.connection, queues=config.queues, rescue_after_s=config.rescue_after_s)
+    collector = DatabaseCollector(config.database_url, rescue_after_s=config.rescue_after_s)
 
     def scrape() -> bytes:
-        return render_metrics(collector)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        return generate_latest(registry)
 
-    from starlette.concurrency import run_in_threadpool
-
-    body = await run_in_threadpool(scrape)
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(await run_in_threadpool(scrape), media_type=CONTENT_TYPE_LATEST)

@@ -414,8 +414,9 @@ def test_metrics_are_the_database_derived_gauges_in_prometheus_text(broker, data
         text = client.get("/metrics").text
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
-    assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "rejected")))] >= 1
+    assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "rejected_24h")))] >= 1
     assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "delayed")))] >= 1
-    assert ("standmeet_oldest_queued_age_seconds", (("queue_name", "index"),)) in samples
+    assert ("standmeet_oldest_queued_age_seconds", (("queue_name", QUEUE),)) in samples
     assert samples[("standmeet_workers_alive", ())] >= 1
     assert samples[("standmeet_outbox_lag_seconds", ())] >= 0
+    assert samples[("standmeet_database_up", ())] == 1
