@@ -46,6 +46,9 @@ RESCUES = Counter("standmeet_rescues_total", "Messages of dead worker processes,
                   ("queue_name", "outcome"))
 RECEIPT_WAITERS = Gauge("standmeet_receipt_waiters", "Requests waiting for a job's receipt.", ("channel",),
                         multiprocess_mode="livesum")
+RECEIPT_WAITERS_REFUSED = Counter("standmeet_receipt_waiters_refused_total",
+                                  "Requests told at once not to wait: their channel held its maximum.",
+                                  ("channel",))
 CLAIM_TO_START = Histogram(
     "standmeet_claim_to_start_seconds", "From a message's claim to the start of its run.", ("queue_name",),
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf")),

@@ -169,3 +169,26 @@ def _reachable(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_receipt_waiters_are_counted_while_they_wait_and_refusals_when_a_channel_is_full(broker, database_url):
+    from prometheus_client import REGISTRY
+
+    from broker.receipts import channel_for
+
+    channel = channel_for("notify")
+    listener = broker.waiters.listener(channel)
+    listener.max_waiters = 2
+
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"channel": channel}) or 0.0
+
+    refused_before = sample("standmeet_receipt_waiters_refused_total")
+    first, second = listener.add(["a"]), listener.add(["b"])
+    assert sample("standmeet_receipt_waiters") == 2
+    assert listener.add(["c"]) is None
+    assert sample("standmeet_receipt_waiters_refused_total") == refused_before + 1
+    listener.remove(first)
+    listener.remove(first)  # twice: counted once
+    listener.remove(second)
+    assert sample("standmeet_receipt_waiters") == 0
