@@ -32,7 +32,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from broker.dashboard.security import CSRF_FIELD, BasicAuth, Csrf
+from broker.dashboard.security import CSRF_FIELD, BasicAuth, Csrf, SecurityHeaders
 
 T = TypeVar("T")
 
@@ -106,7 +106,7 @@ def create_app(config: DashboardConfig) -> Starlette:
 
     from broker.dashboard import pages
 
-    middleware = []
+    middleware = [Middleware(SecurityHeaders)]
     if config.password:
         middleware.append(Middleware(BasicAuth, user=config.user, password=config.password))
     app = Starlette(

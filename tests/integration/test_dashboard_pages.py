@@ -142,7 +142,8 @@ def test_a_failed_job_shows_its_error_and_traceback_and_its_arguments_only_when_
     failed = FAIL.send("<script>alert('x')</script>")
     settled(database_url, failed.message_id)
     with dashboard() as client:
-        page = client.get(f"/jobs/{failed.message_id}").text
+        answer = client.get(f"/jobs/{failed.message_id}")
+        page, headers = answer.text, answer.headers
         with_args = client.get(f"/jobs/{failed.message_id}", params={"show": "args"}).text
         missing = client.get("/jobs/00000000-0000-0000-0000-000000000000")
     assert 'id="job-state" class="state rejected">rejected<' in page
@@ -150,6 +151,7 @@ def test_a_failed_job_shows_its_error_and_traceback_and_its_arguments_only_when_
     assert 'id="retry-job"' in page and 'id="cancel-job"' in page
     assert "enqueued" in page and "rejected" in page  # the timeline
     assert "<script>alert" not in page and "<script>alert" not in with_args  # escaped, always
+    assert "script-src 'self'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
     assert 'id="job-args"' not in page and 'id="show-args"' in page
     assert "&lt;script&gt;alert(" in with_args
     assert missing.status_code == 404
