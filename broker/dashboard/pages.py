@@ -162,15 +162,18 @@ async def jobs_list(request: Request) -> Response:
     kwargs = ops_filters(filters, hide_args=config.hide_args)
 
     def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        total = ops.count_jobs(conn, **kwargs)
-        jobs = ops.list_jobs(conn, **kwargs, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
         queues = sorted({q.name for q in ops.queue_overview(conn, rescue_after_s=config.rescue_after_s)}
                         | set(config.queues))
-        return {"total": total, "jobs": jobs, "queue_names": queues}
+        try:
+            total = ops.count_jobs(conn, **kwargs)
+            jobs = ops.list_jobs(conn, **kwargs, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
+        except ops.OpsError as exc:  # a bad filter: said above the form, which keeps what was typed
+            return {"total": 0, "jobs": [], "queue_names": queues, "filter_error": str(exc)}
+        return {"total": total, "jobs": jobs, "queue_names": queues, "filter_error": None}
 
     data = await with_conn(request, read)
     pages = max(1, -(-data["total"] // PAGE_SIZE))
-    return render(request, "jobs.html", {
+    return render(request, "jobs.html", status_code=400 if data["filter_error"] else 200, context={
         **data, "filters": filters, "states": JOB_STATES, "page": page, "pages": pages,
         "page_url": lambda n: "/jobs?" + urlencode({**filters, "page": n}),
         "bulk_url": lambda action: "/jobs/bulk?" + urlencode({**filters, "action": action}),

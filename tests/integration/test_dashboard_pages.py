@@ -120,6 +120,20 @@ def test_the_jobs_page_filters_by_state_queue_actor_id_and_text_in_the_arguments
     assert failed.message_id in by_id and '<span id="jobs-total">1</span>' in by_id
 
 
+def test_the_jobs_page_filters_by_enqueue_time_and_says_what_is_wrong_with_a_bad_filter(broker, database_url,
+                                                                                          dashboard):
+    message = OK.send_with_options(args=("since",), delay=600_000)
+    with dashboard() as client:
+        recent = client.get("/jobs", params={"actor": f"{QUEUE}.ok", "since": "1h"}).text
+        future = client.get("/jobs", params={"actor": f"{QUEUE}.ok", "since": "2999-01-01T00:00:00"}).text
+        bad_state = client.get("/jobs", params={"state": "exploded"})
+        bad_since = client.get("/jobs", params={"since": "yesterday-ish"})
+    assert message.message_id in recent and message.message_id not in future
+    assert bad_state.status_code == 400 and "unknown job state &#39;exploded&#39;" in bad_state.text
+    assert bad_since.status_code == 400 and 'id="filter-error"' in bad_since.text
+    assert 'name="since" id="filter-since" value="yesterday-ish"' in bad_since.text  # the form keeps it
+
+
 def test_the_jobs_list_pages_in_a_stable_order(broker, database_url, dashboard):
     from broker.dashboard.app import PAGE_SIZE
 
