@@ -378,8 +378,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     budget = check_budget(settings, queues)
     url = resolve_database_url(settings)
     logger.info("database: %s", masked_url(url))
-    for m in migrate(url):
-        logger.info("applied migration %04d_%s", m.version, m.name)
+    if not migrate(url):  # each migration applied logs its own line
+        logger.info("schema up to date")
     logger.info("connection budget: %s", budget.describe())
 
     shutdown_ms = args.worker_shutdown_timeout
