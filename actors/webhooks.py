@@ -36,7 +36,7 @@ from dramatiq.middleware import CurrentMessage
 
 from actors.http import CLIENT
 from actors.netguard import UrlRefused, check_url
-from broker import db
+from broker import db, tracing
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
 from broker.outbox import emit
@@ -282,6 +282,7 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
         "webhook-timestamp": str(timestamp),
         "webhook-signature": sign(secrets, msg_id, timestamp, body),
     }
+    tracing.inject_headers(headers)  # traceparent: the receiver can join the trace
     end = time.monotonic() + timeout_s
 
     def total_deadline(event: str, info: dict[str, Any]) -> None:

@@ -9,7 +9,10 @@
     standmeet-jobs mail test ADDRESS  a test mail through the notify queue
     standmeet-jobs search WORDS | reindex
     standmeet-jobs sources add URL --kind json|rss | sources list | fetch-new
+    standmeet-jobs dashboard          the web dashboard (loopback:8420 unless told)
     standmeet-jobs db url|stop        the database in use; stop the embedded server
+    standmeet-jobs status | jobs … | queues …   what runs and what failed; retry, cancel,
+                                      pause (see broker/opscli.py)
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from broker.budget import check_budget
 from broker.embedded import resolve_database_url, stop_embedded
-from broker.errors import StandmeetError
+from broker.errors import ConfigError, StandmeetError
+from broker.logging_setup import configure_logging, masked_url
 from broker.migrate import migrate
-from broker.settings import Settings
+from broker.settings import LOG_FORMATS, Settings
 
 logger = logging.getLogger("standmeet")
 
@@ -39,10 +44,7 @@ CHILD_EXIT_GRACE_S = 5.0
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_format or _env_log_format(), level=logging.DEBUG if args.verbose else logging.INFO)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
@@ -56,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                        help="text (default) or json, one object a line (also STANDMEET_LOG_FORMAT)")
     sub = parser.add_subparsers(metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="create or update the database schema")
@@ -78,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S, 20 s)",
     )
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler process")
+    p.add_argument("--module", action="append", dest="modules", metavar="MODULE",
+                   help="a module declaring actors, for the workers to import (repeatable; default: actors)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS,
+                   help="text or json, for this process and its children")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("emit", help="emit one event through the outbox, in its own transaction; print its id")
@@ -138,6 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("id", type=int)
     q.add_argument("--count", type=int, default=1)
     q.set_defaults(func=cmd_webhooks_ping)
+
+    p = sub.add_parser("dashboard", help="serve the web dashboard (see and steer the jobs in a browser)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; others need STANDMEET_DASHBOARD_PASSWORD)")
+    p.add_argument("--port", type=int, default=8420, help="port (default 8420)")
+    p.add_argument("--read-only", action="store_true", help="show everything, change nothing")
+    p.set_defaults(func=cmd_dashboard)
+
+    from broker import opscli
+
+    opscli.add_commands(sub, wh)
 
     p = sub.add_parser("db", help="the database in use")
     p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
@@ -279,13 +298,9 @@ def cmd_webhooks_add(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
-    _actors()
-    from actors.webhooks import list_endpoints
+    from broker.opscli import print_endpoints
 
-    for e in list_endpoints():
-        state = "enabled" if e["enabled"] else f"disabled ({e['disabled_reason']})"
-        failing = f"\tfailing since {e['failing_since'].isoformat(timespec='seconds')}" if e["failing_since"] else ""
-        print(f"{e['id']}\t{e['url']}\t{','.join(e['event_types'])}\t{state}{failing}")
+    print_endpoints(Settings.from_env())
     return 0
 
 
@@ -329,6 +344,16 @@ def cmd_webhooks_ping(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from broker.dashboard import serve
+    from broker.dashboard.security import check_bind
+
+    settings = Settings.from_env()
+    check_bind(args.host, settings.dashboard_password)  # before touching the database
+    serve(settings, resolve_database_url(settings), host=args.host, port=args.port, read_only=args.read_only)
+    return 0
+
+
 def cmd_db(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     if args.action == "url":
@@ -340,22 +365,31 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_log_format() -> str:
+    try:
+        return Settings.from_env().log_format
+    except ConfigError:
+        return "text"  # the command reports the malformed setting itself
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     queues = args.queues or list(settings.queues)
     budget = check_budget(settings, queues)
     url = resolve_database_url(settings)
-    for m in migrate(url):
-        logger.info("applied migration %04d_%s", m.version, m.name)
+    logger.info("database: %s", masked_url(url))
+    if not migrate(url):  # each migration applied logs its own line
+        logger.info("schema up to date")
     logger.info("connection budget: %s", budget.describe())
 
     shutdown_ms = args.worker_shutdown_timeout
     if shutdown_ms is None:
         shutdown_ms = int(settings.worker_shutdown_timeout_s * 1000)
     threads = args.threads or sum(settings.queue(q).max_workers for q in queues)
-    env = {**os.environ, "DATABASE_URL": url}
+    log_format = getattr(args, "log_format", None) or settings.log_format
+    env = {**os.environ, "DATABASE_URL": url, "STANDMEET_LOG_FORMAT": log_format}
     worker = [
-        sys.executable, "-m", "broker.worker",
+        sys.executable, "-m", "broker.worker", *(args.modules or []),
         "--threads", str(threads),
         "--worker-shutdown-timeout", str(shutdown_ms),
         *(["--queues", *queues] if args.queues else []),
@@ -363,7 +397,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     commands = [worker for _ in range(max(1, args.processes))]
     if not args.no_scheduler and importlib.util.find_spec("periodic.__main__") is not None:
         commands.append([sys.executable, "-m", "periodic"])
-    return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)
+    with serving_metrics(settings, url, env):
+        return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)
+
+
+@contextmanager
+def serving_metrics(settings: Settings, url: str, env: dict[str, str]) -> Iterator[None]:
+    """With STANDMEET_METRICS_PORT: one /metrics for every child (prometheus_client's
+    multiprocess mode, in a folder made here and removed after), plus the database
+    gauges, computed here once per scrape."""
+    if settings.metrics_port is None:
+        yield
+        return
+    import shutil
+    import tempfile
+
+    from broker.metrics import registry_for, serve
+
+    folder = tempfile.mkdtemp(prefix="standmeet-metrics-")
+    env["PROMETHEUS_MULTIPROC_DIR"] = folder
+    registry = registry_for(url, multiprocess_dir=folder, rescue_after_s=settings.rescue_after_s)
+    try:
+        server = serve(registry, settings.metrics_host, settings.metrics_port)
+    except OSError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise ConfigError(f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                          f"{exc.strerror or exc}") from exc
+    logger.info("metrics: http://%s:%d/metrics", settings.metrics_host, server.port)
+    try:
+        yield
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _child_exited(pid: int, env: dict[str, str]) -> None:
+    """A child is gone: its live gauges (jobs in progress) no longer count."""
+    folder = env.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, folder)
 
 
 def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: float) -> int:
@@ -399,6 +473,7 @@ def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: flo
                 logger.error("pid %d did not stop in time; killing it", child.pid)
                 child.kill()
                 child.wait()
+            _child_exited(child.pid, env)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -13,7 +13,8 @@
     │   ├── UnknownTopic               no route for that topic
     │   └── PayloadTooLarge            the payload is over STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES
     ├── JobError                       raised inside jobs, by the job layer
-    │   └── DeadlineExceeded           a cooperative deadline (the job's time limit) has passed
+    │   ├── DeadlineExceeded           a cooperative deadline (the job's time limit) has passed
+    │   └── JobCancelled               an operator cancelled the running job
     └── Deferred  (also dramatiq.Retry) the job asks to run later; not a failure
         └── middleware.Snooze          run again after N seconds, retry count untouched
 
@@ -78,6 +79,10 @@ class JobError(StandmeetError):
 
 class DeadlineExceeded(JobError):
     """The running job passed its time limit (checked cooperatively)."""
+
+
+class JobCancelled(JobError):
+    """An operator cancelled the running job (seen at its next deadline check)."""
 
 
 class Deferred(StandmeetError, Retry):

@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from broker import sql
+from broker import sql, tracing
 from broker.errors import PayloadTooLarge, UnknownTopic
 from broker.pgpool import Outage
 
@@ -95,6 +95,10 @@ def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
             r.args(0, payload)
         except Exception as exc:
             raise UnknownTopic(f"the payload of {topic!r} does not fit the route to {r.actor}: {exc!r}") from exc
+    carrier = tracing.produced(f"{topic} emit", {"messaging.system": "standmeet.outbox",
+                                                 "messaging.destination.name": topic})
+    if carrier:  # the relay moves it to the event's messages (outbox → relay → actors)
+        text = json.dumps({**payload, tracing.OUTBOX_KEY: carrier}, separators=(",", ":"))
     row = conn.execute(sql.EMIT, {"topic": topic, "payload": text}).fetchone()
     assert row is not None
     return int(row[0])
@@ -124,9 +128,11 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResul
         for event_id, topic, payload in rows:
             try:
                 built = []
+                carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
+                options = {tracing.OPTION: carrier} if carrier else {}
                 for index, r in enumerate(routes_for(topic)):
                     args, kwargs = r.args(event_id, payload)
-                    message = build_message(r.actor, args, kwargs)
+                    message = build_message(r.actor, args, kwargs, options)
                     message = message.copy(message_id=str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/{index}")))
                     built.append(message)
             except Exception as exc:  # keep the event, say why, go on with the rest

@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from broker import detach
+from broker import detach, metrics
 from broker.pgpool import Outage
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,10 @@ class Listener:
         waiter = Waiter(pending=set(message_ids))
         with self._lock:
             if len(self._waiters) >= self.max_waiters:
+                metrics.RECEIPT_WAITERS_REFUSED.labels(self.channel).inc()
                 return None
             self._waiters.add(id(waiter))
+            metrics.RECEIPT_WAITERS.labels(self.channel).inc()
             for message_id in waiter.pending:
                 self._by_message.setdefault(message_id, []).append(waiter)
         if not waiter.pending:
@@ -101,7 +103,9 @@ class Listener:
 
     def remove(self, waiter: Waiter) -> None:
         with self._lock:
-            self._waiters.discard(id(waiter))
+            if id(waiter) in self._waiters:
+                self._waiters.discard(id(waiter))
+                metrics.RECEIPT_WAITERS.labels(self.channel).dec()
             for message_id in list(waiter.pending):
                 waiters = self._by_message.get(message_id, [])
                 if waiter in waiters:

@@ -95,6 +95,12 @@ DEFAULT_WEBHOOK_HTTP_TIMEOUT_S = 10.0
 DEFAULT_WEBHOOK_BUSY_SNOOZE_S = 2.0
 #: An endpoint failing without a break for this long is disabled by the health job.
 DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS = 5.0
+#: The dashboard's HTTP basic-auth user (the password has no default: unset, no auth on loopback).
+DEFAULT_DASHBOARD_USER = "admin"
+#: How logs are written: "text" (one line each) or "json" (one object a line, for shippers).
+LOG_FORMATS = ("text", "json")
+#: Where ``standmeet-jobs run`` serves /metrics (only when STANDMEET_METRICS_PORT is set).
+DEFAULT_METRICS_HOST = "127.0.0.1"
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
 DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
 #: Name of the database created on the embedded server for the application.
@@ -170,6 +176,9 @@ class Settings:
     relay_batch: int = DEFAULT_RELAY_BATCH
     relay_poll_s: float = DEFAULT_RELAY_POLL_S
     outbox_retention_hours: float = DEFAULT_OUTBOX_RETENTION_HOURS
+    dashboard_user: str = DEFAULT_DASHBOARD_USER
+    dashboard_password: str | None = field(default=None, repr=False)
+    dashboard_hide_args: bool = False
     max_waiters: int = DEFAULT_MAX_WAITERS
     receipt_wait_s: float = DEFAULT_RECEIPT_WAIT_S
     smtp_host: str = DEFAULT_SMTP_HOST
@@ -193,6 +202,10 @@ class Settings:
     awaited_queues: frozenset[str] = AWAITED_QUEUES
     unknown_actor_delay_s: float = DEFAULT_UNKNOWN_ACTOR_DELAY_S
     unknown_actor_max_claims: int = DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS
+
+    log_format: str = "text"
+    metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
 
     def __post_init__(self) -> None:
         if self.rescue_after_s < 2 * self.heartbeat_s:
@@ -247,6 +260,9 @@ class Settings:
             outbox_retention_hours=_float(
                 env, "STANDMEET_OUTBOX_RETENTION_HOURS", DEFAULT_OUTBOX_RETENTION_HOURS, minimum=0
             ),
+            dashboard_user=env.get("STANDMEET_DASHBOARD_USER") or DEFAULT_DASHBOARD_USER,
+            dashboard_password=env.get("STANDMEET_DASHBOARD_PASSWORD") or None,
+            dashboard_hide_args=_bool(env, "STANDMEET_DASHBOARD_HIDE_ARGS", False),
             max_waiters=_int(env, "STANDMEET_MAX_WAITERS", DEFAULT_MAX_WAITERS, minimum=1),
             receipt_wait_s=_float(env, "STANDMEET_RECEIPT_WAIT_S", DEFAULT_RECEIPT_WAIT_S, minimum=0),
             smtp_host=env.get("STANDMEET_SMTP_HOST") or DEFAULT_SMTP_HOST,
@@ -277,6 +293,9 @@ class Settings:
             webhook_disable_after_days=_float(
                 env, "STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS", DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS, minimum=0
             ),
+            log_format=_choice(env, "STANDMEET_LOG_FORMAT", "text", LOG_FORMATS),
+            metrics_port=_port(env, "STANDMEET_METRICS_PORT"),
+            metrics_host=(env.get("STANDMEET_METRICS_HOST") or DEFAULT_METRICS_HOST).strip(),
         )
 
     def queue(self, name: str) -> QueueSettings:
@@ -302,6 +321,16 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> in
         raise ConfigError(f"{name}={raw!r} is not a whole number") from None
     if value < minimum:
         raise ConfigError(f"{name}={value} is below its minimum of {minimum}")
+    return value
+
+
+def _port(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = _int(env, name, 0, minimum=1)
+    if value > 65535:
+        raise ConfigError(f"{name}={value} is not a TCP port (1-65535)")
     return value
 
 

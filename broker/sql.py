@@ -79,11 +79,13 @@ WHERE q.message_id = picked.message_id
 RETURNING q.message::text, q.claims, picked.rn, q.message_id::text, q.queue_name
 """
 
-#: Seconds until the next queued message of a queue is due (None when there is none).
+#: Seconds until the next queued message of a queue is due (None when there is none, or
+#: when the queue is paused: its consumers then wait for a NOTIFY or their poll).
 NEXT_DUE = """
 SELECT EXTRACT(EPOCH FROM min(eta) - now())::float8
 FROM dramatiq.queue
 WHERE queue_name = %(queue)s AND "state" = 'queued'
+  AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
 """
 
 #: Settle finished claims, many at once, each only if it is still the claim it names

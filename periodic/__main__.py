@@ -21,6 +21,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from broker.budget import check_budget
 from broker.errors import StandmeetError
+from broker.logging_setup import configure_logging
 from broker.settings import Settings
 
 logger = logging.getLogger("periodic")
@@ -35,15 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m periodic", description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", default="periodic:PERIODIC_JOBS", help="the table of periodic jobs")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    settings = Settings.from_env()
     try:
+        settings = Settings.from_env()
+        configure_logging(settings.log_format)
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
         budget = check_budget(settings)
     except StandmeetError as exc:
         print(f"periodic: {exc}", file=sys.stderr)
         return 1
-    logger.info("connection budget: %s", budget.describe())
+    # `run` logs the budget once for all its processes; here it is detail.
+    logger.debug("connection budget: %s", budget.describe())
 
     import actors  # noqa: F401  (configures the broker, declares the actors and routes)
     from broker.pgbroker import current_broker

@@ -1,0 +1,63 @@
+"""Which of this process's running jobs an operator cancelled (``cancelled_at``).
+
+One watcher per process, on a detached thread: while jobs run, it asks the database
+every ``poll_s`` which of them were cancelled, in one indexed query, and marks them
+in :mod:`broker.deadline`, whose ``check()`` then stops them. Idle, it asks nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+from broker import db, deadline, detach
+
+logger = logging.getLogger(__name__)
+
+#: How often a process looks for cancelled running jobs (only while some run).
+DEFAULT_POLL_S = 1.0
+
+CANCELLED_AMONG = """
+SELECT message_id::text FROM dramatiq.queue
+WHERE message_id = ANY(%(ids)s::uuid[]) AND cancelled_at IS NOT NULL
+"""
+
+
+class CancellationWatcher:
+    def __init__(self, *, poll_s: float = DEFAULT_POLL_S) -> None:
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._running: Counter[str] = Counter()
+        self._thread: detach.Detached | None = None
+
+    def watch(self, message_id: str) -> None:
+        with self._lock:
+            self._running[message_id] += 1
+            if self._thread is None:
+                self._thread = detach.every("cancellation-watch", self.poll_s, self.poll_once)
+
+    def unwatch(self, message_id: str) -> None:
+        with self._lock:
+            self._running[message_id] -= 1
+            if self._running[message_id] <= 0:
+                del self._running[message_id]
+                deadline.forget(message_id)
+
+    def poll_once(self) -> int:
+        """Mark the running jobs cancelled since the last look; returns how many are."""
+        with self._lock:
+            ids = list(self._running)
+        if not ids:
+            return 0
+        with db.connection(timeout_s=self.poll_s * 5) as conn:
+            cancelled = [row[0] for row in conn.execute(CANCELLED_AMONG, {"ids": ids}).fetchall()]
+        if cancelled:
+            deadline.mark_cancelled(cancelled)
+        return len(cancelled)
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.stop(timeout_s=2)

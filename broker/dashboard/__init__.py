@@ -1,0 +1,48 @@
+"""``standmeet-jobs dashboard``: see and steer the jobs in a browser.
+
+Server-rendered pages (Starlette, Jinja2) over the queries of :mod:`broker.ops`; a
+little hand-written JavaScript refreshes the open page. See :mod:`.security` for
+who may listen, look and act.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from broker.dashboard.app import DashboardConfig, create_app
+from broker.dashboard.security import check_bind
+from broker.settings import Settings
+
+__all__ = ["DashboardConfig", "config_from_settings", "create_app", "serve"]
+
+logger = logging.getLogger("standmeet.dashboard")
+
+
+def periodic_intervals() -> dict[str, float]:
+    """The declared periodic jobs' intervals (none when the periodic package is absent)."""
+    try:
+        from periodic import PERIODIC_JOBS
+    except ImportError:
+        return {}
+    return {job.name: job.interval_s for job in PERIODIC_JOBS}
+
+
+def config_from_settings(settings: Settings, url: str, *, read_only: bool = False) -> DashboardConfig:
+    return DashboardConfig(
+        database_url=url, read_only=read_only, hide_args=settings.dashboard_hide_args,
+        user=settings.dashboard_user, password=settings.dashboard_password,
+        rescue_after_s=settings.rescue_after_s, queues=tuple(settings.queues),
+        periodic_intervals=periodic_intervals(),
+    )
+
+
+def serve(settings: Settings, url: str, *, host: str, port: int, read_only: bool = False) -> None:
+    """Serve the dashboard until Ctrl-C / SIGTERM; refuses a non-loopback host without a password."""
+    check_bind(host, settings.dashboard_password)
+    import uvicorn
+
+    app = create_app(config_from_settings(settings, url, read_only=read_only))
+    auth = "HTTP basic auth" if settings.dashboard_password else "no auth (loopback)"
+    logger.info("dashboard on http://%s:%d/ (%s%s)", host if ":" not in host else f"[{host}]", port, auth,
+                ", read-only" if read_only else "")
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, server_header=False)

@@ -1,0 +1,229 @@
+"""The dashboard's web application (Starlette, server-rendered Jinja2 pages).
+
+Every page is read from the database through :mod:`broker.ops` (the queries the
+command line uses too) or, for webhooks, :mod:`broker.dashboard.webhooks`. Pages carry
+``data-live`` regions that ``static/dashboard.js`` refreshes in place every few
+seconds; forms sit outside them, so nothing the user typed is reloaded. Actions are
+POSTs with a CSRF token, refused in read-only mode, and recorded with
+``ops.record_action`` (what, which jobs, by whom, from where; the time is the row's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+from urllib.parse import urlencode
+
+import jinja2
+import psycopg
+from psycopg_pool import ConnectionPool
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from broker.dashboard.security import CSRF_FIELD, BasicAuth, Csrf, SecurityHeaders
+
+T = TypeVar("T")
+
+#: Rows per page of the jobs list.
+PAGE_SIZE = 50
+#: At most this many jobs are retried or cancelled by one bulk action.
+BULK_LIMIT = 10_000
+#: Every dashboard statement stops after this long: a page never holds the database.
+STATEMENT_TIMEOUT_MS = 10_000
+#: The states the jobs list filters by (as ``broker.ops`` names them).
+JOB_STATES = ("queued", "delayed", "running", "done", "rejected", "cancelled")
+
+#: Messages shown after an action, by code (the redirect carries the code, not the text).
+NOTICES = {
+    "retried": "Retry queued.",
+    "cancelled": "Cancelled.",
+    "paused": "Queue paused: no process claims from it until it is resumed.",
+    "resumed": "Queue resumed.",
+    "enabled": "Endpoint enabled.",
+    "disabled": "Endpoint disabled.",
+    "replayed": "Delivery queued again.",
+    "bulk": "Bulk action done.",
+    "nothing": "Nothing matched: nothing was changed.",
+}
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    """What the dashboard needs to know, resolved by the command that starts it."""
+
+    database_url: str
+    read_only: bool = False
+    hide_args: bool = False
+    user: str = "admin"
+    password: str | None = field(default=None, repr=False)
+    rescue_after_s: float = 20.0
+    #: the declared queues, shown even while they hold nothing
+    queues: tuple[str, ...] = ()
+    #: periodic job name → interval in seconds (from ``periodic.PERIODIC_JOBS``)
+    periodic_intervals: Mapping[str, float] = field(default_factory=dict)
+    #: seconds between live refreshes of an open page
+    refresh_s: float = 3.0
+    pool_max_size: int = 4
+    #: how long a request waits for a database connection before answering 503
+    connect_timeout_s: float = 3.0
+
+
+def create_app(config: DashboardConfig) -> Starlette:
+    """The ASGI application; its lifespan opens (and closes) a small connection pool."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        pool = ConnectionPool(
+            config.database_url, min_size=0, max_size=config.pool_max_size, open=True, timeout=config.connect_timeout_s,
+            kwargs={"autocommit": True, "application_name": "standmeet-dashboard",
+                    "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+        )
+        app.state.pool = pool
+        try:
+            yield
+        finally:
+            pool.close()
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("broker.dashboard", "templates"),
+        autoescape=True,  # every template, whatever its name
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(age=format_age, ts=format_ts, pretty=pretty_json)
+    templates = Jinja2Templates(env=env)
+
+    from broker.dashboard import pages
+
+    middleware = [Middleware(SecurityHeaders)]
+    if config.password:
+        middleware.append(Middleware(BasicAuth, user=config.user, password=config.password))
+    app = Starlette(
+        routes=[*pages.routes(), Mount("/static", StaticFiles(packages=[("broker.dashboard", "static")]),
+                                       name="static")],
+        middleware=middleware,
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.templates = templates
+    app.state.csrf = Csrf.new()
+    return app
+
+
+# -- helpers the pages share ----------------------------------------------------------
+
+def config_of(request: Request) -> DashboardConfig:
+    config: DashboardConfig = request.app.state.config
+    return config
+
+
+async def with_conn(request: Request, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+    """Run ``work`` with a pooled connection, off the event loop."""
+    pool: ConnectionPool = request.app.state.pool
+
+    def run() -> T:
+        with pool.connection() as conn:
+            return work(conn)
+
+    return await run_in_threadpool(run)
+
+
+def render(request: Request, template: str, context: dict[str, Any], *, status_code: int = 200) -> Response:
+    config = config_of(request)
+    csrf: Csrf = request.app.state.csrf
+    nonce, new = csrf.nonce(request)
+    notice = NOTICES.get(request.query_params.get("notice", ""))
+    base = {
+        "read_only": config.read_only,
+        "hide_args": config.hide_args,
+        "csrf_field": CSRF_FIELD,
+        "csrf_token": csrf.token_for(nonce),
+        "notice": notice,
+        "refresh_ms": int(config.refresh_s * 1000),
+        "now": datetime.now(timezone.utc),
+        "path": request.url.path,
+    }
+    response = request.app.state.templates.TemplateResponse(
+        request, template, {**base, **context}, status_code=status_code
+    )
+    response.headers["Cache-Control"] = "no-store"
+    if new:
+        Csrf.set_cookie(response, nonce)
+    return response
+
+
+class Refused(Exception):
+    """An action the dashboard refuses: 403 (CSRF, read-only) or 404."""
+
+    def __init__(self, status_code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status_code = status_code
+        self.reason = reason
+
+
+async def action_form(request: Request) -> FormData:
+    """The POSTed form, once its CSRF token checked and read-only mode ruled out."""
+    form = await request.form()
+    if not request.app.state.csrf.valid(request, form.get(CSRF_FIELD)):
+        raise Refused(403, "missing or wrong CSRF token: reload the page and try again")
+    if config_of(request).read_only:
+        raise Refused(403, "the dashboard is read-only (--read-only)")
+    return form
+
+
+def actor_of(request: Request) -> tuple[str, str]:
+    """(by, source) for ``ops.record_action``: who acted, and from where."""
+    config = config_of(request)
+    client = request.client.host if request.client else "unknown"
+    by = config.user if config.password else "dashboard"
+    return by, f"dashboard {client}"
+
+
+def redirect(path: str, notice: str, **params: str) -> RedirectResponse:
+    query = urlencode({**{k: v for k, v in params.items() if v}, "notice": notice})
+    return RedirectResponse(f"{path}?{query}", status_code=303)
+
+
+def refused_response(request: Request, exc: Refused) -> Response:
+    return PlainTextResponse(exc.reason + "\n", status_code=exc.status_code)
+
+
+def json_response(data: Any, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(data, status_code=status_code)
+
+
+# -- template filters ------------------------------------------------------------------
+
+def format_age(seconds: float | None) -> str:
+    """12 s, 3 min, 2.5 h, 4 d; '–' for none."""
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "–"
+    s = float(seconds)
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 172_800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def format_ts(value: datetime | None) -> str:
+    if value is None:
+        return "–"
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def pretty_json(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)

@@ -1,0 +1,422 @@
+"""The dashboard's pages and actions: one function per route."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlencode
+
+import psycopg
+import psycopg.errors
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from psycopg_pool import PoolTimeout
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from broker import ops
+from broker.dashboard import webhooks
+from broker.dashboard.app import (
+    BULK_LIMIT,
+    JOB_STATES,
+    PAGE_SIZE,
+    Refused,
+    action_form,
+    actor_of,
+    config_of,
+    json_response,
+    redirect,
+    refused_response,
+    render,
+    with_conn,
+)
+from broker.metrics import DatabaseCollector
+
+#: The list filters, as query parameters (``id``: a job id or its start; ``q``: text
+#: in the arguments; ``since``: an ISO time or an age like 15m).
+FILTER_PARAMS = ("state", "queue", "actor", "id", "q", "since")
+#: States a bulk action applies to: retry takes rejected (and cancelled) jobs, cancel
+#: takes jobs not finished.
+RETRYABLE = ("rejected", "cancelled")
+CANCELLABLE = ("queued", "delayed", "running")
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route("/", overview, name="overview"),
+        Route("/queues/{name}/pause", queue_pause, methods=["POST"]),
+        Route("/queues/{name}/resume", queue_resume, methods=["POST"]),
+        Route("/jobs", jobs_list, name="jobs"),
+        Route("/jobs/bulk", jobs_bulk_confirm, methods=["GET"]),
+        Route("/jobs/bulk", jobs_bulk, methods=["POST"]),
+        Route("/jobs/{id}", job_page, name="job"),
+        Route("/jobs/{id}/retry", job_retry, methods=["POST"]),
+        Route("/jobs/{id}/cancel", job_cancel, methods=["POST"]),
+        Route("/workers", workers_page, name="workers"),
+        Route("/periodic", periodic_page, name="periodic"),
+        Route("/webhooks", webhooks_page, name="webhooks"),
+        Route("/webhooks/deliveries/{id:int}", delivery_page, name="delivery"),
+        Route("/webhooks/deliveries/{id:int}/replay", delivery_replay, methods=["POST"]),
+        Route("/webhooks/endpoints/{id:int}/enable", endpoint_enable, methods=["POST"]),
+        Route("/webhooks/endpoints/{id:int}/disable", endpoint_disable, methods=["POST"]),
+        Route("/healthz", healthz, name="healthz"),
+        Route("/metrics", metrics, name="metrics"),
+    ]
+
+
+def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Refusals (CSRF, read-only, not found) and bad filters as plain answers."""
+
+    async def run(request: Request) -> Response:
+        try:
+            response: Response = await handler(request)
+            return response
+        except Refused as exc:
+            return refused_response(request, exc)
+        except ops.OpsError as exc:
+            return PlainTextResponse(f"{exc}\n", status_code=400)
+        except psycopg.errors.UndefinedTable as exc:
+            return PlainTextResponse(f"the schema is not up to date (run standmeet-jobs migrate): {exc}\n",
+                                     status_code=503)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
+
+    run.__name__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    return run
+
+
+# -- overview and queues ---------------------------------------------------------------
+
+@guarded
+async def overview(request: Request) -> Response:
+    config = config_of(request)
+
+    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        queues = {q.name: q for q in ops.queue_overview(conn, rescue_after_s=config.rescue_after_s)}
+        for name in config.queues:
+            queues.setdefault(name, ops.QueueStatus(name, 0, 0, 0, 0, 0, 0, None, False))
+        workers = ops.worker_overview(conn, rescue_after_s=config.rescue_after_s)
+        return {
+            "queues": [queues[name] for name in sorted(queues)],
+            "alive": sum(1 for w in workers if w.alive),
+            "dead": sum(1 for w in workers if not w.alive),
+            "outbox_lag_s": ops.outbox_lag_s(conn),
+            "actions": ops.recent_actions(conn, limit=10),
+        }
+
+    return render(request, "overview.html", await with_conn(request, read))
+
+
+async def _queue_action(request: Request, action: str) -> Response:
+    await action_form(request)
+    name = request.path_params["name"]
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> bool:
+        with conn.transaction():
+            changed = ops.pause_queue(conn, name, by=by) if action == "pause" else ops.resume_queue(conn, name)
+            ops.record_action(conn, action=f"queues.{action}", target={"queue": name}, by=by, source=source,
+                              affected=int(changed))
+        return changed
+
+    changed = await with_conn(request, act)
+    return redirect("/", ("paused" if action == "pause" else "resumed") if changed else "nothing")
+
+
+@guarded
+async def queue_pause(request: Request) -> Response:
+    return await _queue_action(request, "pause")
+
+
+@guarded
+async def queue_resume(request: Request) -> Response:
+    return await _queue_action(request, "resume")
+
+
+# -- jobs ------------------------------------------------------------------------------
+
+def filters_of(request: Request) -> dict[str, str]:
+    """The filters in the query string (or a form), blanks dropped."""
+    return {k: v.strip() for k in FILTER_PARAMS if (v := request.query_params.get(k, "")).strip()}
+
+
+def ops_filters(filters: dict[str, str], *, hide_args: bool) -> dict[str, Any]:
+    """The filters as ``broker.ops`` keywords; no search in arguments when they are hidden."""
+    return {
+        "state": filters.get("state"), "queue": filters.get("queue"), "actor": filters.get("actor"),
+        "message_id": filters.get("id"), "since": filters.get("since"),
+        "search": None if hide_args else filters.get("q"),
+    }
+
+
+@guarded
+async def jobs_list(request: Request) -> Response:
+    config = config_of(request)
+    filters = filters_of(request)
+    try:
+        page = max(1, int(request.query_params.get("page", "1")))
+    except ValueError:
+        page = 1
+    kwargs = ops_filters(filters, hide_args=config.hide_args)
+
+    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        queues = sorted({q.name for q in ops.queue_overview(conn, rescue_after_s=config.rescue_after_s)}
+                        | set(config.queues))
+        try:
+            total = ops.count_jobs(conn, **kwargs)
+            jobs = ops.list_jobs(conn, **kwargs, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
+        except ops.OpsError as exc:  # a bad filter: said above the form, which keeps what was typed
+            return {"total": 0, "jobs": [], "queue_names": queues, "filter_error": str(exc)}
+        return {"total": total, "jobs": jobs, "queue_names": queues, "filter_error": None}
+
+    data = await with_conn(request, read)
+    pages = max(1, -(-data["total"] // PAGE_SIZE))
+    return render(request, "jobs.html", status_code=400 if data["filter_error"] else 200, context={
+        **data, "filters": filters, "states": JOB_STATES, "page": page, "pages": pages,
+        "page_url": lambda n: "/jobs?" + urlencode({**filters, "page": n}),
+        "bulk_url": lambda action: "/jobs/bulk?" + urlencode({**filters, "action": action}),
+        "can_retry": filters.get("state") in (None, *RETRYABLE),
+        "can_cancel": filters.get("state") in (None, *CANCELLABLE),
+    })
+
+
+def _bulk_plan(conn: psycopg.Connection[Any], action: str, kwargs: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """How many jobs the bulk action would change, and the ops calls that count them."""
+    state = kwargs.get("state")
+    if action == "retry":
+        states = [state] if state in RETRYABLE else (["rejected"] if state is None else [])
+    elif action == "cancel":
+        states = [state] if state in CANCELLABLE else (list(CANCELLABLE) if state is None else [])
+    else:
+        raise Refused(404, f"no bulk action {action!r}: retry or cancel")
+    plans = [{**kwargs, "state": s} for s in states]
+    return sum(ops.count_jobs(conn, **p) for p in plans), plans
+
+
+@guarded
+async def jobs_bulk_confirm(request: Request) -> Response:
+    """The confirmation page: what the filter matches, and how many jobs would change."""
+    config = config_of(request)
+    if config.read_only:
+        raise Refused(403, "the dashboard is read-only (--read-only)")
+    filters = filters_of(request)
+    action = request.query_params.get("action", "")
+    kwargs = ops_filters(filters, hide_args=config.hide_args)
+    count, _ = await with_conn(request, lambda conn: _bulk_plan(conn, action, kwargs))
+    return render(request, "bulk_confirm.html", {
+        "action": action, "filters": filters, "count": count, "limit": BULK_LIMIT,
+        "back_url": "/jobs?" + urlencode(filters),
+    })
+
+
+@guarded
+async def jobs_bulk(request: Request) -> Response:
+    form = await action_form(request)
+    config = config_of(request)
+    filters = {k: str(v).strip() for k in FILTER_PARAMS if str(v := form.get(k) or "").strip()}
+    action = str(form.get("action") or "")
+    kwargs = ops_filters(filters, hide_args=config.hide_args)
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> int:
+        with conn.transaction():
+            count, plans = _bulk_plan(conn, action, kwargs)
+            if count > BULK_LIMIT:
+                raise Refused(400, f"{count} jobs match: narrow the filter to at most {BULK_LIMIT}")
+            changed, acted_on = 0, []
+            for plan in plans:
+                ids = _matching_ids(conn, plan)
+                if ids:
+                    changed += _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
+                    acted_on += ids
+            ops.record_action(conn, action=f"jobs.{action}", target={"filter": filters, "message_ids": acted_on},
+                              by=by, source=source, affected=changed)
+        return changed
+
+    changed = await with_conn(request, act)
+    return redirect("/jobs", "bulk" if changed else "nothing", **filters)
+
+
+def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[str]:
+    """Every job id the list filters ``plan`` match (at most BULK_LIMIT), page by page."""
+    ids: list[str] = []
+    while len(ids) < BULK_LIMIT:
+        page = ops.list_jobs(conn, **plan, limit=ops.MAX_LIMIT, offset=len(ids))
+        ids += [job.id for job in page]
+        if len(page) < ops.MAX_LIMIT:
+            break
+    return ids[:BULK_LIMIT]
+
+
+def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_ids: list[str], by: str) -> int:
+    """Retry or cancel exactly these jobs (those still in ``state``); how many changed."""
+    if action == "retry":
+        return ops.retry_jobs(conn, message_ids=message_ids, state=state, by=by)
+    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by)
+
+
+@guarded
+async def job_page(request: Request) -> Response:
+    config = config_of(request)
+    message_id = ops.parse_message_id(request.path_params["id"])
+    job = await with_conn(request, lambda conn: ops.show_job(conn, message_id))
+    if job is None:
+        return render(request, "not_found.html", {"what": f"job {message_id}"}, status_code=404)
+    show_args = request.query_params.get("show") == "args" and not config.hide_args
+    return render(request, "job.html", {"job": job, "show_args": show_args})
+
+
+async def _job_action(request: Request, action: str) -> Response:
+    await action_form(request)
+    message_id = ops.parse_message_id(request.path_params["id"])
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> int:
+        with conn.transaction():
+            if action == "retry":
+                changed = ops.retry_jobs(conn, message_ids=[message_id], by=by)
+            else:
+                changed = ops.cancel_jobs(conn, message_ids=[message_id], by=by)
+            ops.record_action(conn, action=f"jobs.{action}", target={"message_ids": [message_id]}, by=by,
+                              source=source, affected=changed)
+        return changed
+
+    changed = await with_conn(request, act)
+    notice = ("retried" if action == "retry" else "cancelled") if changed else "nothing"
+    return redirect(f"/jobs/{message_id}", notice)
+
+
+@guarded
+async def job_retry(request: Request) -> Response:
+    return await _job_action(request, "retry")
+
+
+@guarded
+async def job_cancel(request: Request) -> Response:
+    return await _job_action(request, "cancel")
+
+
+# -- workers and periodic jobs ---------------------------------------------------------
+
+@guarded
+async def workers_page(request: Request) -> Response:
+    config = config_of(request)
+    workers = await with_conn(request, lambda conn: ops.worker_overview(conn, rescue_after_s=config.rescue_after_s))
+    return render(request, "workers.html", {"workers": workers, "rescue_after_s": config.rescue_after_s})
+
+
+@guarded
+async def periodic_page(request: Request) -> Response:
+    config = config_of(request)
+    jobs = await with_conn(request, lambda conn: ops.periodic_overview(conn, config.periodic_intervals))
+    return render(request, "periodic.html", {"periodic": jobs})
+
+
+# -- webhooks --------------------------------------------------------------------------
+
+@guarded
+async def webhooks_page(request: Request) -> Response:
+    raw = request.query_params.get("endpoint", "").strip()
+    endpoint_id = int(raw) if raw.isdigit() else None
+
+    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        return {"endpoints": webhooks.endpoints(conn),
+                "deliveries": ops.webhook_deliveries(conn, endpoint_id, limit=100)}
+
+    return render(request, "webhooks.html", {**await with_conn(request, read), "endpoint_id": endpoint_id})
+
+
+@guarded
+async def delivery_page(request: Request) -> Response:
+    config = config_of(request)
+    delivery_id = request.path_params["id"]
+    show_payload = request.query_params.get("show") == "payload" and not config.hide_args
+
+    def read(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
+        found = webhooks.deliveries(conn, delivery_id=delivery_id, limit=1)
+        if not found:
+            return None
+        return {"delivery": found[0], "attempts": webhooks.attempts(conn, delivery_id),
+                "payload": webhooks.payload(conn, delivery_id) if show_payload else None}
+
+    data = await with_conn(request, read)
+    if data is None:
+        return render(request, "not_found.html", {"what": f"webhook delivery {delivery_id}"}, status_code=404)
+    return render(request, "delivery.html", {**data, "show_payload": show_payload})
+
+
+@guarded
+async def delivery_replay(request: Request) -> Response:
+    await action_form(request)
+    delivery_id = request.path_params["id"]
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> str | None:
+        with conn.transaction():
+            message_id = webhooks.replay(conn, delivery_id)
+            if message_id is not None:
+                ops.record_action(conn, action="webhooks.replay",
+                                  target={"delivery_id": delivery_id, "message_ids": [message_id]},
+                                  by=by, source=source, affected=1)
+        return message_id
+
+    if await with_conn(request, act) is None:
+        raise Refused(404, f"no webhook delivery {delivery_id}")
+    return redirect(f"/webhooks/deliveries/{delivery_id}", "replayed")
+
+
+async def _endpoint_toggle(request: Request, enabled: bool) -> Response:
+    await action_form(request)
+    endpoint_id = request.path_params["id"]
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> bool:
+        with conn.transaction():
+            found = webhooks.set_enabled(conn, endpoint_id, enabled, reason=f"disabled by {by} ({source})")
+            if found:
+                ops.record_action(conn, action="webhooks.enable" if enabled else "webhooks.disable",
+                                  target={"endpoint_id": endpoint_id}, by=by, source=source, affected=1)
+        return found
+
+    if not await with_conn(request, act):
+        raise Refused(404, f"no webhook endpoint {endpoint_id}")
+    return redirect("/webhooks", "enabled" if enabled else "disabled")
+
+
+@guarded
+async def endpoint_enable(request: Request) -> Response:
+    return await _endpoint_toggle(request, True)
+
+
+@guarded
+async def endpoint_disable(request: Request) -> Response:
+    return await _endpoint_toggle(request, False)
+
+
+# -- probes ----------------------------------------------------------------------------
+
+HEALTH_QUERY = "SELECT 1"
+
+
+async def healthz(request: Request) -> Response:
+    """200 when the database answers, 503 (with the reason) when it does not."""
+    try:
+        await with_conn(request, lambda conn: conn.execute(HEALTH_QUERY).fetchone())
+    except Exception as exc:  # the probe reports any failure, it does not raise
+        return json_response({"status": "unavailable", "database": str(exc).strip()}, status_code=503)
+    return json_response({"status": "ok", "database": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    """The database-derived gauges of ``broker.metrics`` (the ones ``run`` serves too)."""
+    config = config_of(request)
+    collector = DatabaseCollector(config.database_url, rescue_after_s=config.rescue_after_s)
+
+    def scrape() -> bytes:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(collector)
+        return generate_latest(registry)
+
+    return Response(await run_in_threadpool(scrape), media_type=CONTENT_TYPE_LATEST)

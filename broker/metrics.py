@@ -1,0 +1,142 @@
+"""Prometheus metrics: the ones each process counts, and the database-derived gauges.
+
+Counted in worker processes (by ``middleware/metrics.py`` and the broker): with
+``PROMETHEUS_MULTIPROC_DIR`` set (``standmeet-jobs run`` sets it for its children)
+prometheus_client writes them to files there, and the ``run`` process serves them all
+on one ``/metrics`` (:func:`serve`), with the database-derived gauges of
+:class:`DatabaseCollector` computed there once per scrape, not once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import psycopg
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from broker import detach, ops
+
+logger = logging.getLogger(__name__)
+
+LABELS = ("queue_name", "actor_name")
+
+# -- Dramatiq's names and labels, so existing Dramatiq dashboards work ----------------------
+MESSAGES = Counter("dramatiq_messages_total", "The total number of messages processed.", LABELS)
+ERRORS = Counter("dramatiq_message_errors_total", "The total number of errored messages.", LABELS)
+RETRIES = Counter("dramatiq_message_retries_total", "The total number of retried messages.", LABELS)
+REJECTS = Counter("dramatiq_message_rejects_total", "The total number of dead-lettered messages.", LABELS)
+IN_PROGRESS = Gauge("dramatiq_messages_inprogress", "The number of messages in progress.", LABELS,
+                    multiprocess_mode="livesum")
+DURATION = Histogram(
+    "dramatiq_message_duration_milliseconds", "The time spent processing messages.", LABELS,
+    buckets=(5, 10, 25, 50, 75, 100, 250, 500, 750, 1000, 2500, 5000, 7500, 10000, 30000, 60000, 600000,
+             900000, float("inf")),
+)
+
+# -- ours ---------------------------------------------------------------------------------
+SNOOZES = Counter("standmeet_snoozes_total", "Jobs that asked to run later (not a retry).", LABELS)
+LEASE_BUSY = Counter("standmeet_lease_busy_total",
+                     "Webhook deliveries snoozed because their endpoint was busy.", LABELS)
+RESCUES = Counter("standmeet_rescues_total", "Messages of dead worker processes, requeued or rejected.",
+                  ("queue_name", "outcome"))
+RECEIPT_WAITERS = Gauge("standmeet_receipt_waiters", "Requests waiting for a job's receipt.", ("channel",),
+                        multiprocess_mode="livesum")
+RECEIPT_WAITERS_REFUSED = Counter("standmeet_receipt_waiters_refused_total",
+                                  "Requests told at once not to wait: their channel held its maximum.",
+                                  ("channel",))
+CLAIM_TO_START = Histogram(
+    "standmeet_claim_to_start_seconds", "From a message's claim to the start of its run.", ("queue_name",),
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf")),
+)
+
+
+def count_rescues(result: dict[str, tuple[int, int]]) -> None:
+    """Count a rescue pass's {queue: (requeued, rejected)} (the broker's heartbeat calls it)."""
+    for queue_name, (requeued, rejected) in result.items():
+        if requeued:
+            RESCUES.labels(queue_name, "requeued").inc(requeued)
+        if rejected:
+            RESCUES.labels(queue_name, "rejected").inc(rejected)
+
+
+class DatabaseCollector(Collector):
+    """Gauges read from the database at each scrape (export them from one process only)."""
+
+    def __init__(self, url: str, *, rescue_after_s: float = ops.DEFAULT_RESCUE_AFTER_S,
+                 timeout_s: float = 5.0) -> None:
+        self.url = url
+        self.rescue_after_s = rescue_after_s
+        self.timeout_s = timeout_s
+
+    def collect(self) -> Iterator[Any]:
+        depth = GaugeMetricFamily("standmeet_queue_depth", "Jobs in a queue by state.",
+                                  labels=["queue_name", "state"])
+        oldest = GaugeMetricFamily("standmeet_oldest_queued_age_seconds",
+                                   "How long the oldest due job of a queue has waited (0: none).",
+                                   labels=["queue_name"])
+        alive = GaugeMetricFamily("standmeet_workers_alive", "Worker processes with a fresh heartbeat.")
+        lag = GaugeMetricFamily("standmeet_outbox_lag_seconds",
+                                "How long the oldest unrelayed outbox event has waited (0: none).")
+        up = GaugeMetricFamily("standmeet_database_up", "1 when the gauges above could be read.")
+        try:
+            with psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self.timeout_s)),
+                                 application_name="standmeet-metrics") as conn:
+                conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(int(self.timeout_s * 1000)),))
+                queues = ops.queue_overview(conn, rescue_after_s=self.rescue_after_s)
+                workers = ops.worker_overview(conn, rescue_after_s=self.rescue_after_s)
+                outbox = ops.outbox_lag_s(conn)
+        except psycopg.Error as exc:
+            logger.warning("metrics: could not read the database: %s", str(exc).strip().splitlines()[0])
+            up.add_metric([], 0)
+            yield up
+            return
+        for q in queues:
+            for state, value in (("queued", q.queued), ("delayed", q.delayed), ("running", q.running),
+                                 ("rejected_24h", q.rejected)):
+                depth.add_metric([q.name, state], value)
+            oldest.add_metric([q.name], q.oldest_queued_age_s or 0.0)
+        alive.add_metric([], sum(1 for w in workers if w.alive))
+        lag.add_metric([], outbox or 0.0)
+        up.add_metric([], 1)
+        yield from (depth, oldest, alive, lag, up)
+
+
+def registry_for(url: str, *, multiprocess_dir: str | None, rescue_after_s: float) -> CollectorRegistry:
+    """What one /metrics serves: every process's metrics (multiprocess mode), and the
+    database gauges once."""
+    registry = CollectorRegistry()
+    if multiprocess_dir:
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
+    registry.register(DatabaseCollector(url, rescue_after_s=rescue_after_s))
+    return registry
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("metrics: " + format, *args)
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP, on a detached thread; :meth:`stop` closes it."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        app = make_wsgi_app(registry)
+        self.server: WSGIServer = make_server(host, port, app, handler_class=_QuietHandler)
+        self.port = int(self.server.server_port)
+        self._thread = detach.go(f"metrics-http-{self.port}", lambda stop: self.server.serve_forever(0.2))
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self._thread.join(timeout_s=5)
+        self.server.server_close()
+
+
+def serve(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    return MetricsServer(registry, host, port)

@@ -1,0 +1,756 @@
+"""What operators see and steer: the queries behind ``standmeet-jobs status / jobs /
+queues / webhooks deliveries`` and the dashboard.
+
+Every function takes a psycopg 3 connection (autocommit is best: the reads then hold
+no transaction open) and returns frozen dataclasses; ``.asdict()`` gives plain
+Python values and :func:`jsonable` makes them JSON-ready. Ages and "alive" are
+judged with the database's clock, never this machine's. Functions that change
+something run in one transaction of their own (a savepoint inside the caller's) and
+return how many jobs they changed; record who did it with :func:`record_action`.
+
+Job states, as operators name them (``JOB_STATES``): ``queued`` (due now),
+``delayed`` (due later: a retry's back-off, a snooze, a delay), ``running`` (claimed
+by a worker process), ``done``, ``rejected`` (failed for good, cancelled included),
+and ``cancelled`` (an operator cancelled it: rejected before it ran, or running and
+not to be retried).
+
+This module imports neither the broker nor the application (``actors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+
+from broker.errors import StandmeetError
+
+#: The states :func:`list_jobs`, :func:`count_jobs` and the bulk actions filter on.
+JOB_STATES: tuple[str, ...] = ("queued", "delayed", "running", "done", "rejected", "cancelled")
+#: Default silence after which a worker process counts as dead (STANDMEET_RESCUE_AFTER_S).
+DEFAULT_RESCUE_AFTER_S = 20.0
+#: Longest page :func:`list_jobs` returns.
+MAX_LIMIT = 1000
+
+
+class OpsError(StandmeetError, ValueError):
+    """A bad filter or argument, said in one line (the CLI prints it and exits 1)."""
+
+
+class _Row:
+    def asdict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueStatus(_Row):
+    name: str
+    queued: int                       # due now
+    delayed: int                      # due later
+    running: int                      # claimed by a worker process
+    rejected: int                     # rejected in the last 24 h
+    done_5m: int
+    done_1h: int
+    oldest_queued_age_s: float | None  # how long the oldest due job has waited
+    paused: bool
+    paused_at: datetime | None = None
+    paused_by: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStatus(_Row):
+    id: str
+    host: str
+    pid: int
+    queues: list[str]
+    started_at: datetime
+    last_heartbeat_age_s: float
+    alive: bool
+    stopped_at: datetime | None
+    running: int                                 # messages it holds (claimed, not settled)
+    running_jobs: list[tuple[str, str]]          # (message id, actor)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicStatus(_Row):
+    job: str
+    last_run: datetime | None           # the start of the latest period it was enqueued for
+    next_due: datetime | None           # None when its interval is not known
+    interval_s: float | None
+    last_message_id: str | None
+    last_state: str | None              # that run's job state (None once pruned)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSummary(_Row):
+    id: str
+    queue: str
+    actor: str
+    state: str                          # one of JOB_STATES except "cancelled" (see cancelled_at)
+    retries: int
+    enqueued_at: datetime
+    error: str | None                   # one line: the rejection reason or the last failure
+    cancelled_at: datetime | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDetail(_Row):
+    id: str
+    queue: str
+    actor: str
+    state: str
+    retries: int
+    enqueued_at: datetime
+    error: str | None                   # in full
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]             # without the traceback
+    traceback: str | None
+    claims: int
+    crashes: int
+    snoozes: int
+    worker_id: str | None
+    worker_host: str | None
+    worker_pid: int | None
+    eta: datetime
+    started_at: datetime | None         # when the running claim started (where recorded)
+    finished_at: datetime | None        # done or rejected
+    updated_at: datetime | None
+    retried_by: str | None
+    retried_at: datetime | None
+    cancelled_by: str | None
+    cancelled_at: datetime | None
+
+    @property
+    def summary(self) -> JobSummary:
+        return JobSummary(self.id, self.queue, self.actor, self.state, self.retries, self.enqueued_at,
+                          _one_line(self.error or self.traceback), self.cancelled_at)
+
+    @property
+    def timeline(self) -> list[tuple[str, datetime]]:
+        """What happened when, in order: enqueued, due, started, retried, cancelled, finished."""
+        events = [("enqueued", self.enqueued_at), ("due", self.eta), ("started", self.started_at),
+                  ("retried", self.retried_at), ("cancelled", self.cancelled_at),
+                  (self.state if self.state in ("done", "rejected") else "finished", self.finished_at)]
+        return sorted(((name, at) for name, at in events if at is not None), key=lambda e: e[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryStatus(_Row):
+    id: int
+    endpoint_id: int
+    event: str                          # the event's type
+    state: str                          # pending | succeeded | failed | skipped
+    attempts: int
+    last_status: int | None             # the last attempt's HTTP status
+    last_error: str | None              # the last attempt's error (or its outcome)
+    event_id: int
+    last_outcome: str | None
+    updated_at: datetime
+    next_attempt_at: datetime | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointStatus(_Row):
+    id: int
+    url: str
+    event_types: list[str]
+    enabled: bool
+    disabled_reason: str | None
+    failing_since: datetime | None
+    last_attempt_at: datetime | None
+    last_outcome: str | None
+    last_status: int | None
+    last_error: str | None
+    pending: int
+    failed: int
+
+    @property
+    def why_failing(self) -> str | None:
+        """One line on why it fails, or None while it is healthy."""
+        if not self.enabled:
+            return f"disabled: {self.disabled_reason or 'by an operator'}"
+        if self.failing_since is None:
+            return None
+        last = self.last_error or self.last_outcome or "unknown"
+        if self.last_status is not None:
+            last = f"HTTP {self.last_status}" + ("" if self.last_error is None else f": {self.last_error}")
+        return f"failing since {self.failing_since.isoformat(timespec='seconds')}: {last}"
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorAction(_Row):
+    id: int
+    at: datetime
+    action: str
+    target: Any
+    affected: int | None
+    by: str
+    source: str
+
+
+# -- overview ----------------------------------------------------------------------------
+
+QUEUE_OVERVIEW = """
+WITH active AS (
+    SELECT queue_name,
+           count(*) FILTER (WHERE "state" = 'queued' AND eta <= now()) AS queued,
+           count(*) FILTER (WHERE "state" = 'queued' AND eta > now()) AS delayed,
+           count(*) FILTER (WHERE "state" = 'consumed') AS running,
+           EXTRACT(EPOCH FROM now() - min(eta) FILTER (WHERE "state" = 'queued' AND eta <= now()))::float8
+               AS oldest_queued_age_s
+    FROM dramatiq.queue
+    WHERE "state" IN ('queued', 'consumed')
+    GROUP BY queue_name
+), finished AS (
+    SELECT queue_name,
+           count(*) FILTER (WHERE "state" = 'rejected') AS rejected,
+           count(*) FILTER (WHERE "state" = 'done' AND mtime > now() - interval '5 minutes') AS done_5m,
+           count(*) FILTER (WHERE "state" = 'done' AND mtime > now() - interval '1 hour') AS done_1h
+    FROM dramatiq.queue
+    WHERE "state" IN ('done', 'rejected') AND mtime > now() - interval '24 hours'
+    GROUP BY queue_name
+), names AS (
+    SELECT queue_name FROM active
+    UNION SELECT queue_name FROM finished
+    UNION SELECT queue_name FROM standmeet.queue_pauses
+    UNION SELECT unnest(queues) FROM standmeet.worker_processes
+          WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
+)
+SELECT n.queue_name,
+       coalesce(a.queued, 0), coalesce(a.delayed, 0), coalesce(a.running, 0),
+       coalesce(f.rejected, 0), coalesce(f.done_5m, 0), coalesce(f.done_1h, 0),
+       a.oldest_queued_age_s,
+       p.queue_name IS NOT NULL, p.paused_at, p.paused_by
+FROM names n
+LEFT JOIN active a USING (queue_name)
+LEFT JOIN finished f USING (queue_name)
+LEFT JOIN standmeet.queue_pauses p USING (queue_name)
+ORDER BY n.queue_name
+"""
+
+WORKER_OVERVIEW = """
+SELECT w.id::text, w.hostname, w.pid, w.queues, w.started_at,
+       EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8,
+       w.stopped_at IS NULL AND w.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s),
+       w.stopped_at,
+       coalesce(held.jobs, '[]'::jsonb)
+FROM standmeet.worker_processes w
+LEFT JOIN LATERAL (
+    SELECT jsonb_agg(jsonb_build_array(q.message_id::text, q.message->>'actor_name') ORDER BY q.mtime, q.message_id)
+           AS jobs
+    FROM dramatiq.queue q
+    WHERE q.worker_id = w.id AND q."state" = 'consumed'
+) held ON true
+ORDER BY (w.stopped_at IS NULL AND w.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)) DESC,
+         w.started_at DESC, w.id
+"""
+
+PERIODIC_OVERVIEW = """
+SELECT DISTINCT ON (r.job) r.job, r.period_start, r.message_id::text,
+       CASE WHEN q."state" = 'queued' AND q.eta > now() THEN 'delayed'
+            WHEN q."state" = 'consumed' THEN 'running'
+            ELSE q."state"::text END
+FROM standmeet.periodic_runs r
+LEFT JOIN dramatiq.queue q ON q.message_id = r.message_id
+ORDER BY r.job, r.period_start DESC
+"""
+
+#: How long the oldest event not yet relayed has waited (NULL: nothing waits).
+OUTBOX_LAG = """
+SELECT EXTRACT(EPOCH FROM now() - created_at)::float8
+FROM standmeet.outbox
+WHERE relayed_at IS NULL AND error IS NULL
+ORDER BY id
+LIMIT 1
+"""
+
+DB_NOW = "SELECT now()"
+
+
+def queue_overview(conn: psycopg.Connection[Any], *,
+                   rescue_after_s: float = DEFAULT_RESCUE_AFTER_S) -> list[QueueStatus]:
+    """Every queue with jobs not finished or finished in the last 24 h, paused, or served
+    by a live worker (older finished rows alone would cost a scan of the whole table)."""
+    rows = conn.execute(QUEUE_OVERVIEW, {"rescue_after_s": rescue_after_s}).fetchall()
+    return [QueueStatus(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]),
+                        _float(r[7]), bool(r[8]), r[9], r[10]) for r in rows]
+
+
+def worker_overview(conn: psycopg.Connection[Any], *,
+                    rescue_after_s: float = DEFAULT_RESCUE_AFTER_S) -> list[WorkerStatus]:
+    """Worker processes, live ones first; "alive" is judged with the database's clock."""
+    rows = conn.execute(WORKER_OVERVIEW, {"rescue_after_s": rescue_after_s}).fetchall()
+    out = []
+    for r in rows:
+        jobs = [(str(j[0]), str(j[1])) for j in (r[8] or [])]
+        out.append(WorkerStatus(r[0], r[1], int(r[2]), list(r[3]), r[4], float(r[5]), bool(r[6]), r[7],
+                                len(jobs), jobs))
+    return out
+
+
+def periodic_overview(conn: psycopg.Connection[Any],
+                      intervals: Mapping[str, float] | None = None) -> list[PeriodicStatus]:
+    """Each periodic job's last run and next due time (``intervals``: job → seconds).
+
+    A job in ``intervals`` that never ran is listed too, due at the start of the
+    current period; ``next_due`` is None for a job whose interval is not given.
+    """
+    intervals = dict(intervals or {})
+    seen: dict[str, PeriodicStatus] = {}
+    for job, last_run, message_id, state in conn.execute(PERIODIC_OVERVIEW).fetchall():
+        interval = intervals.get(job)
+        next_due = last_run + timedelta(seconds=interval) if interval is not None else None
+        seen[job] = PeriodicStatus(job, last_run, next_due, interval, message_id, state)
+    missing = [job for job in intervals if job not in seen]
+    if missing:
+        now = _db_now(conn)
+        for job in missing:
+            interval = intervals[job]
+            start = now.timestamp() - (now.timestamp() % interval)
+            seen[job] = PeriodicStatus(job, None, datetime.fromtimestamp(start, timezone.utc), interval,
+                                       None, None)
+    return [seen[job] for job in sorted(seen)]
+
+
+def outbox_lag_s(conn: psycopg.Connection[Any]) -> float | None:
+    """Seconds the oldest unrelayed event has waited; None when none waits."""
+    row = conn.execute(OUTBOX_LAG).fetchone()
+    return None if row is None else _float(row[0])
+
+
+# -- jobs --------------------------------------------------------------------------------
+
+#: The job state as operators name it (see JOB_STATES), from a row ``q`` of dramatiq.queue.
+JOB_STATE_EXPR = """
+CASE WHEN q."state" = 'queued' AND q.eta > now() THEN 'delayed'
+     WHEN q."state" = 'consumed' THEN 'running'
+     ELSE q."state"::text END
+"""
+
+#: The filters shared by the job list, its count and the bulk actions; every one is
+#: optional (NULL: no filter). ``search`` is an ILIKE pattern over the arguments.
+JOB_FILTERS = """
+    (%(state)s::text IS NULL
+     OR (%(state)s = 'queued' AND q."state" = 'queued' AND q.eta <= now())
+     OR (%(state)s = 'delayed' AND q."state" = 'queued' AND q.eta > now())
+     OR (%(state)s = 'running' AND q."state" = 'consumed')
+     OR (%(state)s = 'done' AND q."state" = 'done')
+     OR (%(state)s = 'rejected' AND q."state" = 'rejected')
+     OR (%(state)s = 'cancelled' AND q.cancelled_at IS NOT NULL))
+AND (%(queue)s::text IS NULL OR q.queue_name = %(queue)s)
+AND (%(actor)s::text IS NULL OR q.message->>'actor_name' = %(actor)s)
+AND (%(since)s::timestamptz IS NULL OR q.enqueued_at >= %(since)s)
+AND (%(id_prefix)s::text IS NULL OR q.message_id::text LIKE %(id_prefix)s)
+AND (%(message_ids)s::uuid[] IS NULL OR q.message_id = ANY(%(message_ids)s::uuid[]))
+AND (%(search)s::text IS NULL
+     OR (q.message->'args')::text ILIKE %(search)s
+     OR (q.message->'kwargs')::text ILIKE %(search)s)
+"""
+
+#: One line of a failure: the rejection reason, else the last line of the last traceback.
+JOB_ERROR_EXPR = """
+nullif(substring(rtrim(coalesce(q.error, q.message->'options'->>'traceback'), E' \\n') from '[^\\n]*$'), '')
+"""
+
+LIST_JOBS = (
+    "SELECT q.message_id::text, q.queue_name, q.message->>'actor_name', " + JOB_STATE_EXPR + ",\n"
+    "       coalesce((q.message->'options'->>'retries')::int, 0), q.enqueued_at, " + JOB_ERROR_EXPR + ",\n"
+    "       q.cancelled_at\n"
+    "FROM dramatiq.queue q\nWHERE " + JOB_FILTERS +
+    "ORDER BY q.enqueued_at DESC, q.message_id\nLIMIT %(limit)s OFFSET %(offset)s\n"
+)
+
+COUNT_JOBS = "SELECT count(*) FROM dramatiq.queue q\nWHERE " + JOB_FILTERS
+
+#: One job in full. ``started_at`` is read from the row as JSON, so this works with and
+#: without that column (the broker records it where it can).
+SHOW_JOB = (
+    "SELECT q.message_id::text, q.queue_name, q.message->>'actor_name', " + JOB_STATE_EXPR + ",\n"
+    "       coalesce((q.message->'options'->>'retries')::int, 0), q.enqueued_at,\n"
+    "       coalesce(q.error, q.message->'options'->>'error'),\n"
+    "       coalesce(q.message->'args', '[]'::jsonb), coalesce(q.message->'kwargs', '{}'::jsonb),\n"
+    "       coalesce(q.message->'options', '{}'::jsonb) - 'traceback',\n"
+    "       q.message->'options'->>'traceback',\n"
+    "       q.claims, q.crashes, coalesce((q.message->'options'->>'snoozes')::int, 0),\n"
+    "       q.worker_id::text, w.hostname, w.pid, q.eta,\n"
+    "       (to_jsonb(q)->>'started_at')::timestamptz,\n"
+    "       CASE WHEN q.\"state\" IN ('done', 'rejected') THEN q.mtime END, q.mtime,\n"
+    "       coalesce(q.retried_by, q.message->'options'->>'retried_by'), q.retried_at,\n"
+    "       q.cancelled_by, q.cancelled_at\n"
+    "FROM dramatiq.queue q\n"
+    "LEFT JOIN standmeet.worker_processes w ON w.id = q.worker_id\n"
+    "WHERE q.message_id = %(message_id)s\n"
+)
+
+
+def list_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue: str | None = None,
+              actor: str | None = None, since: datetime | str | None = None, search: str | None = None,
+              message_id: str | None = None, limit: int = 50, offset: int = 0) -> list[JobSummary]:
+    """Jobs matching every given filter, newest first (enqueued_at DESC, then id: stable).
+
+    ``since``: enqueued at or after (a datetime, an ISO time, or an age like ``15m``,
+    ``2h``, ``1d``); ``search``: text in the arguments (case-insensitive);
+    ``message_id``: a whole id or the start of one.
+    """
+    if not 0 < limit <= MAX_LIMIT:
+        raise OpsError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
+    if offset < 0:
+        raise OpsError(f"offset must not be negative, not {offset}")
+    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id)
+    rows = conn.execute(LIST_JOBS, {**params, "limit": limit, "offset": offset}).fetchall()
+    return [JobSummary(r[0], r[1], r[2] or "", r[3], int(r[4]), r[5], r[6], r[7]) for r in rows]
+
+
+def count_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue: str | None = None,
+               actor: str | None = None, since: datetime | str | None = None, search: str | None = None,
+               message_id: str | None = None) -> int:
+    """How many jobs :func:`list_jobs` would page through with the same filters."""
+    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id)
+    row = conn.execute(COUNT_JOBS, params).fetchone()
+    return int(row[0]) if row else 0
+
+
+def show_job(conn: psycopg.Connection[Any], message_id: str) -> JobDetail | None:
+    """One job in full, or None when there is no such job (pruned, or never was)."""
+    row = conn.execute(SHOW_JOB, {"message_id": parse_message_id(message_id)}).fetchone()
+    if row is None:
+        return None
+    return JobDetail(
+        id=row[0], queue=row[1], actor=row[2] or "", state=row[3], retries=int(row[4]), enqueued_at=row[5],
+        error=row[6], args=list(row[7]) if isinstance(row[7], list) else [row[7]],
+        kwargs=dict(row[8]) if isinstance(row[8], dict) else {}, options=dict(row[9] or {}),
+        traceback=row[10], claims=int(row[11]), crashes=int(row[12]), snoozes=int(row[13]),
+        worker_id=row[14], worker_host=row[15], worker_pid=row[16], eta=row[17], started_at=row[18],
+        finished_at=row[19], updated_at=row[20], retried_by=row[21], retried_at=row[22],
+        cancelled_by=row[23], cancelled_at=row[24],
+    )
+
+
+# -- retry and cancel --------------------------------------------------------------------
+
+#: Rejected jobs matching the filters back to their queue, due now: retries and crashes
+#: reset, error and traceback cleared, who and when recorded (columns and options), a
+#: cancellation lifted; each queue's consumers are woken once.
+RETRY_JOBS = (
+    "WITH picked AS (\n"
+    "    SELECT q.message_id FROM dramatiq.queue q\n"
+    "    WHERE q.\"state\" = 'rejected' AND " + JOB_FILTERS +
+    "    ORDER BY q.message_id\n"
+    "    FOR UPDATE\n"
+    "), retried AS (\n"
+    "    UPDATE dramatiq.queue q\n"
+    "    SET \"state\" = 'queued', eta = now(), mtime = now(), worker_id = NULL, error = NULL, crashes = 0,\n"
+    "        cancelled_at = NULL, cancelled_by = NULL, retried_at = now(), retried_by = %(by)s,\n"
+    "        message = jsonb_set(q.message, '{options}',\n"
+    "            (coalesce(q.message->'options', '{}'::jsonb) - 'traceback' - 'error')\n"
+    "            || jsonb_build_object('retries', 0, 'retried_by', %(by)s::text,\n"
+    "                                  'retried_at', to_jsonb(now())))\n"
+    "    FROM picked\n"
+    "    WHERE q.message_id = picked.message_id\n"
+    "    RETURNING q.queue_name\n"
+    "), woken AS (\n"
+    "    SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')\n"
+    "    FROM (SELECT DISTINCT queue_name FROM retried) AS queues\n"
+    ")\n"
+    "SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM woken)\n"
+)
+
+#: Cancel the queued, delayed or running jobs matching the filters. One not running is
+#: rejected at once (it never runs), with the reason, and its awaited receipt is sent;
+#: a running one is marked, so the broker does not retry it and its deadline check
+#: stops it.
+CANCEL_JOBS = (
+    "WITH picked AS (\n"
+    "    SELECT q.message_id FROM dramatiq.queue q\n"
+    "    WHERE q.\"state\" IN ('queued', 'consumed') AND q.cancelled_at IS NULL AND " + JOB_FILTERS +
+    "    ORDER BY q.message_id\n"
+    "    FOR UPDATE\n"
+    "), cancelled AS (\n"
+    "    UPDATE dramatiq.queue q\n"
+    "    SET cancelled_at = now(), cancelled_by = %(by)s,\n"
+    "        \"state\" = CASE WHEN q.\"state\" = 'queued' THEN 'rejected'::dramatiq.state ELSE q.\"state\" END,\n"
+    "        error = CASE WHEN q.\"state\" = 'queued'\n"
+    "                     THEN 'cancelled by ' || %(by)s || ' at ' || to_char(now() AT TIME ZONE 'UTC',\n"
+    "                          'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')\n"
+    "                     ELSE q.error END,\n"
+    "        mtime = CASE WHEN q.\"state\" = 'queued' THEN now() ELSE q.mtime END\n"
+    "    FROM picked\n"
+    "    WHERE q.message_id = picked.message_id\n"
+    "    RETURNING q.queue_name, q.message_id, q.\"state\"\n"
+    "), receipts AS (\n"
+    "    SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':rejected')\n"
+    "    FROM cancelled WHERE \"state\" = 'rejected'\n"
+    ")\n"
+    "SELECT (SELECT count(*) FROM cancelled), (SELECT count(*) FROM receipts)\n"
+)
+
+
+def retry_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
+               state: str = "rejected", queue: str | None = None, actor: str | None = None,
+               since: datetime | str | None = None, search: str | None = None, by: str) -> int:
+    """Send rejected jobs (the ids given, or every one matching the filters) back to
+    their queue, due now, with their retries reset; return how many.
+
+    Only rejected jobs are retried (``state`` may narrow to ``cancelled``); a job
+    queued, running or done is left alone.
+    """
+    if state not in ("rejected", "cancelled"):
+        raise OpsError(f"only rejected or cancelled jobs can be retried, not {state!r} ones")
+    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
+                         message_ids=message_ids)
+    with conn.transaction():
+        row = conn.execute(RETRY_JOBS, {**params, "by": _by(by)}).fetchone()
+    return int(row[0]) if row else 0
+
+
+def cancel_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
+                state: str | None = None, queue: str | None = None, actor: str | None = None,
+                since: datetime | str | None = None, search: str | None = None, by: str) -> int:
+    """Cancel jobs (the ids given, or every queued, delayed or running one matching the
+    filters); return how many. A job not running never runs; a running one is not
+    retried and stops at its next deadline check. Finished jobs are left alone.
+    """
+    if state not in (None, "queued", "delayed", "running"):
+        raise OpsError(f"only queued, delayed or running jobs can be cancelled, not {state!r} ones")
+    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
+                         message_ids=message_ids)
+    with conn.transaction():
+        row = conn.execute(CANCEL_JOBS, {**params, "by": _by(by)}).fetchone()
+    return int(row[0]) if row else 0
+
+
+# -- queues ------------------------------------------------------------------------------
+
+#: Pause a queue and wake its consumers (their claim skips a paused queue).
+PAUSE_QUEUE = """
+WITH paused AS (
+    INSERT INTO standmeet.queue_pauses (queue_name, paused_by) VALUES (%(queue)s, %(by)s)
+    ON CONFLICT (queue_name) DO NOTHING
+    RETURNING queue_name
+)
+SELECT count(*), pg_notify('dramatiq.' || %(queue)s || '.enqueue', '') FROM paused
+"""
+
+#: Resume a queue and wake its consumers at once (not at their next poll).
+RESUME_QUEUE = """
+WITH resumed AS (
+    DELETE FROM standmeet.queue_pauses WHERE queue_name = %(queue)s RETURNING queue_name
+)
+SELECT count(*), pg_notify('dramatiq.' || %(queue)s || '.enqueue', '') FROM resumed
+"""
+
+PAUSED_QUEUES = "SELECT queue_name, paused_at, paused_by FROM standmeet.queue_pauses ORDER BY queue_name"
+
+
+def pause_queue(conn: psycopg.Connection[Any], name: str, *, by: str) -> bool:
+    """Stop every process claiming from ``name``; False when it was paused already.
+
+    Jobs already running finish; nothing more starts until :func:`resume_queue`.
+    """
+    with conn.transaction():
+        row = conn.execute(PAUSE_QUEUE, {"queue": _queue_name(name), "by": _by(by)}).fetchone()
+    return bool(row and row[0])
+
+
+def resume_queue(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Let every process claim from ``name`` again; False when it was not paused."""
+    with conn.transaction():
+        row = conn.execute(RESUME_QUEUE, {"queue": _queue_name(name)}).fetchone()
+    return bool(row and row[0])
+
+
+def paused_queues(conn: psycopg.Connection[Any]) -> dict[str, tuple[datetime, str | None]]:
+    """Paused queues: name → (since when, by whom)."""
+    return {r[0]: (r[1], r[2]) for r in conn.execute(PAUSED_QUEUES).fetchall()}
+
+
+# -- webhooks ----------------------------------------------------------------------------
+
+WEBHOOK_DELIVERIES = """
+SELECT d.id, d.endpoint_id, ev.type, d.state, d.attempts, a.status_code,
+       coalesce(a.error, CASE WHEN a.outcome <> 'ok' THEN a.outcome END),
+       d.event_id, coalesce(a.outcome, d.last_outcome), d.updated_at, d.next_attempt_at
+FROM standmeet.webhook_deliveries d
+JOIN standmeet.webhook_events ev ON ev.id = d.event_id
+LEFT JOIN LATERAL (
+    SELECT status_code, outcome, error FROM standmeet.webhook_attempts
+    WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
+) a ON true
+WHERE (%(endpoint_id)s::bigint IS NULL OR d.endpoint_id = %(endpoint_id)s)
+ORDER BY d.id DESC
+LIMIT %(limit)s
+"""
+
+WEBHOOK_ENDPOINTS = """
+SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason, e.failing_since,
+       a.started_at, a.outcome, a.status_code, a.error,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'pending'),
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')
+FROM standmeet.webhook_endpoints e
+LEFT JOIN LATERAL (
+    SELECT at.started_at, at.outcome, at.status_code, at.error
+    FROM standmeet.webhook_deliveries d
+    JOIN standmeet.webhook_attempts at ON at.delivery_id = d.id
+    WHERE d.endpoint_id = e.id
+    ORDER BY at.started_at DESC, at.id DESC
+    LIMIT 1
+) a ON true
+ORDER BY e.id
+"""
+
+
+def webhook_deliveries(conn: psycopg.Connection[Any], endpoint_id: int | None = None, *,
+                       limit: int = 100) -> list[DeliveryStatus]:
+    """Deliveries, newest first, with their last attempt's HTTP status and error."""
+    if not 0 < limit <= MAX_LIMIT:
+        raise OpsError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
+    rows = conn.execute(WEBHOOK_DELIVERIES, {"endpoint_id": endpoint_id, "limit": limit}).fetchall()
+    return [DeliveryStatus(int(r[0]), int(r[1]), r[2], r[3], int(r[4]), r[5], r[6], int(r[7]), r[8], r[9], r[10])
+            for r in rows]
+
+
+def webhook_endpoints(conn: psycopg.Connection[Any]) -> list[EndpointStatus]:
+    """Endpoints with their health: the last attempt, and deliveries pending or failed."""
+    return [EndpointStatus(int(r[0]), r[1], list(r[2]), bool(r[3]), r[4], r[5], r[6], r[7], r[8], r[9],
+                           int(r[10]), int(r[11]))
+            for r in conn.execute(WEBHOOK_ENDPOINTS).fetchall()]
+
+
+# -- the audit trail ---------------------------------------------------------------------
+
+RECORD_ACTION = """
+INSERT INTO standmeet.operator_actions (action, target, affected, by_whom, source)
+VALUES (%(action)s, %(target)s::jsonb, %(affected)s, %(by)s, %(source)s)
+RETURNING id
+"""
+
+LIST_ACTIONS = """
+SELECT id, at, action, target, affected, by_whom, source
+FROM standmeet.operator_actions
+ORDER BY at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+
+def record_action(conn: psycopg.Connection[Any], *, action: str, target: Any, by: str, source: str,
+                  affected: int | None = None) -> int:
+    """Record what an operator did (``action``: e.g. ``jobs.retry``), to what (``target``:
+    JSON, e.g. ``{"message_ids": [...]}`` or a filter), who (``by``) and from where
+    (``source``: ``cli``, or the dashboard's client address); returns the record's id."""
+    row = conn.execute(RECORD_ACTION, {
+        "action": action, "target": json.dumps(jsonable(target)), "affected": affected,
+        "by": _by(by), "source": source,
+    }).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def recent_actions(conn: psycopg.Connection[Any], *, limit: int = 50) -> list[OperatorAction]:
+    return [OperatorAction(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6])
+            for r in conn.execute(LIST_ACTIONS, {"limit": limit}).fetchall()]
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(value: datetime | str | None, *, now: datetime | None = None) -> datetime | None:
+    """A point in time from a datetime, an ISO time (UTC when it has no zone) or an age
+    (``90s``, ``15m``, ``2h``, ``7d``: that long ago)."""
+    if value is None or isinstance(value, datetime):
+        if isinstance(value, datetime) and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+    match = _AGE.match(value)
+    if match:
+        seconds = float(match.group(1)) * _AGE_UNITS[match.group(2)]
+        return (now or datetime.now(timezone.utc)) - timedelta(seconds=seconds)
+    try:
+        parsed = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise OpsError(f"since {value!r} is neither an ISO time nor an age like 15m, 2h or 1d") from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
+def parse_message_id(value: str) -> str:
+    """A job id, normalised; a clear error when it is not a UUID."""
+    try:
+        return str(uuid.UUID(str(value).strip()))
+    except ValueError:
+        raise OpsError(f"{value!r} is not a job id (a UUID like 0b5a…-…)") from None
+
+
+def job_filters(*, state: str | None = None, queue: str | None = None, actor: str | None = None,
+                since: datetime | str | None = None, search: str | None = None,
+                message_id: str | None = None, message_ids: Iterable[str] | None = None) -> dict[str, Any]:
+    """The parameters of :data:`JOB_FILTERS`, checked."""
+    if state is not None and state not in JOB_STATES:
+        raise OpsError(f"unknown job state {state!r}; one of {', '.join(JOB_STATES)}")
+    id_prefix = None
+    if message_id:
+        prefix = message_id.strip().lower()
+        if not re.fullmatch(r"[0-9a-f-]{1,36}", prefix):
+            raise OpsError(f"{message_id!r} is not a job id or the start of one")
+        id_prefix = prefix + "%"
+    ids = None if message_ids is None else [parse_message_id(m) for m in message_ids]
+    pattern = None
+    if search:
+        pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    return {
+        "state": state, "queue": queue or None, "actor": actor or None, "since": parse_since(since),
+        "id_prefix": id_prefix, "message_ids": ids, "search": pattern,
+    }
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` (a dataclass of this module, a list of them, …) with datetimes as ISO
+    strings and tuples as lists: ready for ``json.dumps``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+def _by(by: str) -> str:
+    if not by or not by.strip():
+        raise OpsError("say who does it (by=…)")
+    return by.strip()
+
+
+def _queue_name(name: str) -> str:
+    if not name or not name.strip():
+        raise OpsError("a queue name is required")
+    return name.strip()
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _one_line(text: str | None) -> str | None:
+    if not text:
+        return None
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
+
+
+def _db_now(conn: psycopg.Connection[Any]) -> datetime:
+    row = conn.execute(DB_NOW).fetchone()
+    assert row is not None
+    return row[0]

@@ -1,0 +1,451 @@
+"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, webhook deliveries.
+
+    standmeet-jobs status [--json] [--check [--max-age-s N]]
+    standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--limit N] [--json]
+    standmeet-jobs jobs show ID [--show-args] [--json]
+    standmeet-jobs jobs retry ID … | jobs retry --state rejected [--queue Q] [--actor A] [--since T]
+    standmeet-jobs jobs cancel ID … | jobs cancel --queue Q [--state queued|delayed|running] [--actor A]
+    standmeet-jobs queues list | pause Q | resume Q
+    standmeet-jobs webhooks deliveries [ENDPOINT_ID] [--limit N] [--json]
+
+A table by default (rich), ``--json`` for scripts. They read the database only (the
+queries of :mod:`broker.ops`): they import neither the broker's consumers nor the
+application (``actors``). Every action is recorded in ``standmeet.operator_actions``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from broker import ops
+from broker.embedded import resolve_database_url
+from broker.errors import DatabaseUnavailable, StandmeetError
+from broker.settings import Settings
+
+#: ``status --check`` fails when a queue's oldest due job has waited longer than this.
+DEFAULT_MAX_AGE_S = 300.0
+
+
+class UsageError(StandmeetError):
+    """A command given wrong arguments (one line, exit 1)."""
+
+
+def add_commands(sub: Any, webhooks: Any) -> None:
+    """Add the operators' subcommands to ``standmeet-jobs`` (``sub``) and its ``webhooks``."""
+    p = sub.add_parser("status", help="queues, worker processes, periodic jobs and the outbox at a glance")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when a due job waited too long or a queue has no live worker (health probes)")
+    p.add_argument("--max-age-s", type=float, default=DEFAULT_MAX_AGE_S,
+                   help=f"with --check: the longest a due job may wait (default {DEFAULT_MAX_AGE_S:g})")
+    p.add_argument("--queues", nargs="*", help="with --check: the queues that need a live worker (default: all)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("jobs", help="list, show, retry and cancel jobs")
+    jobs = p.add_subparsers(metavar="ACTION")
+    q = jobs.add_parser("list", help="jobs, newest first")
+    q.add_argument("--state", choices=ops.JOB_STATES)
+    q.add_argument("--queue")
+    q.add_argument("--actor")
+    q.add_argument("--since", help="enqueued since: an ISO time or an age (15m, 2h, 1d)")
+    q.add_argument("--search", help="text in the job's arguments")
+    q.add_argument("--limit", type=int, default=50)
+    q.add_argument("--offset", type=int, default=0)
+    q.add_argument("--json", action="store_true", help="a JSON list")
+    q.set_defaults(func=cmd_jobs_list)
+
+    q = jobs.add_parser("show", help="one job: options, retries, error and traceback, timeline")
+    q.add_argument("id")
+    q.add_argument("--show-args", action="store_true", help="show its arguments (hidden by default)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_jobs_show)
+
+    q = jobs.add_parser("retry", help="send rejected jobs back to their queue, retries reset")
+    q.add_argument("ids", nargs="*", metavar="ID")
+    q.add_argument("--state", choices=("rejected", "cancelled"), help="retry every job in this state …")
+    q.add_argument("--queue", help="… of this queue")
+    q.add_argument("--actor", help="… of this actor")
+    q.add_argument("--since", help="… enqueued since (an ISO time or an age: 15m, 2h, 1d)")
+    q.set_defaults(func=cmd_jobs_retry)
+
+    q = jobs.add_parser("cancel", help="a queued or delayed job never runs; a running one is not retried")
+    q.add_argument("ids", nargs="*", metavar="ID")
+    q.add_argument("--state", choices=("queued", "delayed", "running"), help="cancel every job in this state …")
+    q.add_argument("--queue", help="… of this queue")
+    q.add_argument("--actor", help="… of this actor")
+    q.add_argument("--since", help="… enqueued since (an ISO time or an age)")
+    q.set_defaults(func=cmd_jobs_cancel)
+
+    p = sub.add_parser("queues", help="list, pause and resume queues")
+    queues = p.add_subparsers(metavar="ACTION")
+    q = queues.add_parser("list", help="each queue's depth and whether it is paused")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_queues_list)
+    q = queues.add_parser("pause", help="every process stops claiming from the queue (running jobs finish)")
+    q.add_argument("queue")
+    q.set_defaults(func=cmd_queues_pause)
+    q = queues.add_parser("resume", help="every process claims from the queue again")
+    q.add_argument("queue")
+    q.set_defaults(func=cmd_queues_resume)
+
+    q = webhooks.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
+    q.add_argument("endpoint", type=int, nargs="?", help="only this endpoint's")
+    q.add_argument("--limit", type=int, default=100)
+    q.add_argument("--json", action="store_true", help="a JSON list")
+    q.set_defaults(func=cmd_webhooks_deliveries)
+
+
+# -- status ------------------------------------------------------------------------------
+
+def status_document(conn: psycopg.Connection[Any], settings: Settings) -> dict[str, Any]:
+    """What ``status --json`` prints: queues, workers, periodic jobs, the outbox lag."""
+    queues = ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)
+    workers = ops.worker_overview(conn, rescue_after_s=settings.rescue_after_s)
+    periodic = ops.periodic_overview(conn, periodic_intervals())
+    return {
+        "queues": [ops.jsonable(q) for q in queues],
+        "workers": [{**ops.jsonable(w), "running_jobs": [{"id": i, "actor": a} for i, a in w.running_jobs]}
+                    for w in workers],
+        "periodic": [ops.jsonable(p) for p in periodic],
+        "outbox_lag_s": ops.outbox_lag_s(conn),
+    }
+
+
+def health_problems(doc: dict[str, Any], *, max_age_s: float, required: Sequence[str]) -> list[str]:
+    """Why ``status --check`` fails: one line per problem (none: healthy)."""
+    problems = []
+    for q in doc["queues"]:
+        age = q["oldest_queued_age_s"]
+        if age is not None and age > max_age_s and not q["paused"]:
+            problems.append(f"queue {q['name']}: the oldest due job has waited {age:.0f} s (more than {max_age_s:g} s)")
+    served = {name for w in doc["workers"] if w["alive"] for name in w["queues"]}
+    for name in required:
+        if name not in served:
+            problems.append(f"queue {name}: no live worker process serves it")
+    return problems
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _connect(settings) as conn:
+        doc = status_document(conn, settings)
+    problems = health_problems(doc, max_age_s=args.max_age_s, required=args.queues or list(settings.queues)) \
+        if args.check else []
+    if args.json:
+        print(json.dumps({**doc, **({"problems": problems} if args.check else {})}, indent=2))
+    else:
+        _print_status(doc)
+    if args.check:
+        for problem in problems:
+            print(f"unhealthy: {problem}", file=sys.stderr)
+        if not args.json and not problems:
+            print("healthy")
+    return 1 if problems else 0
+
+
+def _print_status(doc: dict[str, Any]) -> None:
+    out = _console()
+    t = _table("queue", "queued", "delayed", "running", "rejected 24h", "done 5m", "done 1h", "oldest due", "paused")
+    for q in doc["queues"]:
+        t.add_row(q["name"], str(q["queued"]), str(q["delayed"]), str(q["running"]), str(q["rejected"]),
+                  str(q["done_5m"]), str(q["done_1h"]), _age(q["oldest_queued_age_s"]),
+                  f"paused by {q['paused_by'] or '?'}" if q["paused"] else "")
+    out.print(t)
+    t = _table("worker", "host", "pid", "queues", "started", "heartbeat", "alive", "running")
+    for w in doc["workers"]:
+        jobs = ", ".join(f"{j['actor']} {j['id'][:8]}" for j in w["running_jobs"][:4])
+        more = f" +{len(w['running_jobs']) - 4}" if len(w["running_jobs"]) > 4 else ""
+        t.add_row(w["id"][:8], w["host"], str(w["pid"]), ",".join(w["queues"]), _when(w["started_at"]),
+                  _age(w["last_heartbeat_age_s"]) + " ago", "yes" if w["alive"] else "no",
+                  f"{w['running']}" + (f": {jobs}{more}" if jobs else ""))
+    out.print(t)
+    t = _table("periodic job", "last run", "next due", "last state")
+    for p in doc["periodic"]:
+        t.add_row(p["job"], _when(p["last_run"]), _when(p["next_due"]), p["last_state"] or "")
+    out.print(t)
+    lag = doc["outbox_lag_s"]
+    out.print(f"outbox: {'nothing waiting' if lag is None else 'oldest unrelayed event waited ' + _age(lag)}")
+
+
+# -- jobs --------------------------------------------------------------------------------
+
+#: The keys of ``jobs list --json`` (a contract for outside checks).
+JOB_LIST_KEYS = ("id", "queue", "actor", "state", "retries", "enqueued_at", "error")
+
+
+def cmd_jobs_list(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _connect(settings) as conn:
+        jobs = ops.list_jobs(conn, state=args.state, queue=args.queue, actor=args.actor, since=args.since,
+                             search=args.search, limit=args.limit, offset=args.offset)
+    if args.json:
+        print(json.dumps([{k: ops.jsonable(getattr(j, k)) for k in JOB_LIST_KEYS} for j in jobs], indent=2))
+        return 0
+    t = _table("id", "queue", "actor", "state", "retries", "enqueued", "error")
+    for j in jobs:
+        state = j.state + (" (cancelled)" if j.cancelled_at else "")
+        t.add_row(j.id, j.queue, j.actor, state, str(j.retries), _when(j.enqueued_at), j.error or "")
+    _console().print(t)
+    return 0
+
+
+def cmd_jobs_show(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _connect(settings) as conn:
+        job = ops.show_job(conn, args.id)
+    if job is None:
+        raise UsageError(f"no job {args.id} (never enqueued, or pruned after the retention)")
+    doc = ops.jsonable(job)
+    doc["timeline"] = [{"event": name, "at": at.isoformat()} for name, at in job.timeline]
+    if not args.show_args:
+        doc.pop("args")
+        doc.pop("kwargs")
+        doc["args_hidden"] = True
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    out = _console()
+    t = _table("field", "value", title=f"job {job.id}")
+    for key in ("queue", "actor", "state", "retries", "claims", "crashes", "snoozes"):
+        t.add_row(key, str(doc[key]))
+    if job.worker_id:
+        t.add_row("worker", f"{job.worker_id[:8]} on {job.worker_host or '?'} pid {job.worker_pid or '?'}")
+    for name, at in job.timeline:
+        t.add_row(name, at.isoformat(timespec="milliseconds"))
+    if job.retried_by:
+        t.add_row("retried by", job.retried_by)
+    if job.cancelled_by:
+        t.add_row("cancelled by", job.cancelled_by)
+    t.add_row("options", json.dumps(doc["options"], sort_keys=True))
+    if args.show_args:
+        t.add_row("args", json.dumps(doc["args"]))
+        t.add_row("kwargs", json.dumps(doc["kwargs"]))
+    else:
+        t.add_row("arguments", "hidden (--show-args)")
+    if job.error and job.error != job.traceback:
+        t.add_row("error", job.error)
+    out.print(t)
+    if job.traceback:
+        out.print(job.traceback, markup=False, highlight=False)
+    return 0
+
+
+def cmd_jobs_retry(args: argparse.Namespace) -> int:
+    return _bulk(args, "retry")
+
+
+def cmd_jobs_cancel(args: argparse.Namespace) -> int:
+    return _bulk(args, "cancel")
+
+
+def _bulk(args: argparse.Namespace, action: str) -> int:
+    filters = {"state": args.state, "queue": args.queue, "actor": args.actor, "since": args.since}
+    if args.ids and any(filters.values()):
+        raise UsageError(f"give job ids or filters to {action}, not both")
+    if not args.ids:
+        if action == "retry" and not args.state:
+            raise UsageError("give job ids, or --state rejected (or cancelled) with optional --queue/--actor/--since")
+        if action == "cancel" and not (args.queue or args.actor):
+            raise UsageError("give job ids, or --queue or --actor (with optional --state/--since)")
+    ids = [ops.parse_message_id(i) for i in args.ids] or None
+    by = operator_name()
+    settings = Settings.from_env()
+    with _connect(settings) as conn, conn.transaction():
+        if action == "retry":
+            n = ops.retry_jobs(conn, message_ids=ids, state=args.state or "rejected", queue=args.queue,
+                               actor=args.actor, since=args.since, by=by)
+        else:
+            n = ops.cancel_jobs(conn, message_ids=ids, state=args.state, queue=args.queue, actor=args.actor,
+                                since=args.since, by=by)
+        target: dict[str, Any] = {"message_ids": ids} if ids else {k: v for k, v in filters.items() if v}
+        ops.record_action(conn, action=f"jobs.{action}", target=target, by=by, source="cli", affected=n)
+        unchanged = _why_unchanged(conn, ids or [], action) if ids and n < len(ids) else []
+    verb = "retried" if action == "retry" else "cancelled"
+    print(f"{verb} {n} job(s)")
+    if action == "cancel" and ids:
+        with _connect(settings) as conn:
+            for message_id in ids:
+                job = ops.show_job(conn, message_id)
+                if job is not None and job.state == "running" and job.cancelled_at is not None:
+                    print(f"job {message_id} is running: it will not be retried and stops at its next "
+                          "deadline check")
+    for line in unchanged:
+        print(line, file=sys.stderr)
+    return 1 if unchanged else 0
+
+
+def _why_unchanged(conn: psycopg.Connection[Any], ids: list[str], action: str) -> list[str]:
+    lines = []
+    for message_id in ids:
+        job = ops.show_job(conn, message_id)
+        if job is None:
+            lines.append(f"no job {message_id}")
+        elif action == "retry" and job.state != "rejected":
+            lines.append(f"job {message_id} is {job.state}, not rejected: not retried")
+        elif action == "cancel" and (job.state in ("done", "rejected") or job.cancelled_at is not None):
+            lines.append(f"job {message_id} is {job.state}"
+                         + (" and cancelled already" if job.cancelled_at else "") + ": not cancelled")
+    return lines
+
+
+# -- queues ------------------------------------------------------------------------------
+
+def cmd_queues_list(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _connect(settings) as conn:
+        queues = ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)
+    if args.json:
+        print(json.dumps([ops.jsonable(q) for q in queues], indent=2))
+        return 0
+    t = _table("queue", "queued", "delayed", "running", "paused")
+    for q in queues:
+        t.add_row(q.name, str(q.queued), str(q.delayed), str(q.running),
+                  f"since {_when(q.paused_at)} by {q.paused_by or '?'}" if q.paused else "")
+    _console().print(t)
+    return 0
+
+
+def cmd_queues_pause(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    by = operator_name()
+    with _connect(settings) as conn, conn.transaction():
+        _known_queue(conn, settings, args.queue)
+        changed = ops.pause_queue(conn, args.queue, by=by)
+        ops.record_action(conn, action="queues.pause", target={"queue": args.queue}, by=by, source="cli",
+                          affected=int(changed))
+    print(f"queue {args.queue} paused" if changed else f"queue {args.queue} was paused already")
+    return 0
+
+
+def cmd_queues_resume(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    by = operator_name()
+    with _connect(settings) as conn, conn.transaction():
+        _known_queue(conn, settings, args.queue)
+        changed = ops.resume_queue(conn, args.queue)
+        ops.record_action(conn, action="queues.resume", target={"queue": args.queue}, by=by, source="cli",
+                          affected=int(changed))
+    print(f"queue {args.queue} resumed" if changed else f"queue {args.queue} was not paused")
+    return 0
+
+
+def _known_queue(conn: psycopg.Connection[Any], settings: Settings, name: str) -> None:
+    known = set(settings.queues) | {q.name for q in ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)}
+    if name not in known:
+        raise UsageError(f"unknown queue {name!r}; known: {', '.join(sorted(known))}")
+
+
+# -- webhooks ----------------------------------------------------------------------------
+
+#: The keys of ``webhooks deliveries --json`` (a contract for outside checks).
+DELIVERY_KEYS = ("id", "endpoint_id", "event", "state", "attempts", "last_status", "last_error")
+
+
+def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _connect(settings) as conn:
+        deliveries = ops.webhook_deliveries(conn, args.endpoint, limit=args.limit)
+    if args.json:
+        print(json.dumps([{**{k: getattr(d, k) for k in DELIVERY_KEYS}, "event_id": d.event_id,
+                           "updated_at": ops.jsonable(d.updated_at)} for d in deliveries], indent=2))
+        return 0
+    t = _table("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated")
+    for d in deliveries:
+        t.add_row(str(d.id), str(d.endpoint_id), d.event, d.state, str(d.attempts),
+                  "" if d.last_status is None else str(d.last_status), d.last_error or "", _when(d.updated_at))
+    _console().print(t)
+    return 0
+
+
+def print_endpoints(settings: Settings) -> None:
+    """``webhooks list``: each endpoint, enabled or not, and why it fails."""
+    with _connect(settings) as conn:
+        endpoints = ops.webhook_endpoints(conn)
+    for e in endpoints:
+        state = "enabled" if e.enabled else f"disabled ({e.disabled_reason})"
+        why = e.why_failing if e.enabled else None
+        counts = f"\t{e.pending} pending, {e.failed} failed" if e.pending or e.failed else ""
+        last = ""
+        if e.last_outcome and e.last_outcome != "ok" and not why:
+            last = f"\tlast attempt: {e.last_outcome}" + (f" HTTP {e.last_status}" if e.last_status else "") \
+                + (f": {e.last_error}" if e.last_error else "")
+        print(f"{e.id}\t{e.url}\t{','.join(e.event_types)}\t{state}" + (f"\t{why}" if why else "") + last + counts)
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+def operator_name() -> str:
+    """Who runs this command: user@host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@contextmanager
+def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
+    url = resolve_database_url(settings)
+    try:
+        conn = psycopg.connect(url, autocommit=True, application_name="standmeet-cli")
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(f"cannot connect to the database: {str(exc).strip().splitlines()[0]}") from exc
+    with conn:
+        try:
+            yield conn
+        except psycopg.errors.UndefinedTable as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise StandmeetError(f"the schema is not up to date (run standmeet-jobs migrate): {first}") from exc
+
+
+def periodic_intervals() -> dict[str, float]:
+    """job → interval, from the periodic table (which does not import the application)."""
+    try:
+        from periodic import PERIODIC_JOBS
+    except ImportError:
+        return {}
+    return {job.name: job.interval_s for job in PERIODIC_JOBS}
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+def _table(*columns: str, title: str | None = None) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(*columns, title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    return t
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _when(value: datetime | str | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return value.isoformat(timespec="seconds")

@@ -1,0 +1,86 @@
+"""OpenTelemetry traces, when the ``[otel]`` extra is installed (a no-op otherwise).
+
+A producer span per enqueue or emit, a consumer span per run, and the W3C trace
+context carried in the message's options (``trace_context``: ``traceparent`` and
+``tracestate``) through outbox → relay → fan-out → delivery, and sent on the webhook
+POST as ``traceparent``. Spans go to the application's tracer provider (configure the
+SDK and its exporter as usual); without one they cost next to nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+except ImportError:  # the [otel] extra is not installed
+    trace = None  # type: ignore[assignment]
+
+#: Where a message carries its trace context.
+OPTION = "trace_context"
+#: Where an outbox event carries it (beside the payload; the relay moves it to its messages).
+OUTBOX_KEY = "_trace"
+TRACER_NAME = "standmeet-jobs"
+
+_provider: Any = None
+
+
+def enabled() -> bool:
+    return trace is not None
+
+
+def set_tracer_provider(provider: Any) -> None:
+    """Use ``provider`` rather than OpenTelemetry's global one (tests; None: the global)."""
+    global _provider
+    _provider = provider
+
+
+def _tracer() -> Any:
+    provider = _provider if _provider is not None else trace.get_tracer_provider()
+    return provider.get_tracer(TRACER_NAME)
+
+
+def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
+    """A producer span (child of the current one), ended at once; returns the W3C
+    context to carry, or None when there is nothing to carry (no SDK, no recording)."""
+    if trace is None:
+        return None
+    span = _tracer().start_span(name, kind=SpanKind.PRODUCER, attributes=dict(attributes))
+    try:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier or None
+    finally:
+        span.end()
+
+
+class Consumed:
+    """A consumer span for one run, current (attached) until :meth:`end`."""
+
+    def __init__(self, name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> None:
+        parent = propagate.extract(dict(carrier or {}))
+        self.span = _tracer().start_span(name, context=parent, kind=SpanKind.CONSUMER, attributes=dict(attributes))
+        self.token = otel_context.attach(trace.set_span_in_context(self.span, parent))
+
+    def end(self, exception: BaseException | None = None, *, outcome: str | None = None) -> None:
+        if outcome is not None:
+            self.span.set_attribute("standmeet.outcome", outcome)
+        if exception is not None:
+            self.span.record_exception(exception)
+            self.span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"))
+        self.span.end()
+        otel_context.detach(self.token)
+
+
+def consumed(name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> Consumed | None:
+    return None if trace is None else Consumed(name, carrier, attributes)
+
+
+def inject_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Add ``traceparent`` (and ``tracestate``) of the current span to HTTP headers."""
+    if trace is not None:
+        propagate.inject(headers)
+    return headers

@@ -1,0 +1,55 @@
+"""One INFO line per finished job: actor, message id, queue, duration, outcome, attempt.
+
+    job done: index corpus.index 0b5a… in 12.4 ms (attempt 1)
+
+Outcomes: ``done``; ``retry`` (failed, will run again); ``rejected`` (failed for
+good); ``snoozed`` (asked to run later: no attempt counted); ``skipped``. The same
+fields travel as ``extra`` for the JSON log format. Placed before ``Retries`` in the
+middleware list, so its after-hooks run after the retry policy has decided.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from dramatiq import Middleware
+
+from broker.errors import Deferred
+
+logger = logging.getLogger("standmeet.jobs")
+
+
+def outcome_of(message: Any, exception: BaseException | None, *, skipped: bool = False) -> str:
+    """How a run ended, once the retry and snooze policies have acted on it."""
+    if getattr(message, "failed", False):
+        return "rejected"
+    if skipped:
+        return "snoozed" if isinstance(getattr(message, "_exception", None), Deferred) else "skipped"
+    return "done" if exception is None else "retry"
+
+
+class JobLog(Middleware):
+    """Stamps each run's start on its message proxy (one per run: a retry of the same
+    message may start on another thread before this run's after-hooks are done)."""
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        message.standmeet_log_start = (time.monotonic(), int(message.options.get("retries", 0)) + 1)
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        self._finished(message, outcome_of(message, exception))
+
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        self._finished(message, outcome_of(message, None, skipped=True))
+
+    def _finished(self, message: Any, outcome: str) -> None:
+        started, attempt = getattr(message, "standmeet_log_start", None) or (time.monotonic(), 1)
+        duration_ms = (time.monotonic() - started) * 1000
+        logger.info(
+            "job %s: %s %s %s in %.1f ms (attempt %d)",
+            outcome, message.queue_name, message.actor_name, message.message_id, duration_ms, attempt,
+            extra={"actor": message.actor_name, "message_id": message.message_id, "queue": message.queue_name,
+                   "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt},
+        )

@@ -1,0 +1,184 @@
+"""The operators' commands (status, jobs, queues, webhook deliveries), run as real
+processes against real workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import dramatiq
+
+from tests.support.db import query, scalar, wait_for
+from tests.support.http import http_server
+from tests.support.jobs import SLEEP, noop
+from tests.support.procs import ROOT, running, worker_cmd
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "broker.cli", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@dramatiq.actor(actor_name="opscli.broken", queue_name="index", max_retries=0)
+def broken(order: int) -> None:
+    raise ValueError(f"order {order} has no lines")
+
+
+def _state(url: str, message_id: str) -> str:
+    return str(scalar(url, "SELECT state FROM dramatiq.queue WHERE message_id = %s", (message_id,)))
+
+
+def _settled(url: str, message_id: str) -> str:
+    return wait_for(lambda: (s := _state(url, message_id)) in ("done", "rejected") and s,
+                    timeout_s=15, what=f"job {message_id} to finish")
+
+
+def test_status_reports_queues_workers_and_periodic_jobs_and_check_fails_on_what_is_wrong(
+        broker, database_url, subprocess_env, tmp_path):
+    with running(worker_cmd(), subprocess_env, log=tmp_path / "worker.log") as worker:
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.worker_processes"
+                                              " WHERE pid = %s AND stopped_at IS NULL", (worker.pid,)),
+                 timeout_s=20, what="the worker process to register")
+        doc = json.loads(ok(cli(subprocess_env, "status", "--json")))
+        healthy = cli(subprocess_env, "status", "--check")
+        nobody = cli(subprocess_env, "status", "--check", "--queues", "index", "reports")
+        assert "index" in ok(cli(subprocess_env, "status"))
+    names = {q["name"]: q for q in doc["queues"]}
+    assert {"index", "notify", "webhook", "maintenance", "fetch"} <= set(names)
+    for key in ("name", "queued", "delayed", "running", "rejected", "oldest_queued_age_s", "paused"):
+        assert key in names["index"]
+    (me,) = [w for w in doc["workers"] if w["pid"] == worker.pid]
+    for key in ("id", "host", "pid", "queues", "last_heartbeat_age_s", "running"):
+        assert key in me
+    assert me["alive"] and "index" in me["queues"]
+    assert {p["job"] for p in doc["periodic"]} >= {"rescue", "prune-messages"}
+    assert healthy.returncode == 0 and "healthy" in healthy.stdout, healthy.stderr
+    assert nobody.returncode == 1
+    assert "queue reports: no live worker process serves it" in nobody.stderr
+    # a due job that waited too long fails the check, and says which queue
+    noop.send("stale")
+    query(database_url, "UPDATE dramatiq.queue SET eta = now() - interval '10 minutes' WHERE queue_name = 'index'"
+                        " AND state = 'queued'")
+    stale = cli(subprocess_env, "status", "--check", "--max-age-s", "60")
+    assert stale.returncode == 1
+    assert "queue index: the oldest due job has waited 600 s" in stale.stderr
+
+
+def test_jobs_are_listed_shown_retried_and_cancelled_from_the_command_line(
+        broker, database_url, subprocess_env, start_worker):
+    start_worker(queues=["index"], threads=4)
+    failed = broken.send(77)
+    _settled(database_url, failed.message_id)
+
+    listed = json.loads(ok(cli(subprocess_env, "jobs", "list", "--state", "rejected", "--queue", "index",
+                               "--actor", "opscli.broken", "--json")))
+    assert [j["id"] for j in listed] == [failed.message_id]
+    assert set(listed[0]) == {"id", "queue", "actor", "state", "retries", "enqueued_at", "error"}
+    assert listed[0]["error"] == "ValueError: order 77 has no lines"
+    assert failed.message_id in ok(cli(subprocess_env, "jobs", "list", "--since", "1h"))
+
+    shown = json.loads(ok(cli(subprocess_env, "jobs", "show", failed.message_id, "--json")))
+    assert shown["state"] == "rejected" and "args" not in shown and shown["args_hidden"] is True
+    assert "ValueError: order 77 has no lines" in shown["traceback"]
+    assert [e["event"] for e in shown["timeline"]][-1] == "rejected"
+    with_args = json.loads(ok(cli(subprocess_env, "jobs", "show", failed.message_id, "--show-args", "--json")))
+    assert with_args["args"] == [77]
+    table = ok(cli(subprocess_env, "jobs", "show", failed.message_id))
+    assert "hidden (--show-args)" in table and "Traceback" in table
+
+    assert ok(cli(subprocess_env, "jobs", "retry", failed.message_id)).strip() == "retried 1 job(s)"
+    wait_for(lambda: scalar(database_url, "SELECT claims FROM dramatiq.queue WHERE message_id = %s",
+                            (failed.message_id,)) == 2 and _state(database_url, failed.message_id) == "rejected",
+             timeout_s=15, what="the retried job to run again")
+    assert ok(cli(subprocess_env, "jobs", "retry", "--state", "rejected", "--queue", "index")) == "retried 1 job(s)\n"
+    _settled(database_url, failed.message_id)
+    retried_by = scalar(database_url, "SELECT retried_by FROM dramatiq.queue WHERE message_id = %s",
+                        (failed.message_id,))
+    assert "@" in retried_by
+
+    later = noop.send_with_options(args=("cancel-me",), delay=60_000)
+    assert ok(cli(subprocess_env, "jobs", "cancel", later.message_id)).strip() == "cancelled 1 job(s)"
+    assert _state(database_url, later.message_id) == "rejected"
+    again = cli(subprocess_env, "jobs", "cancel", later.message_id)
+    assert again.returncode == 1 and "cancelled already" in again.stderr
+    done = noop.send("done-one")
+    _settled(database_url, done.message_id)
+    not_rejected = cli(subprocess_env, "jobs", "retry", done.message_id)
+    assert not_rejected.returncode == 1 and "is done, not rejected" in not_rejected.stderr
+    # every action was recorded, by whom and from where
+    actions = query(database_url, "SELECT action, affected, source FROM standmeet.operator_actions ORDER BY id")
+    assert ("jobs.retry", 1, "cli") in actions and ("jobs.cancel", 1, "cli") in actions
+
+
+def test_bad_input_is_one_line_naming_what_was_wrong(broker, subprocess_env):
+    for args, says in [
+        (("jobs", "show", "17"), "'17' is not a job id"),
+        (("jobs", "show", "00000000-0000-0000-0000-000000000000"), "no job 00000000-0000-0000-0000-000000000000"),
+        (("jobs", "list", "--since", "last tuesday"), "is neither an ISO time nor an age"),
+        (("jobs", "retry"), "give job ids, or --state rejected"),
+        (("queues", "pause", "indx"), "unknown queue 'indx'"),
+    ]:
+        result = cli(subprocess_env, *args)
+        assert result.returncode == 1, (args, result.stdout)
+        assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_paused_queue_is_not_claimed_by_any_process_and_resumes_within_a_second(
+        broker, database_url, subprocess_env, tmp_path):
+    cmd = worker_cmd("--queues", "notify", "index")
+    with running(cmd, subprocess_env, log=tmp_path / "w1.log") as w1, \
+            running(cmd, subprocess_env, log=tmp_path / "w2.log") as w2:
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.worker_processes"
+                                              " WHERE pid IN (%s, %s) AND stopped_at IS NULL", (w1.pid, w2.pid)) == 2,
+                 timeout_s=20, what="both worker processes to register")
+        assert ok(cli(subprocess_env, "queues", "pause", "notify")).strip() == "queue notify paused"
+        queues = json.loads(ok(cli(subprocess_env, "status", "--json")))["queues"]
+        assert {q["name"]: q["paused"] for q in queues}["notify"] is True
+        waiting = [SLEEP["notify"].send(10, f"paused-{n}") for n in range(4)]
+        # both processes keep working on the other queue meanwhile
+        others = [noop.send(f"meanwhile-{n}") for n in range(6)]
+        for message in others:
+            assert _settled(database_url, message.message_id) == "done"
+        assert {_state(database_url, m.message_id) for m in waiting} == {"queued"}
+        assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'paused-%%'") == 0
+
+        assert ok(cli(subprocess_env, "queues", "resume", "notify")).strip() == "queue notify resumed"
+        for message in waiting:
+            assert _settled(database_url, message.message_id) == "done"
+    resumed_at = scalar(database_url, "SELECT max(at) FROM standmeet.operator_actions WHERE action = 'queues.resume'")
+    first_start = scalar(database_url, "SELECT min(started_at) FROM test_runs WHERE label LIKE 'paused-%%'")
+    assert (first_start - resumed_at).total_seconds() < 1.0
+
+
+def test_webhook_deliveries_show_attempts_status_and_error_and_list_says_why_an_endpoint_fails(
+        broker, database_url, subprocess_env, start_worker):
+    import psycopg
+
+    from actors import webhooks
+
+    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    with http_server(status=503) as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["order.paid"])
+        start_worker(queues=["webhook"], threads=4)
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            event = webhooks.emit_event(conn, "order.paid", {"order": 5})
+        wait_for(lambda: scalar(database_url, "SELECT attempts FROM standmeet.webhook_deliveries WHERE event_id = %s",
+                                (event,)), timeout_s=15, what="a first attempt")
+    deliveries = json.loads(ok(cli(subprocess_env, "webhooks", "deliveries", str(endpoint), "--json")))
+    (delivery,) = deliveries
+    assert {k: delivery[k] for k in ("endpoint_id", "event", "attempts", "last_status")} == {
+        "endpoint_id": endpoint, "event": "order.paid", "attempts": 1, "last_status": 503}
+    assert set(delivery) >= {"id", "endpoint_id", "event", "state", "attempts", "last_status", "last_error"}
+    assert delivery["last_error"]
+    assert str(delivery["id"]) in ok(cli(subprocess_env, "webhooks", "deliveries"))
+    listed = ok(cli(subprocess_env, "webhooks", "list"))
+    (line,) = [ln for ln in listed.splitlines() if ln.startswith(f"{endpoint}\t")]
+    assert "enabled\tfailing since" in line and "HTTP 503" in line

@@ -1,0 +1,438 @@
+"""The dashboard through Starlette's test client: every page and every action, against
+this module's real database, with jobs run by a real (in-process) worker."""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.message import Message
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from broker.dashboard import DashboardConfig, create_app
+from broker.dashboard.security import CSRF_COOKIE, CSRF_FIELD
+from broker.enqueue import enqueue_message
+from tests.support.db import query, scalar, wait_for
+from tests.support.jobs import bump, record_finish, record_start
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+QUEUE = "dash_pages"
+
+
+def _ok(label: str = "") -> None:
+    record_finish(record_start(f"{QUEUE}.ok", QUEUE, label))
+
+
+def _fail(label: str = "") -> None:
+    raise ValueError(f"{label} is broken")
+
+
+def _fail_once(key: str) -> None:
+    if bump(key) == 1:
+        raise RuntimeError(f"{key} fails once")
+
+
+OK = dramatiq.actor(_ok, actor_name=f"{QUEUE}.ok", queue_name=QUEUE, max_retries=0)
+FAIL = dramatiq.actor(_fail, actor_name=f"{QUEUE}.fail", queue_name=QUEUE, max_retries=0)
+FAIL_ONCE = dramatiq.actor(_fail_once, actor_name=f"{QUEUE}.fail_once", queue_name=QUEUE, max_retries=0)
+
+TOKEN = re.compile(rf'name="{CSRF_FIELD}" value="([0-9a-f]+)"')
+
+
+@pytest.fixture
+def dashboard(database_url: str) -> Callable[..., Iterator[TestClient]]:
+    """``with dashboard(read_only=True) as client:`` a client of a fresh app."""
+
+    @contextmanager
+    def open_dashboard(**overrides: object) -> Iterator[TestClient]:
+        config = replace(DashboardConfig(database_url=database_url, queues=("index", QUEUE)), **overrides)
+        with TestClient(create_app(config)) as client:
+            yield client
+
+    return open_dashboard  # type: ignore[return-value]
+
+
+def state_of(url: str, message_id: str) -> str:
+    return str(scalar(url, 'SELECT "state" FROM dramatiq.queue WHERE message_id = %s', (message_id,)))
+
+
+def settled(url: str, message_id: str) -> str:
+    return wait_for(lambda: (s := state_of(url, message_id)) in ("done", "rejected") and s,
+                    timeout_s=15, what=f"job {message_id} to finish")
+
+
+def csrf_token(client: TestClient, page: str = "/") -> str:
+    match = TOKEN.search(client.get(page).text)
+    assert match, f"no CSRF token on {page}"
+    return match.group(1)
+
+
+def post(client: TestClient, path: str, data: dict[str, str] | None = None, *, page: str = "/"):
+    return client.post(path, data={**(data or {}), CSRF_FIELD: csrf_token(client, page)}, follow_redirects=False)
+
+
+def actions(url: str, action: str) -> list[tuple]:
+    return query(url, "SELECT target, affected, by_whom, source FROM standmeet.operator_actions"
+                      " WHERE action = %s ORDER BY id", (action,))
+
+
+def test_the_overview_shows_each_queue_by_state_with_throughput(broker, database_url, dashboard, start_worker):
+    start_worker(queues=[QUEUE], threads=2)
+    assert settled(database_url, OK.send("overview").message_id) == "done"
+    assert settled(database_url, FAIL.send("overview").message_id) == "rejected"
+    OK.send_with_options(args=("later",), delay=60_000)
+    with dashboard() as client:
+        page = client.get("/")
+    assert page.status_code == 200
+    row = re.search(rf'<tr id="queue-{QUEUE}">(.*?)</tr>', page.text, re.S)
+    assert row, page.text
+    numbers = re.findall(r'<td class="n">(?:<a [^>]*>)?([^<]*)', row.group(1))
+    # queued, delayed, running, rejected (24 h), done (5 min), done (1 h), oldest due
+    assert numbers[:6] == ["0", "1", "0", "1", "1", "1"]
+    assert 'id="queue-index"' in page.text  # declared queues are listed even when empty
+    assert "Pause" in row.group(1)
+
+
+def test_the_jobs_page_filters_by_state_queue_actor_id_and_text_in_the_arguments(broker, database_url, dashboard,
+                                                                                 start_worker):
+    start_worker(queues=[QUEUE], threads=2)
+    failed = FAIL.send("needle-in-args")
+    other = FAIL.send("haystack")
+    done = OK.send("needle-done")
+    for message in (failed, other, done):
+        settled(database_url, message.message_id)
+    with dashboard() as client:
+        by_text = client.get("/jobs", params={"state": "rejected", "queue": QUEUE, "q": "needle"}).text
+        by_actor = client.get("/jobs", params={"actor": f"{QUEUE}.ok"}).text
+        by_id = client.get("/jobs", params={"id": failed.message_id[:13]}).text
+    assert failed.message_id in by_text and other.message_id not in by_text and done.message_id not in by_text
+    assert "needle-in-args is broken" in by_text  # the error's last line
+    assert done.message_id in by_actor and failed.message_id not in by_actor
+    assert failed.message_id in by_id and '<span id="jobs-total">1</span>' in by_id
+
+
+def test_the_jobs_page_filters_by_enqueue_time_and_says_what_is_wrong_with_a_bad_filter(broker, database_url,
+                                                                                          dashboard):
+    message = OK.send_with_options(args=("since",), delay=600_000)
+    with dashboard() as client:
+        recent = client.get("/jobs", params={"actor": f"{QUEUE}.ok", "since": "1h"}).text
+        future = client.get("/jobs", params={"actor": f"{QUEUE}.ok", "since": "2999-01-01T00:00:00"}).text
+        bad_state = client.get("/jobs", params={"state": "exploded"})
+        bad_since = client.get("/jobs", params={"since": "yesterday-ish"})
+    assert message.message_id in recent and message.message_id not in future
+    assert bad_state.status_code == 400 and "unknown job state &#39;exploded&#39;" in bad_state.text
+    assert bad_since.status_code == 400 and 'id="filter-error"' in bad_since.text
+    assert 'name="since" id="filter-since" value="yesterday-ish"' in bad_since.text  # the form keeps it
+
+
+def test_the_jobs_list_pages_in_a_stable_order(broker, database_url, dashboard):
+    from broker.dashboard.app import PAGE_SIZE
+
+    sent = [OK.send_with_options(args=(f"page-{i}",), delay=600_000) for i in range(PAGE_SIZE + 5)]
+    with dashboard() as client:
+        params = {"actor": f"{QUEUE}.ok", "state": "delayed"}
+        first = client.get("/jobs", params=params).text
+        second = client.get("/jobs", params={**params, "page": "2"}).text
+    ids_first = re.findall(r'data-job-id="([^"]+)"', first)
+    ids_second = re.findall(r'data-job-id="([^"]+)"', second)
+    assert len(ids_first) == PAGE_SIZE and len(ids_second) >= 5
+    assert not set(ids_first) & set(ids_second)
+    assert {m.message_id for m in sent} <= set(ids_first) | set(ids_second)
+    assert 'rel="next"' in first and 'rel="prev"' in second
+
+
+def test_a_failed_job_shows_its_error_and_traceback_and_its_arguments_only_when_asked(
+        broker, database_url, dashboard, start_worker):
+    start_worker(queues=[QUEUE], threads=2)
+    failed = FAIL.send("<script>alert('x')</script>")
+    settled(database_url, failed.message_id)
+    with dashboard() as client:
+        answer = client.get(f"/jobs/{failed.message_id}")
+        page, headers = answer.text, answer.headers
+        with_args = client.get(f"/jobs/{failed.message_id}", params={"show": "args"}).text
+        missing = client.get("/jobs/00000000-0000-0000-0000-000000000000")
+    assert 'id="job-state" class="state rejected">rejected<' in page
+    assert "Traceback" in page and "ValueError" in page
+    assert 'id="retry-job"' in page and 'id="cancel-job"' in page
+    assert "enqueued" in page and "rejected" in page  # the timeline
+    assert "<script>alert" not in page and "<script>alert" not in with_args  # escaped, always
+    assert "script-src 'self'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
+    assert 'id="job-args"' not in page and 'id="show-args"' in page
+    assert "&lt;script&gt;alert(" in with_args
+    assert missing.status_code == 404
+
+
+def test_retry_on_a_job_page_runs_a_failed_job_again_until_done_and_is_recorded(
+        broker, database_url, dashboard, start_worker):
+    start_worker(queues=[QUEUE], threads=2)
+    message = FAIL_ONCE.send("retry-me")
+    assert settled(database_url, message.message_id) == "rejected"
+    with dashboard() as client:
+        answer = post(client, f"/jobs/{message.message_id}/retry", page=f"/jobs/{message.message_id}")
+        assert answer.status_code == 303
+        assert answer.headers["location"].startswith(f"/jobs/{message.message_id}?notice=retried")
+        assert settled(database_url, message.message_id) == "done"
+        page = client.get(f"/jobs/{message.message_id}").text
+    assert 'class="state done">done<' in page and "retried" in page
+    (target, affected, by, source) = actions(database_url, "jobs.retry")[-1]
+    assert target == {"message_ids": [message.message_id]} and affected == 1
+    assert by == "dashboard" and source == "dashboard testclient"
+
+
+def test_cancel_on_a_job_page_keeps_a_queued_job_from_ever_running(broker, database_url, dashboard):
+    message = OK.send_with_options(args=("cancel-me",), delay=600_000)
+    with dashboard() as client:
+        answer = post(client, f"/jobs/{message.message_id}/cancel")
+        assert answer.status_code == 303
+        page = client.get(f"/jobs/{message.message_id}").text
+    assert state_of(database_url, message.message_id) == "rejected"
+    assert "cancelled" in page
+    assert actions(database_url, "jobs.cancel")[-1][:2] == ({"message_ids": [message.message_id]}, 1)
+
+
+def test_bulk_retry_confirms_how_many_match_then_retries_them_all(broker, database_url, dashboard, start_worker):
+    start_worker(queues=[QUEUE], threads=2)
+    failed = [FAIL_ONCE.send(f"bulk-{i}") for i in range(3)]
+    for message in failed:
+        assert settled(database_url, message.message_id) == "rejected"
+    filters = {"state": "rejected", "actor": f"{QUEUE}.fail_once", "q": "bulk-"}
+    with dashboard() as client:
+        listing = client.get("/jobs", params=filters).text
+        assert 'id="bulk-retry"' in listing
+        confirm = client.get("/jobs/bulk", params={**filters, "action": "retry"})
+        assert confirm.status_code == 200
+        assert 'id="bulk-count">3<' in confirm.text and "Retry 3 jobs" in confirm.text
+        hidden = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirm.text))
+        answer = client.post("/jobs/bulk", data=hidden, follow_redirects=False)
+        assert answer.status_code == 303
+    for message in failed:
+        assert settled(database_url, message.message_id) == "done"
+    (target, affected, _, _) = actions(database_url, "jobs.retry")[-1]
+    assert target["filter"] == filters and affected == 3
+    assert sorted(target["message_ids"]) == sorted(m.message_id for m in failed)  # which jobs, recorded
+
+
+def test_bulk_cancel_of_every_job_matching_a_search_cancels_only_those(broker, database_url, dashboard):
+    doomed = [OK.send_with_options(args=(f"doomed-{i}",), delay=600_000) for i in range(2)]
+    spared = OK.send_with_options(args=("spared",), delay=600_000)
+    filters = {"actor": f"{QUEUE}.ok", "q": "doomed-"}
+    with dashboard() as client:
+        confirm = client.get("/jobs/bulk", params={**filters, "action": "cancel"})
+        assert 'id="bulk-count">2<' in confirm.text
+        hidden = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirm.text))
+        assert client.post("/jobs/bulk", data=hidden, follow_redirects=False).status_code == 303
+    assert [state_of(database_url, m.message_id) for m in doomed] == ["rejected", "rejected"]
+    assert state_of(database_url, spared.message_id) == "queued"
+    (target, affected, _, _) = actions(database_url, "jobs.cancel")[-1]
+    assert affected == 2 and sorted(target["message_ids"]) == sorted(m.message_id for m in doomed)
+
+
+def test_bulk_cancel_of_nothing_says_so_and_changes_nothing(broker, database_url, dashboard):
+    with dashboard() as client:
+        confirm = client.get("/jobs/bulk", params={"actor": "no.such.actor", "action": "cancel"})
+    assert 'id="bulk-count">0<' in confirm.text and "Nothing to do" in confirm.text
+    assert 'id="confirm-bulk"' not in confirm.text
+
+
+def test_pause_and_resume_a_queue_from_the_overview(broker, database_url, dashboard):
+    with dashboard() as client:
+        assert post(client, f"/queues/{QUEUE}/pause").status_code == 303
+        paused = client.get("/").text
+        assert post(client, f"/queues/{QUEUE}/resume").status_code == 303
+        resumed = client.get("/").text
+    row = re.search(rf'<tr id="queue-{QUEUE}">(.*?)</tr>', paused, re.S).group(1)
+    assert "paused" in row and "Resume" in row
+    row = re.search(rf'<tr id="queue-{QUEUE}">(.*?)</tr>', resumed, re.S).group(1)
+    assert "active" in row and "Pause" in row
+    assert [a[0] for a in actions(database_url, "queues.pause")][-1] == {"queue": QUEUE}
+    assert "queues.pause" in resumed  # recent operator actions, on the overview
+
+
+def test_the_workers_page_shows_live_and_dead_processes_and_what_each_runs(broker, database_url, dashboard,
+                                                                           start_worker):
+    import os
+
+    start_worker(queues=[QUEUE], threads=1)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.worker_processes WHERE id = %s",
+                            (broker.worker_id,)), timeout_s=10, what="the worker's registration")
+    query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at)"
+                        " VALUES (gen_random_uuid(), 'gone-host', 4242, '{index}', now() - interval '1 hour')")
+    with dashboard() as client:
+        page = client.get("/workers").text
+    live = re.search(rf'<tr class="alive">(?:(?!</tr>).)*?<td class="n">{os.getpid()}</td>.*?</tr>', page, re.S)
+    assert live and "alive" in live.group(0)
+    dead = re.search(r'<tr class="dead">(?:(?!</tr>).)*?gone-host.*?</tr>', page, re.S)
+    assert dead and ">dead<" in dead.group(0)
+
+
+def test_the_periodic_page_shows_each_jobs_last_and_next_run(broker, database_url, dashboard):
+    query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id)"
+                        " VALUES ('dash-report', '2026-01-01T10:00:00Z', gen_random_uuid())")
+    with dashboard(periodic_intervals={"dash-report": 3600.0, "dash-never": 60.0}) as client:
+        page = client.get("/periodic").text
+    report = re.search(r"<td>dash-report</td>(.*?)</tr>", page, re.S).group(1)
+    assert "2026-01-01 10:00:00 UTC" in report and "2026-01-01 11:00:00 UTC" in report
+    never = re.search(r"<td>dash-never</td>(.*?)</tr>", page, re.S).group(1)
+    assert "never ran" in never
+
+
+WEBHOOK_ROWS = """
+WITH e AS (
+    INSERT INTO standmeet.webhook_endpoints (url, event_types, secrets, failing_since)
+    VALUES ('http://127.0.0.1:9/dash-hook', '{order.paid}', '{whsec_dGVzdA==}', now() - interval '1 hour')
+    RETURNING id
+), ev AS (
+    INSERT INTO standmeet.webhook_events (type, payload) VALUES ('order.paid', '{"order": 42}') RETURNING id
+), d AS (
+    INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state, attempts, last_outcome)
+    SELECT ev.id, e.id, 'failed', 1, 'http' FROM e, ev RETURNING id, endpoint_id
+), a AS (
+    INSERT INTO standmeet.webhook_attempts (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error)
+    SELECT d.id, 1, now(), 12, 503, 'http', 'Service Unavailable' FROM d
+)
+SELECT d.endpoint_id, d.id FROM d
+"""
+
+
+def test_webhooks_show_why_an_endpoint_fails_and_are_disabled_enabled_and_replayed(broker, database_url, dashboard):
+    ((endpoint, delivery),) = query(database_url, WEBHOOK_ROWS)
+    with dashboard() as client:
+        page = client.get("/webhooks").text
+        row = re.search(rf'<tr id="endpoint-{endpoint}">(.*?)</tr>', page, re.S).group(1)
+        assert "failing" in row and "503" in row and "Service Unavailable" in row
+        detail = client.get(f"/webhooks/deliveries/{delivery}").text
+        assert "Service Unavailable" in detail and "503" in detail and '"order": 42' not in detail
+
+        assert post(client, f"/webhooks/endpoints/{endpoint}/disable", page="/webhooks").status_code == 303
+        assert query(database_url, "SELECT enabled FROM standmeet.webhook_endpoints WHERE id = %s",
+                     (endpoint,)) == [(False,)]
+        assert post(client, f"/webhooks/endpoints/{endpoint}/enable", page="/webhooks").status_code == 303
+        assert query(database_url, "SELECT enabled, failing_since FROM standmeet.webhook_endpoints WHERE id = %s",
+                     (endpoint,)) == [(True, None)]
+
+        # replay: no message exists for this delivery yet, so one is written; a second
+        # replay, while that message is still queued, only makes it due (no duplicate)
+        assert post(client, f"/webhooks/deliveries/{delivery}/replay", page="/webhooks").status_code == 303
+        assert post(client, f"/webhooks/deliveries/{delivery}/replay", page="/webhooks").status_code == 303
+    assert query(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE id = %s",
+                 (delivery,)) == [("pending",)]
+    messages = query(database_url, "SELECT queue_name, \"state\"::text, message->>'actor_name', message->'args'"
+                                   " FROM dramatiq.queue WHERE message->>'actor_name' = 'webhook.deliver'"
+                                   " AND message->'args'->>0 = %s", (str(delivery),))
+    assert messages == [("webhook", "queued", "webhook.deliver", [delivery])]
+    assert [a[0] for a in actions(database_url, "webhooks.replay")][-1]["delivery_id"] == delivery
+
+
+def test_replay_of_a_finished_delivery_requeues_its_own_message_with_retries_reset(broker, database_url, dashboard):
+    ((_, delivery),) = query(database_url, WEBHOOK_ROWS)
+    message = Message(queue_name="webhook", actor_name="webhook.deliver", args=(delivery,), kwargs={},
+                      options={"retries": 7, "traceback": "old"})
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        enqueue_message(conn, message)
+        conn.execute("UPDATE dramatiq.queue SET \"state\" = 'rejected' WHERE message_id = %s", (message.message_id,))
+    with dashboard() as client:
+        assert post(client, f"/webhooks/deliveries/{delivery}/replay", page="/webhooks").status_code == 303
+    rows = query(database_url, "SELECT message_id::text, \"state\"::text, message->'options' FROM dramatiq.queue"
+                               " WHERE message->>'actor_name' = 'webhook.deliver' AND message->'args'->>0 = %s",
+                 (str(delivery),))
+    assert len(rows) == 1
+    message_id, state, options = rows[0]
+    assert (message_id, state) == (message.message_id, "queued")
+    assert "retries" not in options and "traceback" not in options
+
+
+def test_every_state_changing_request_is_a_post_refused_without_a_csrf_token(broker, database_url, dashboard):
+    message = OK.send_with_options(args=("csrf",), delay=600_000)
+    with dashboard() as client:
+        posts = [r for r in client.app.routes if isinstance(r, Route) and "POST" in (r.methods or ())]
+        assert len(posts) == 8
+        client.get("/")  # the cookie is set; the token is still missing or wrong
+        for route in posts:
+            path = route.path.replace("{name}", QUEUE).replace("{id}", message.message_id).replace("{id:int}", "1")
+            assert client.post(path, data={}).status_code == 403, path
+            assert client.post(path, data={CSRF_FIELD: "0" * 64}).status_code == 403, path
+        # a token from another browser (another cookie) is refused too
+        stolen = csrf_token(client)
+        client.cookies.clear()
+        assert client.post(f"/jobs/{message.message_id}/cancel", data={CSRF_FIELD: stolen}).status_code == 403
+        # and state-changing paths do not answer GET
+        assert client.get(f"/jobs/{message.message_id}/cancel").status_code in (404, 405)
+    assert state_of(database_url, message.message_id) == "queued"
+
+
+def test_read_only_mode_hides_every_action_and_refuses_them(broker, database_url, dashboard, start_worker):
+    start_worker(queues=[QUEUE], threads=1)
+    failed = FAIL.send("read-only")
+    settled(database_url, failed.message_id)
+    with dashboard(read_only=True) as client:
+        pages = [client.get(p).text for p in ("/", f"/jobs/{failed.message_id}", "/jobs?state=rejected", "/webhooks")]
+        assert all('method="post"' not in page for page in pages)
+        assert not any(word in page for page in pages for word in (">Retry<", ">Cancel<", ">Pause<", ">Replay<"))
+        assert "retry all that match" not in pages[2]
+        assert "read-only" in pages[0]
+        # even with a valid token (no page carries one here)
+        token = client.app.state.csrf.token_for(client.cookies[CSRF_COOKIE])
+        refused = client.post(f"/jobs/{failed.message_id}/retry", data={CSRF_FIELD: token})
+        assert refused.status_code == 403 and "read-only" in refused.text
+        assert client.get("/jobs/bulk", params={"action": "retry"}).status_code == 403
+    assert state_of(database_url, failed.message_id) == "rejected"
+
+
+def test_with_a_password_every_page_needs_basic_auth(broker, database_url, dashboard):
+    good = "Basic " + base64.b64encode(b"admin:s3cret").decode()
+    bad = "Basic " + base64.b64encode(b"admin:guess").decode()
+    with dashboard(password="s3cret") as client:
+        for path in ("/", "/jobs", "/workers", "/periodic", "/webhooks", "/healthz", "/metrics",
+                     "/static/dashboard.js"):
+            refused = client.get(path)
+            assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
+            assert client.get(path, headers={"Authorization": bad}).status_code == 401
+            assert client.get(path, headers={"Authorization": good}).status_code == 200, path
+        client.headers["Authorization"] = good
+        assert post(client, f"/queues/{QUEUE}/pause").status_code == 303
+        assert post(client, f"/queues/{QUEUE}/resume").status_code == 303
+    assert actions(database_url, "queues.resume")[-1][2] == "admin"  # who: the basic-auth user
+
+
+def test_hidden_arguments_are_never_shown_nor_searched(broker, database_url, dashboard):
+    message = OK.send_with_options(args=("secret-token-123",), delay=600_000)
+    with dashboard(hide_args=True) as client:
+        page = client.get(f"/jobs/{message.message_id}", params={"show": "args"}).text
+        search = client.get("/jobs", params={"q": "no-such-text-anywhere", "actor": f"{QUEUE}.ok"}).text
+    assert "secret-token-123" not in page and "STANDMEET_DASHBOARD_HIDE_ARGS" in page
+    assert message.message_id in search  # the text filter is ignored, not applied
+
+
+def test_healthz_answers_ok_and_every_page_503_without_the_database(broker, database_url, dashboard):
+    with dashboard() as client:
+        assert client.get("/healthz").json() == {"status": "ok", "database": "ok"}
+    with dashboard(database_url="postgresql://postgres@127.0.0.1:1/nowhere", connect_timeout_s=0.5) as client:
+        answer = client.get("/healthz")
+        page = client.get("/jobs")
+    assert answer.status_code == 503 and answer.json()["status"] == "unavailable"
+    assert page.status_code == 503 and "the database is unavailable" in page.text
+
+
+def test_metrics_are_the_database_derived_gauges_in_prometheus_text(broker, database_url, dashboard, start_worker):
+    start_worker(queues=[QUEUE], threads=1)
+    settled(database_url, FAIL.send("metrics").message_id)
+    OK.send_with_options(args=("metrics-later",), delay=600_000)
+    with dashboard() as client:
+        text = client.get("/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "rejected_24h")))] >= 1
+    assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "delayed")))] >= 1
+    assert ("standmeet_oldest_queued_age_seconds", (("queue_name", QUEUE),)) in samples
+    assert samples[("standmeet_workers_alive", ())] >= 1
+    assert samples[("standmeet_outbox_lag_seconds", ())] >= 0
+    assert samples[("standmeet_database_up", ())] == 1

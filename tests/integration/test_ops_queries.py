@@ -1,0 +1,362 @@
+"""broker.ops: what operators see (queues, workers, jobs) and steer (retry, cancel, pause),
+against real jobs run by a real worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import dramatiq
+import psycopg
+import pytest
+
+from broker import ops
+from middleware.cancellation import Cancellation
+from middleware.retries import Retries
+from tests.support.db import query, scalar, wait_for
+from tests.support.jobs import cooperative_sleep, record_finish, record_start
+
+RELEASE = "INSERT INTO test_counters (key, value) VALUES (%s, 1) ON CONFLICT (key) DO NOTHING"
+RELEASED = "SELECT 1 FROM test_counters WHERE key = %s"
+
+
+@dataclass(frozen=True)
+class Actors:
+    """Jobs on one queue of their own, so each test reads only its own rows."""
+
+    queue: str
+    ok: dramatiq.Actor
+    fail: dramatiq.Actor
+    hold: dramatiq.Actor
+
+
+def _actors(queue: str) -> Actors:
+    def ok(label: str = "") -> None:
+        record_finish(record_start(f"{queue}.ok", queue, label))
+
+    def fail(label: str = "") -> None:
+        raise ValueError(f"{label} is broken")
+
+    def hold(key: str) -> None:
+        """Runs until the test releases ``key``."""
+        from broker import db
+
+        run = record_start(f"{queue}.hold", queue, key)
+        while True:
+            with db.connection() as conn:
+                if conn.execute(RELEASED, (key,)).fetchone():
+                    break
+            cooperative_sleep(0.02)
+        record_finish(run)
+
+    return Actors(
+        queue,
+        dramatiq.actor(ok, actor_name=f"{queue}.ok", queue_name=queue, max_retries=0),
+        dramatiq.actor(fail, actor_name=f"{queue}.fail", queue_name=queue, max_retries=0),
+        dramatiq.actor(hold, actor_name=f"{queue}.hold", queue_name=queue, max_retries=0),
+    )
+
+
+def _checking(key: str) -> None:
+    """A long job that checks its deadline between steps, as long actors do."""
+    from broker import deadline
+
+    run = record_start("ops_cancel.checking", "ops_cancel", key)
+    for _ in range(1500):
+        deadline.check()
+        cooperative_sleep(0.02)
+    record_finish(run)
+
+
+CHECKING = dramatiq.actor(_checking, actor_name="ops_cancel.checking", queue_name="ops_cancel", max_retries=0)
+OVERVIEW = _actors("ops_overview")
+LISTING = _actors("ops_listing")
+RETRY = _actors("ops_retry")
+CANCEL = _actors("ops_cancel")
+PAUSE = _actors("ops_pause")
+
+
+@pytest.fixture
+def cancellation(broker) -> Iterator[Cancellation]:
+    """The in-process broker with the cancellation middleware, looking every 0.1 s."""
+    middleware = Cancellation(poll_s=0.1)
+    broker.add_middleware(middleware, before=Retries)
+    yield middleware
+    broker.middleware.remove(middleware)
+    middleware.watcher.stop()
+
+
+@pytest.fixture
+def conn(database_url: str) -> Iterator[psycopg.Connection]:
+    with psycopg.connect(database_url, autocommit=True) as c:
+        yield c
+
+
+def _state(url: str, message_id: str) -> str:
+    return str(scalar(url, "SELECT state FROM dramatiq.queue WHERE message_id = %s", (message_id,)))
+
+
+def _settled(url: str, message_id: str, timeout_s: float = 15) -> str:
+    return wait_for(lambda: (s := _state(url, message_id)) in ("done", "rejected") and s,
+                    timeout_s=timeout_s, what=f"job {message_id} to finish")
+
+
+def _running(url: str, key: str) -> None:
+    wait_for(lambda: scalar(url, "SELECT count(*) FROM test_runs WHERE label = %s", (key,)),
+             timeout_s=15, what=f"job {key} to start")
+
+
+def _release(url: str, key: str) -> None:
+    query(url, RELEASE, (key,))
+
+
+def test_the_queue_overview_counts_due_delayed_running_and_finished_jobs(broker, database_url, conn, start_worker):
+    a = OVERVIEW
+    start_worker(queues=[a.queue], threads=4)
+    done = a.ok.send("done")
+    failed = a.fail.send("failed")
+    a.hold.send("ov-running")
+    assert _settled(database_url, done.message_id) == "done"
+    assert _settled(database_url, failed.message_id) == "rejected"
+    _running(database_url, "ov-running")
+    ops.pause_queue(conn, a.queue, by="test")
+    due = [a.ok.send("due") for _ in range(2)]
+    a.ok.send_with_options(args=("later",), delay=60_000)
+
+    (status,) = [q for q in ops.queue_overview(conn) if q.name == a.queue]
+    assert (status.queued, status.delayed, status.running, status.rejected, status.done_5m, status.done_1h) == (
+        2, 1, 1, 1, 1, 1)
+    assert status.paused and status.paused_by == "test"
+    assert status.oldest_queued_age_s is not None and 0 <= status.oldest_queued_age_s < 30
+
+    ops.resume_queue(conn, a.queue)
+    _release(database_url, "ov-running")
+    for message in due:
+        assert _settled(database_url, message.message_id) == "done"
+    (status,) = [q for q in ops.queue_overview(conn) if q.name == a.queue]
+    assert (status.queued, status.delayed, status.running, status.done_5m, status.paused) == (0, 1, 0, 4, False)
+    assert status.oldest_queued_age_s is None
+
+
+def test_a_paused_queue_with_no_rows_is_listed_and_its_jobs_wait(broker, database_url, conn, start_worker):
+    assert ops.pause_queue(conn, "ops_empty", by="test") is True
+    assert ops.pause_queue(conn, "ops_empty", by="test") is False
+    (status,) = [q for q in ops.queue_overview(conn) if q.name == "ops_empty"]
+    assert status.paused and (status.queued, status.running) == (0, 0)
+    assert ops.resume_queue(conn, "ops_empty") is True
+    assert ops.resume_queue(conn, "ops_empty") is False
+    assert "ops_empty" not in {q.name for q in ops.queue_overview(conn)}
+
+
+def test_the_worker_overview_shows_live_and_dead_processes_and_what_each_runs(broker, database_url, conn, start_worker):
+    a = OVERVIEW
+    start_worker(queues=[a.queue], threads=2)
+    running = a.hold.send("wo-running")
+    _running(database_url, "wo-running")
+    query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at)"
+                        " VALUES (gen_random_uuid(), 'gone-host', 4242, '{index}', now() - interval '1 minute')")
+
+    workers = {w.id: w for w in ops.worker_overview(conn, rescue_after_s=20)}
+    me = workers[broker.worker_id]
+    assert me.alive and me.stopped_at is None and me.last_heartbeat_age_s < 20
+    assert (running.message_id, f"{a.queue}.hold") in me.running_jobs and me.running >= 1
+    (dead,) = [w for w in workers.values() if w.host == "gone-host"]
+    assert not dead.alive and dead.pid == 4242 and dead.running == 0
+    # live ones first
+    assert list(workers.values()).index(me) < list(workers.values()).index(dead)
+    _release(database_url, "wo-running")
+    _settled(database_url, running.message_id)
+
+
+def test_periodic_jobs_show_their_last_run_and_next_due_time(broker, database_url, conn):
+    query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id) VALUES"
+                        " ('ops-report', '2026-01-01T10:00:00Z', gen_random_uuid()),"
+                        " ('ops-report', '2026-01-01T11:00:00Z', gen_random_uuid())")
+    jobs = {p.job: p for p in ops.periodic_overview(conn, {"ops-report": 3600, "ops-never": 60})}
+    report = jobs["ops-report"]
+    assert report.last_run.isoformat() == "2026-01-01T11:00:00+00:00"
+    assert report.next_due - report.last_run == timedelta(hours=1)
+    assert jobs["ops-never"].last_run is None and jobs["ops-never"].next_due is not None
+    unknown = {p.job: p for p in ops.periodic_overview(conn)}["ops-report"]
+    assert unknown.next_due is None
+
+
+def test_the_outbox_lag_is_the_age_of_the_oldest_unrelayed_event(broker, database_url, conn):
+    assert ops.outbox_lag_s(conn) is None
+    query(database_url, "INSERT INTO standmeet.outbox (topic, payload, created_at)"
+                        " VALUES ('x', '{}', now() - interval '90 seconds')")
+    assert 89 < ops.outbox_lag_s(conn) < 120
+    query(database_url, "UPDATE standmeet.outbox SET relayed_at = now()")
+    assert ops.outbox_lag_s(conn) is None
+
+
+def test_jobs_are_listed_by_state_queue_actor_text_and_id_newest_first(broker, database_url, conn, start_worker):
+    a = LISTING
+    start_worker(queues=[a.queue], threads=4)
+    finished = [a.ok.send(f"invoice-{n}") for n in range(3)]
+    failed = a.fail.send("order-77")
+    for message in [*finished, failed]:
+        _settled(database_url, message.message_id)
+
+    listed = ops.list_jobs(conn, queue=a.queue)
+    assert [j.id for j in listed] == [failed.message_id, *[m.message_id for m in reversed(finished)]]
+    assert ops.count_jobs(conn, queue=a.queue) == 4
+    (rejected,) = ops.list_jobs(conn, queue=a.queue, state="rejected")
+    assert (rejected.actor, rejected.retries) == (f"{a.queue}.fail", 1)  # Dramatiq counts the failure
+    assert rejected.error == "ValueError: order-77 is broken"
+    assert {j.id for j in ops.list_jobs(conn, actor=f"{a.queue}.ok", state="done")} == {m.message_id for m in finished}
+    assert [j.id for j in ops.list_jobs(conn, search="INVOICE-1")] == [finished[1].message_id]
+    assert [j.id for j in ops.list_jobs(conn, message_id=failed.message_id[:8])] == [failed.message_id]
+    assert ops.list_jobs(conn, queue=a.queue, since="1d") == listed
+    assert ops.list_jobs(conn, queue=a.queue, since="2999-01-01T00:00:00") == []
+    # pages do not overlap and cover everything, in the same order
+    pages = [ops.list_jobs(conn, queue=a.queue, limit=3, offset=o) for o in (0, 3)]
+    assert [j.id for j in pages[0] + pages[1]] == [j.id for j in listed]
+    # a search for a LIKE wildcard matches the character only
+    assert ops.list_jobs(conn, search="%") == []
+
+
+def test_bad_filters_are_refused_in_one_line(broker, conn):
+    with pytest.raises(ops.OpsError, match="unknown job state 'failed'"):
+        ops.list_jobs(conn, state="failed")
+    with pytest.raises(ops.OpsError, match="is neither an ISO time nor an age"):
+        ops.count_jobs(conn, since="yesterday")
+    with pytest.raises(ops.OpsError, match="is not a job id"):
+        ops.show_job(conn, "17")
+    with pytest.raises(ops.OpsError, match="only rejected or cancelled jobs can be retried"):
+        ops.retry_jobs(conn, state="running", by="test")
+
+
+def test_a_job_shows_its_arguments_traceback_worker_and_timeline(broker, database_url, conn, start_worker):
+    a = LISTING
+    start_worker(queues=[a.queue], threads=2)
+    failed = a.fail.send("receipt-9")
+    _settled(database_url, failed.message_id)
+    job = ops.show_job(conn, failed.message_id)
+    assert job is not None
+    assert (job.state, job.args, job.claims, job.crashes) == ("rejected", ["receipt-9"], 1, 0)
+    assert "ValueError: receipt-9 is broken" in job.traceback and "Traceback" in job.traceback
+    assert "traceback" not in job.options
+    assert job.summary.error == "ValueError: receipt-9 is broken"
+    assert job.finished_at is not None and job.worker_id is None
+    assert [name for name, _ in job.timeline][0] == "enqueued" and job.timeline[-1][0] == "rejected"
+    assert ops.show_job(conn, "00000000-0000-0000-0000-000000000000") is None
+
+    held = a.hold.send("show-running")
+    _running(database_url, "show-running")
+    running = ops.show_job(conn, held.message_id)
+    assert running.state == "running" and running.worker_id == broker.worker_id
+    assert running.worker_pid is not None and running.finished_at is None
+    _release(database_url, "show-running")
+    _settled(database_url, held.message_id)
+
+
+def test_a_rejected_job_retried_runs_again_with_its_retries_reset_and_who_retried_it(
+        broker, database_url, conn, start_worker):
+    a = RETRY
+    start_worker(queues=[a.queue], threads=2)
+    failed = a.fail.send("retry-me")
+    done = a.ok.send("leave-me")
+    _settled(database_url, failed.message_id)
+    _settled(database_url, done.message_id)
+    query(database_url, "UPDATE dramatiq.queue SET message = jsonb_set(message, '{options,retries}', '5')"
+                        " WHERE message_id = %s", (failed.message_id,))
+
+    assert ops.retry_jobs(conn, message_ids=[done.message_id], by="test") == 0
+    with conn.cursor() as listen:
+        listen.execute(f'LISTEN "dramatiq.{a.queue}.enqueue"')
+        assert ops.retry_jobs(conn, message_ids=[failed.message_id], by="ops@host") == 1
+        assert any(n.channel == f"dramatiq.{a.queue}.enqueue" for n in conn.notifies(timeout=5, stop_after=1))
+    # it ran again (and failed again: the actor is still broken), counted from zero
+    wait_for(lambda: _state(database_url, failed.message_id) == "rejected"
+             and scalar(database_url, "SELECT claims FROM dramatiq.queue WHERE message_id = %s",
+                        (failed.message_id,)) == 2,
+             timeout_s=15, what="the retried job to run again")
+    job = ops.show_job(conn, failed.message_id)
+    assert job.retries == 1 and job.retried_by == "ops@host" and job.retried_at is not None
+    assert job.options["retried_by"] == "ops@host" and "retried_at" in job.options
+    assert _state(database_url, done.message_id) == "done"
+
+
+def test_bulk_retry_takes_every_rejected_job_of_a_queue_and_nothing_else(broker, database_url, conn, start_worker):
+    a = RETRY
+    start_worker(queues=[a.queue], threads=2)
+    failed = [a.fail.send(f"bulk-{n}") for n in range(3)]
+    for message in failed:
+        _settled(database_url, message.message_id)
+    before = ops.count_jobs(conn, queue=a.queue, state="rejected")
+    held = a.hold.send("bulk-running")
+    _running(database_url, "bulk-running")
+    assert ops.retry_jobs(conn, queue=a.queue, state="rejected", by="test") == before
+    assert _state(database_url, held.message_id) == "consumed"
+    wait_for(lambda: ops.count_jobs(conn, queue=a.queue, state="rejected") == before,
+             timeout_s=15, what="the retried jobs to fail again")
+    _release(database_url, "bulk-running")
+    _settled(database_url, held.message_id)
+
+
+def test_a_cancelled_queued_or_delayed_job_never_runs(broker, database_url, conn, start_worker):
+    a = CANCEL
+    queued = a.ok.send("cancel-queued")
+    delayed = a.ok.send_with_options(args=("cancel-delayed",), delay=300)
+    assert ops.cancel_jobs(conn, message_ids=[queued.message_id, delayed.message_id], by="ops@host") == 2
+    start_worker(queues=[a.queue], threads=2)
+    # a job due after the delayed one: once it is done, the cancelled ones had their chance
+    after = a.ok.send_with_options(args=("after-cancel",), delay=600)
+    assert _settled(database_url, after.message_id) == "done"
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'cancel-%%'") == 0
+    job = ops.show_job(conn, delayed.message_id)
+    assert job.state == "rejected" and job.cancelled_by == "ops@host"
+    assert job.error.startswith("cancelled by ops@host at ")
+    assert {j.id for j in ops.list_jobs(conn, queue=a.queue, state="cancelled")} == {
+        queued.message_id, delayed.message_id}
+    # cancelling again, or a finished job, changes nothing; a cancelled job can be retried
+    assert ops.cancel_jobs(conn, message_ids=[queued.message_id, after.message_id], by="test") == 0
+    assert ops.retry_jobs(conn, message_ids=[queued.message_id], state="cancelled", by="test") == 1
+    assert _settled(database_url, queued.message_id) == "done"
+    assert ops.show_job(conn, queued.message_id).cancelled_at is None
+
+
+def test_a_cancelled_running_job_is_marked_and_keeps_its_claim(broker, database_url, conn, start_worker):
+    a = CANCEL
+    start_worker(queues=[a.queue], threads=2)
+    held = a.hold.send("cancel-running")
+    _running(database_url, "cancel-running")
+    assert ops.cancel_jobs(conn, message_ids=[held.message_id], by="ops@host") == 1
+    job = ops.show_job(conn, held.message_id)
+    assert job.state == "running" and job.cancelled_by == "ops@host" and job.worker_id == broker.worker_id
+    _release(database_url, "cancel-running")
+    _settled(database_url, held.message_id)
+
+
+def test_a_cancelled_running_job_stops_at_its_next_deadline_check(
+        broker, database_url, conn, start_worker, cancellation):
+    start_worker(queues=[CANCEL.queue], threads=2)
+    held = CHECKING.send("cancel-checking")
+    _running(database_url, "cancel-checking")
+    assert ops.cancel_jobs(conn, message_ids=[held.message_id], by="ops@host") == 1
+    assert _settled(database_url, held.message_id, timeout_s=5) == "rejected"
+    job = ops.show_job(conn, held.message_id)
+    assert "JobCancelled: cancelled by an operator while it ran" in job.error
+    assert scalar(database_url, "SELECT finished_at FROM test_runs WHERE label = 'cancel-checking'") is None
+
+
+def test_a_paused_queue_is_not_claimed_until_resumed(broker, database_url, conn, start_worker):
+    a = PAUSE
+    start_worker(queues=[a.queue, OVERVIEW.queue], threads=4)
+    ops.pause_queue(conn, a.queue, by="test")
+    waiting = a.ok.send("paused-job")
+    # the same worker keeps serving its other queue meanwhile
+    assert _settled(database_url, OVERVIEW.ok.send("other-queue").message_id) == "done"
+    assert _state(database_url, waiting.message_id) == "queued"
+    ops.resume_queue(conn, a.queue)
+    assert _settled(database_url, waiting.message_id, timeout_s=5) == "done"
+
+
+def test_operator_actions_are_recorded_with_who_what_and_from_where(broker, conn):
+    ops.record_action(conn, action="jobs.retry", target={"message_ids": ["a"]}, by="ops@host",
+                      source="cli", affected=1)
+    (latest, *_) = ops.recent_actions(conn)
+    assert (latest.action, latest.target, latest.by, latest.source, latest.affected) == (
+        "jobs.retry", {"message_ids": ["a"]}, "ops@host", "cli", 1)

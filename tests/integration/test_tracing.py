@@ -1,0 +1,92 @@
+"""Traces (the [otel] extra): one trace from emit to the webhook delivery, the W3C
+context carried in message options through outbox → relay → fan-out → delivery and
+sent on the POST, recorded by the SDK's in-memory exporter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import psycopg
+import pytest
+
+pytest.importorskip("opentelemetry.sdk", reason="the [otel] extra is not installed")
+
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from opentelemetry.trace import SpanKind  # noqa: E402
+
+from broker import tracing  # noqa: E402
+from middleware.retries import Retries  # noqa: E402
+from middleware.tracing import Tracing  # noqa: E402
+from tests.support.db import scalar, wait_for  # noqa: E402
+from tests.support.http import http_server  # noqa: E402
+from tests.support.jobs import raise_once  # noqa: E402
+
+
+@pytest.fixture
+def spans(broker) -> Iterator[InMemorySpanExporter]:
+    """Spans of this test, recorded in memory; the broker traces as default_middleware is to make it."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_tracer_provider(provider)
+    middleware = Tracing()
+    broker.add_middleware(middleware, before=Retries)
+    yield exporter
+    broker.middleware.remove(middleware)
+    tracing.set_tracer_provider(None)
+    provider.shutdown()
+
+
+def _one(spans: list, name: str, kind: SpanKind) -> object:
+    found = [s for s in spans if s.name == name and s.kind == kind]
+    assert len(found) == 1, [(s.name, s.kind) for s in spans]
+    return found[0]
+
+
+def test_one_trace_runs_from_emit_through_the_relay_and_fanout_to_the_webhook_post(
+        broker, database_url, start_worker, spans):
+    from actors import webhooks
+
+    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    with http_server() as (url, server):
+        webhooks.add_endpoint(url, ["order.paid"])
+        start_worker(queues=["webhook"], threads=4)
+        tracer = tracing._tracer()
+        with tracer.start_as_current_span("checkout request") as request:
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                webhooks.emit_event(conn, "order.paid", {"order": 42})
+        wait_for(lambda: server.received, timeout_s=15, what="the delivery")
+        wait_for(lambda: any(s.name == "webhook.deliver process" for s in spans.get_finished_spans()),
+                 timeout_s=5, what="the delivery's span to end")
+
+    trace_id = request.get_span_context().trace_id
+    finished = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
+    emitted = _one(finished, "webhook.event emit", SpanKind.PRODUCER)
+    fanout = _one(finished, "webhook.fanout process", SpanKind.CONSUMER)
+    sent = _one(finished, "webhook.deliver send", SpanKind.PRODUCER)
+    delivered = _one(finished, "webhook.deliver process", SpanKind.CONSUMER)
+    # each step is the child of the one before
+    assert emitted.parent.span_id == request.get_span_context().span_id
+    assert fanout.parent.span_id == emitted.context.span_id
+    assert sent.parent.span_id == fanout.context.span_id
+    assert delivered.parent.span_id == sent.context.span_id
+    # and the endpoint was told, so it can join the trace
+    traceparent = server.headers[0]["traceparent"]
+    assert traceparent.split("-")[1] == f"{trace_id:032x}"
+    assert traceparent.split("-")[2] == f"{delivered.context.span_id:016x}"
+
+
+def test_a_retried_job_keeps_its_trace_and_its_failed_run_is_an_error(broker, database_url, start_worker, spans):
+    start_worker(queues=["index"], threads=2)
+    message = raise_once.send("traced-retry")
+    wait_for(lambda: scalar(database_url, "SELECT state FROM dramatiq.queue WHERE message_id = %s",
+                            (message.message_id,)) == "done", timeout_s=15, what="the retried job")
+    wait_for(lambda: len([s for s in spans.get_finished_spans() if s.name == "test.raise_once process"]) == 2,
+             timeout_s=5, what="both runs' spans")
+    sent = _one(spans.get_finished_spans(), "test.raise_once send", SpanKind.PRODUCER)
+    runs = [s for s in spans.get_finished_spans() if s.name == "test.raise_once process"]
+    assert {r.parent.span_id for r in runs} == {sent.context.span_id}
+    assert sorted(r.status.status_code.name for r in runs) == ["ERROR", "UNSET"]

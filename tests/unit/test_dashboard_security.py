@@ -1,0 +1,41 @@
+"""The dashboard's guards that need no server: where it may listen, and who may look."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from broker.dashboard.security import check_bind, credentials_match, is_loopback
+from broker.errors import ConfigError
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost", "LOCALHOST"])
+def test_loopback_addresses_are_loopback(host):
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "192.168.1.2", "example.com", ""])
+def test_other_addresses_are_not(host):
+    assert not is_loopback(host)
+
+
+def test_binding_beyond_loopback_needs_the_password_and_says_which_variable():
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", "s3cret")
+    with pytest.raises(ConfigError, match="STANDMEET_DASHBOARD_PASSWORD"):
+        check_bind("0.0.0.0", None)
+
+
+def test_only_the_right_user_and_password_pass_basic_auth():
+    assert credentials_match(basic("admin", "s3cret"), "admin", "s3cret")
+    assert credentials_match(basic("admin", "pa:ss"), "admin", "pa:ss")  # a colon in the password
+    assert not credentials_match(basic("admin", "wrong"), "admin", "s3cret")
+    assert not credentials_match(basic("root", "s3cret"), "admin", "s3cret")
+    assert not credentials_match("Bearer abc", "admin", "s3cret")
+    assert not credentials_match("Basic not-base64!", "admin", "s3cret")
+    assert not credentials_match(None, "admin", "s3cret")
