@@ -20,6 +20,7 @@ from dramatiq.message import Message
 from psycopg.rows import class_row
 
 from broker import sql
+from broker.pgbroker import enqueue_params
 
 DELIVER_ACTOR = "webhook.deliver"
 DELIVER_QUEUE = "webhook"
@@ -167,6 +168,19 @@ FOR UPDATE
 """
 
 #: A queued (perhaps delayed) message made due now, and its queue woken.
+#: A finished delivery message is run again by the operator's choice: the same message,
+#: back to its queue, due now, its retries and blame cleared.
+RUN_AGAIN = """
+WITH again AS (
+    UPDATE dramatiq.queue
+    SET "state" = 'queued', eta = now(), mtime = now(), message = %(message)s::jsonb, error = NULL,
+        worker_id = NULL, started_at = NULL, suspect_of = NULL, crashes = 0, cancelled_at = NULL
+    WHERE message_id = %(message_id)s::uuid AND "state" IN ('done', 'rejected')
+    RETURNING queue_name
+)
+SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM again
+"""
+
 MAKE_DUE = """
 WITH due AS (
     UPDATE dramatiq.queue SET eta = now(), mtime = now()
@@ -221,11 +235,11 @@ def replay(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
             message = Message.decode(row[2].encode())
             options = {k: v for k, v in message.options.items() if k not in ("retries", "traceback")}
             message = dataclasses.replace(message, options=options)  # copy() would merge them
+            # enqueue never resurrects a message that ran; an operator's replay does, on purpose
+            conn.execute(RUN_AGAIN, {"message_id": message.message_id, "message": message.encode().decode("utf-8")})
+            return message.message_id
         else:
             message = Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(delivery_id,),
                               kwargs={}, options={})
-        conn.execute(sql.ENQUEUE, {
-            "queues": [message.queue_name], "message_ids": [message.message_id],
-            "messages": [message.encode().decode("utf-8")], "delays": [0.0],
-        })
+        conn.execute(sql.ENQUEUE, enqueue_params([message]))
         return message.message_id
