@@ -4,11 +4,12 @@ So ``dramatiq actors`` consumes every queue, ``dramatiq actors --queues index`` 
 and a module that imports ``actors`` and declares its own actors on our queues runs
 under ``dramatiq thatmodule`` with all our middleware.
 
-Actors start no threads (R13): background work is a job, or a periodic job.
+Actors start no threads: background work is a job, or a periodic job.
 """
 
 from __future__ import annotations
 
+from actors import queues  # noqa: F401  (declares the queues before any actor names one)
 from broker import configure
 
 configure()
@@ -18,10 +19,9 @@ from actors import (  # noqa: E402  (declared once the broker exists)
     documents,
     jobboards,
     mail,
-    maintenance,
     routes,
     suppliers,
     webhooks,
 )
 
-__all__ = ["corpus", "documents", "jobboards", "mail", "maintenance", "routes", "suppliers", "webhooks"]
+__all__ = ["corpus", "documents", "jobboards", "mail", "routes", "suppliers", "webhooks"]

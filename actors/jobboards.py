@@ -26,7 +26,7 @@ import httpx
 
 from actors.http import CLIENT
 from actors.netguard import UrlRefused, check_url
-from broker import db, deadline
+from broker import app, db, deadline
 from broker.enqueue import build_message, enqueue_message
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
@@ -225,3 +225,6 @@ def fetch_new_job() -> None:
     queued = fetch_new()
     if queued:
         logger.info("queued %d source fetch(es)", queued)
+
+
+app.periodic("fetch-new", "jobs.fetch_new", interval_s=900)

@@ -36,7 +36,7 @@ from dramatiq.middleware import CurrentMessage
 
 from actors.http import CLIENT
 from actors.netguard import UrlRefused, check_url
-from broker import db, tracing
+from broker import app, db, tracing
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
 from broker.outbox import emit
@@ -391,3 +391,6 @@ def webhook_health() -> None:
             (int(days),)).fetchall()
     for (endpoint_id,) in rows:
         logger.warning("webhook endpoint %s disabled: failing for more than %s days", endpoint_id, days)
+
+
+app.periodic("webhook-health", "maintenance.webhook_health", interval_s=3600)

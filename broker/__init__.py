@@ -75,4 +75,15 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
         if isinstance(previous, StandmeetBroker):
             previous.close()
     dramatiq.set_broker(broker)
+    for actor in _runtime_actors():  # the runtime's own jobs, on every broker
+        if actor.actor_name not in broker.actors:  # configured again: they move over too
+            actor.broker = broker
+            broker.declare_queue(actor.queue_name)
+            broker.declare_actor(actor)
     return broker
+
+
+def _runtime_actors() -> list[dramatiq.Actor]:
+    from broker import maintenance
+
+    return [maintenance.prune_messages, maintenance.rescue, maintenance.prune_outbox, maintenance.prune_expired]

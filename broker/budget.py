@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from broker.errors import BudgetError, StartupRefused
+from broker import app
+from broker.errors import BudgetError
 from broker.settings import RELAY_CONNECTIONS, Settings
 
 
@@ -60,7 +61,10 @@ def compute_budget(settings: Settings, queues: Iterable[str] | None = None) -> B
 
 
 def check_budget(settings: Settings, queues: Iterable[str] | None = None) -> Budget:
-    """Return the budget when it holds; raise :class:`BudgetError` naming every term."""
+    """Return the budget when it holds; raise :class:`BudgetError` naming every term.
+
+    Also runs the start-up checks the loaded modules declared (``broker.app.startup_check``),
+    which raise :class:`broker.errors.StartupRefused` naming the variables."""
     budget = compute_budget(settings, queues)
     if budget.total > budget.limit:
         raise BudgetError(
@@ -68,13 +72,5 @@ def check_budget(settings: Settings, queues: Iterable[str] | None = None) -> Bud
             + budget.describe()
             + ". Lower a queue's STANDMEET_QUEUE_<QUEUE>_MAX_WORKERS or raise STANDMEET_POOL_MAX_SIZE."
         )
-    webhook_limit = settings.queue("webhook").time_limit_s
-    if not settings.webhook_http_timeout_s < webhook_limit < settings.webhook_lease_s:
-        raise StartupRefused(
-            "refusing to start: webhook timings must be HTTP timeout < job limit < endpoint lease "
-            f"(STANDMEET_WEBHOOK_HTTP_TIMEOUT_S={settings.webhook_http_timeout_s:g} < "
-            f"STANDMEET_QUEUE_WEBHOOK_TIME_LIMIT_S={webhook_limit:g} < STANDMEET_WEBHOOK_LEASE_S="
-            f"{settings.webhook_lease_s:g}), so a slow endpoint times out before its job is killed "
-            "and a dead worker's lease expires by itself"
-        )
+    app.run_startup_checks(settings)  # what the loaded modules declared
     return budget

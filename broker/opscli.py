@@ -410,11 +410,9 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
 
 def periodic_intervals() -> dict[str, float]:
     """job → interval, from the periodic table (which does not import the application)."""
-    try:
-        from periodic import PERIODIC_JOBS
-    except ImportError:
-        return {}
-    return {job.name: job.interval_s for job in PERIODIC_JOBS}
+    from broker import app
+
+    return {job.name: job.interval_s for job in app.periodic_jobs()}
 
 
 def _console() -> Any:

@@ -44,7 +44,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
 
-from broker import detach, sql
+from broker import app, detach, sql
 from broker.backoff import Backoff
 from broker.errors import ConfigError, Deferred
 from broker.pgpool import DISCONNECTS, Outage, close_quietly, connect, open_send_pool
@@ -288,7 +288,7 @@ class Settler:
             if started:
                 conn.execute(sql.MARK_STARTED, {"ids": [k[0] for k in started], "claims": [k[1] for k in started]})
             if outcomes:
-                conn.execute(sql.SETTLE, settle_params(outcomes, self.broker.awaited))
+                conn.execute(sql.SETTLE, settle_params(outcomes, app.awaited_queues()))
         self.broker.outage.ok()
         self.written += len(outcomes)
         return len(outcomes)
@@ -333,7 +333,6 @@ class StandmeetBroker(dramatiq.Broker):
         #: set on close once the settler gave up waiting for the database
         self.abandon_settles = False
         self.queue_states: dict[str, QueueState] = {}
-        self.awaited = sorted(settings.awaited_queues)
         self.served: set[str] = set()
         self.settler = Settler(self)
         self._lock = threading.Lock()

@@ -3,7 +3,9 @@
 Worker processes and the scheduler already run the relay; this runs one on its own,
 for tests, benchmarks and a backlog that needs extra hands.
 
-    python -m broker.relay [--exit-when-idle] [--batch 200]
+    python -m broker.relay [MODULE …] [--exit-when-idle] [--batch 200]
+
+The modules (default: ``actors``) declare the topics and routes it relays.
 """
 
 from __future__ import annotations
@@ -19,15 +21,24 @@ from broker.outbox import Relay
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m broker.relay", description=__doc__.split("\n")[0])
+    parser.add_argument("modules", nargs="*", default=["actors"], help="modules that declare routes (default: actors)")
     parser.add_argument("--exit-when-idle", action="store_true", help="exit once the outbox is empty")
     parser.add_argument("--batch", type=int, default=None, help="rows per pass (default: STANDMEET_RELAY_BATCH)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import actors  # noqa: F401  (the routes and the broker)
-    from broker.pgbroker import current_broker
+    import importlib
 
-    broker = current_broker()
+    import dramatiq
+
+    import broker as runtime
+    from broker.pgbroker import StandmeetBroker
+
+    for module in args.modules:
+        importlib.import_module(module)
+    if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
+        runtime.configure()
+    broker = runtime.current_broker()
     relay = Relay(broker.url, batch=args.batch or broker.settings.relay_batch, poll_s=broker.settings.relay_poll_s)
     if args.exit_when_idle:
         total = relay.drain_once()

@@ -14,22 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from broker import app
 from broker.errors import ConfigError
-
-#: The five queues of R1, in the order they are documented.
-QUEUE_NAMES: tuple[str, ...] = ("index", "notify", "webhook", "maintenance", "fetch")
-
-#: Queues a web request waits on (R5): picked up within 100 ms.
-AWAITED_QUEUES: frozenset[str] = frozenset({"index", "notify"})
-
-#: (max workers, default hard time limit in seconds) per queue (R1).
-DEFAULT_QUEUE_LIMITS: dict[str, tuple[int, float]] = {
-    "index": (4, 30.0),
-    "notify": (2, 30.0),
-    "webhook": (8, 15.0),
-    "maintenance": (1, 600.0),
-    "fetch": (3, 60.0),
-}
 
 #: A queue no module declares limits for: one job at a time, Dramatiq's default time limit.
 DEFAULT_OTHER_QUEUE_MAX_WORKERS = 1
@@ -124,7 +110,8 @@ class QueueSettings:
 
     @property
     def awaited(self) -> bool:
-        return self.name in AWAITED_QUEUES
+        spec = app.queue_spec(self.name)
+        return spec is not None and spec.awaited
 
     @property
     def time_limit_ms(self) -> int:
@@ -147,20 +134,12 @@ def _queue_settings(env: Mapping[str, str], name: str, workers: int, limit_s: fl
     )
 
 
-def _default_queues() -> dict[str, QueueSettings]:
-    return {
-        name: QueueSettings(name=name, max_workers=workers, time_limit_s=limit)
-        for name, (workers, limit) in DEFAULT_QUEUE_LIMITS.items()
-    }
-
-
 @dataclass(frozen=True)
 class Settings:
     """Everything configurable, resolved once. Build with :meth:`from_env`."""
 
     database_url: str | None = None
     embedded_dir: Path = Path(DEFAULT_EMBEDDED_DIR)
-    queues: dict[str, QueueSettings] = field(default_factory=_default_queues)
     pool_max_size: int = DEFAULT_POOL_MAX_SIZE
     broker_ack_connections: int = DEFAULT_BROKER_ACK_CONNECTIONS
     worker_shutdown_timeout_s: float = DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S
@@ -199,7 +178,6 @@ class Settings:
     webhook_disable_after_days: float = DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS
     #: the STANDMEET_QUEUE_* variables, for queues declared later by any module
     queue_env: Mapping[str, str] = field(default_factory=dict)
-    awaited_queues: frozenset[str] = AWAITED_QUEUES
     unknown_actor_delay_s: float = DEFAULT_UNKNOWN_ACTOR_DELAY_S
     unknown_actor_max_claims: int = DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS
 
@@ -223,10 +201,6 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
-        queues = {
-            name: _queue_settings(env, name, default.max_workers, default.time_limit_s)
-            for name, default in _default_queues().items()
-        }
         queue_env = {k: v for k, v in env.items() if QUEUE_VARIABLE.match(k)}
         for key in queue_env:  # malformed values of any queue fail now, naming the variable
             match = QUEUE_VARIABLE.match(key)
@@ -236,7 +210,6 @@ class Settings:
             database_url=env.get("DATABASE_URL") or None,
             queue_env=queue_env,
             embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR),
-            queues=queues,
             pool_max_size=_int(env, "STANDMEET_POOL_MAX_SIZE", DEFAULT_POOL_MAX_SIZE, minimum=2),
             broker_ack_connections=_int(
                 env, "STANDMEET_BROKER_ACK_CONNECTIONS", DEFAULT_BROKER_ACK_CONNECTIONS, minimum=1
@@ -299,13 +272,19 @@ class Settings:
         )
 
     def queue(self, name: str) -> QueueSettings:
-        """A queue's limits: the built-in defaults or the documented ones for any other
-        queue, each overridable by STANDMEET_QUEUE_<NAME>_MAX_WORKERS / _TIME_LIMIT_S."""
-        known = self.queues.get(name)
-        if known is not None:
-            return known
+        """A queue's limits: what its module declared (``broker.app.queue``), or the
+        documented defaults of any other queue, each overridable by
+        STANDMEET_QUEUE_<NAME>_MAX_WORKERS / _TIME_LIMIT_S / _POLL_S / _PREFETCH."""
+        spec = app.queue_spec(name)
+        if spec is not None:
+            return _queue_settings(self.queue_env, name, spec.max_workers, spec.time_limit_s)
         return _queue_settings(self.queue_env, name, DEFAULT_OTHER_QUEUE_MAX_WORKERS,
                                DEFAULT_OTHER_QUEUE_TIME_LIMIT_S)
+
+    @property
+    def queues(self) -> dict[str, QueueSettings]:
+        """Every declared queue's limits."""
+        return {name: self.queue(name) for name in sorted(app.REGISTRY.queues)}
 
     def with_database_url(self, url: str) -> Settings:
         return replace(self, database_url=url)

@@ -1,10 +1,12 @@
-"""The scheduler process: ``python -m periodic`` (a process entry point).
+"""The scheduler process: ``python -m periodic [MODULE …]`` (a process entry point).
 
-Checks the connection budget, starts the outbox relay (every process runs one), then
-ticks every periodic job on its period boundaries with APScheduler until SIGTERM or
-Ctrl-C (the relay is stopped first). Run two of them: each period still runs once.
+Loads the named modules (default: ``actors``), which declare their periodic jobs
+(``broker.app.periodic``) beside the runtime's own maintenance jobs; checks the
+connection budget, starts the outbox relay (every process runs one), then ticks every
+periodic job on its period boundaries with APScheduler until SIGTERM or Ctrl-C (the
+relay is stopped first). Run two of them: each period still runs once.
 
-    python -m periodic [--jobs module:ATTRIBUTE]   (default: periodic:PERIODIC_JOBS)
+    python -m periodic [MODULE …] [--jobs module:ATTRIBUTE]
 """
 
 from __future__ import annotations
@@ -24,35 +26,47 @@ from broker.errors import StandmeetError
 from broker.logging_setup import configure_logging
 from broker.settings import Settings
 
-logger = logging.getLogger("periodic")
+logger = logging.getLogger("standmeet.periodic")
 
 
 def load_jobs(path: str) -> list:  # type: ignore[type-arg]
+    """An explicit table of jobs (``module:ATTRIBUTE``), instead of the declared ones."""
     module, _, attribute = path.partition(":")
-    return list(getattr(importlib.import_module(module), attribute or "PERIODIC_JOBS"))
+    return list(getattr(importlib.import_module(module), attribute))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m periodic", description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", default="periodic:PERIODIC_JOBS", help="the table of periodic jobs")
+    parser.add_argument("modules", nargs="*", default=["actors"],
+                        help="modules that declare actors and periodic jobs (default: actors)")
+    parser.add_argument("--jobs", default=None, metavar="MODULE:ATTRIBUTE",
+                        help="run only this table of periodic jobs instead of the declared ones")
     args = parser.parse_args(argv)
+    import dramatiq
+
+    import broker as runtime
+    from broker.pgbroker import StandmeetBroker
+    from periodic import periodic_jobs, tick, utcnow
+
     try:
         settings = Settings.from_env()
         configure_logging(settings.log_format)
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
+        for module in args.modules:
+            importlib.import_module(module)
+        if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
+            runtime.configure()
         budget = check_budget(settings)
+    except ImportError as exc:
+        print(f"periodic: cannot load {exc.name or exc}: {exc}", file=sys.stderr)
+        return 1
     except StandmeetError as exc:
         print(f"periodic: {exc}", file=sys.stderr)
         return 1
     # `run` logs the budget once for all its processes; here it is detail.
     logger.debug("connection budget: %s", budget.describe())
-
-    import actors  # noqa: F401  (configures the broker, declares the actors and routes)
-    from broker.pgbroker import current_broker
-    from periodic import tick, utcnow
-
-    jobs = load_jobs(args.jobs)
-    broker = current_broker()
+    jobs = load_jobs(args.jobs) if args.jobs else periodic_jobs()
+    broker = runtime.current_broker()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -20,11 +20,9 @@ logger = logging.getLogger("standmeet.dashboard")
 
 def periodic_intervals() -> dict[str, float]:
     """The declared periodic jobs' intervals (none when the periodic package is absent)."""
-    try:
-        from periodic import PERIODIC_JOBS
-    except ImportError:
-        return {}
-    return {job.name: job.interval_s for job in PERIODIC_JOBS}
+    from broker import app
+
+    return {job.name: job.interval_s for job in app.periodic_jobs()}
 
 
 def config_from_settings(settings: Settings, url: str, *, read_only: bool = False) -> DashboardConfig:

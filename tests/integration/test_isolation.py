@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from broker.settings import QUEUE_NAMES
+from actors.queues import QUEUE_NAMES
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.jobs import SLEEP, post

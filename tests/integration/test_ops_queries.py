@@ -11,7 +11,7 @@ import dramatiq
 import psycopg
 import pytest
 
-from broker import ops
+from broker import app, ops
 from middleware.cancellation import Cancellation
 from middleware.retries import Retries
 from tests.support.db import query, scalar, wait_for
@@ -32,6 +32,8 @@ class Actors:
 
 
 def _actors(queue: str) -> Actors:
+    app.queue(queue, max_workers=3, time_limit_s=60)  # a job held running leaves room for others
+
     def ok(label: str = "") -> None:
         record_finish(record_start(f"{queue}.ok", queue, label))
 

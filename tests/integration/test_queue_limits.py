@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.settings import DEFAULT_QUEUE_LIMITS, QUEUE_NAMES
+from actors.queues import QUEUE_NAMES, QUEUES
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP
 
@@ -34,7 +34,7 @@ def test_each_queue_runs_at_most_its_limit_and_reaches_it(broker, database_url, 
     )
     # Then the concurrency each queue reached, as the database saw it, is exactly its limit
     observed = dict(query(database_url, MAX_OVERLAP, ("limits",)))
-    expected = {queue: DEFAULT_QUEUE_LIMITS[queue][0] for queue in QUEUE_NAMES}
+    expected = {queue: QUEUES[queue][0] for queue in QUEUE_NAMES}
     assert observed == expected
 
 

@@ -6,8 +6,7 @@ from dataclasses import replace
 
 import psycopg
 
-from actors import maintenance
-from broker import sql
+from broker import maintenance, sql
 from broker.pgbroker import enqueue_params
 from tests.support.db import query, wait_for
 from tests.support.jobs import mark

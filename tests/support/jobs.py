@@ -15,8 +15,8 @@ import dramatiq
 import httpx
 
 import actors  # noqa: F401  (configures the broker)
+from actors.queues import QUEUE_NAMES
 from broker import db
-from broker.settings import QUEUE_NAMES
 from middleware import Snooze
 
 START = """

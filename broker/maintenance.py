@@ -1,4 +1,9 @@
-"""The maintenance queue's actors (limit 1, 10 min). The scheduler enqueues them."""
+"""The runtime's own maintenance jobs: retention, crash rescue, expired results and limits.
+
+They belong to the runtime, not to any application: ``broker.configure()`` declares
+them, on the ``maintenance`` queue (one at a time, 10 minutes), and ``broker.app``
+declares their periods, so every scheduler runs them whatever modules it loads.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import dramatiq
 
 from broker import db, deadline, sql
 from broker.pgbroker import current_broker
+from broker.rate_limits import PRUNE_EXPIRED_RATE_LIMITS
+from broker.results import PRUNE_EXPIRED_RESULTS
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("standmeet.maintenance")
 
 
 def prune_in_batches(query: str, *, retention_s: float, what: str) -> int:
@@ -48,3 +55,10 @@ def prune_outbox() -> None:
     """Delete relayed outbox rows older than the retention, batch by batch."""
     prune_in_batches(sql.PRUNE_OUTBOX, retention_s=current_broker().settings.outbox_retention_hours * 3600,
                      what="relayed outbox row(s)")
+
+
+@dramatiq.actor(actor_name="maintenance.prune_expired", queue_name="maintenance")
+def prune_expired() -> None:
+    """Delete expired results and rate-limiter keys, batch by batch."""
+    prune_in_batches(PRUNE_EXPIRED_RESULTS, retention_s=0, what="expired result(s)")
+    prune_in_batches(PRUNE_EXPIRED_RATE_LIMITS, retention_s=0, what="expired rate-limit key(s)")

@@ -1,0 +1,147 @@
+"""The registration API: how any module tells the runtime what it brings.
+
+The runtime knows nothing of the application. A module (``actors`` is one; yours can be
+another) declares, at import, through these few calls:
+
+    from broker import app
+
+    app.queue("reports", max_workers=2, time_limit_s=120)          # limits, and whether
+    app.queue("index", max_workers=4, time_limit_s=30, awaited=True)  # requests wait on it
+    app.periodic("nightly-report", "reports.nightly", interval_s=86_400)
+    app.command("report", "print the last report", setup=add_arguments, run=main)
+    app.startup_check(refuse_bad_timings)                            # fn(settings) -> None
+
+and its actors with ``@dramatiq.actor``, its topics and routes with
+``broker.outbox.route``. Every entry point (``standmeet-jobs run MODULE…``,
+``python -m broker.worker MODULE…``, ``dramatiq MODULE``, ``python -m periodic``) loads
+the named modules and serves what they declared: their queues with their limits
+(``STANDMEET_QUEUE_<NAME>_*`` override them), their periodic jobs, their commands.
+Declaring the same name twice with different values is an error, not a silent win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from broker.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """A queue's declared defaults: jobs at once per process, hard time limit, awaited."""
+
+    name: str
+    max_workers: int
+    time_limit_s: float
+    #: requests wait on it (receipts are sent when its jobs finish for good)
+    awaited: bool = False
+
+
+@dataclass(frozen=True)
+class PeriodicJob:
+    """Run ``actor`` every ``interval_s`` seconds, once per period across all schedulers."""
+
+    name: str
+    actor: str
+    interval_s: float
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def period_start(self, now: datetime) -> datetime:
+        epoch = now.timestamp()
+        start = epoch - (epoch % self.interval_s)
+        return datetime.fromtimestamp(start, timezone.utc)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A ``standmeet-jobs`` subcommand an application adds: ``run(args)`` returns the exit code."""
+
+    name: str
+    help: str
+    setup: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+StartupCheck = Callable[[Any], None]
+
+
+class Registry:
+    """What the loaded modules declared. One per process (:data:`REGISTRY`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.queues: dict[str, QueueSpec] = {}
+        self.periodic: dict[str, PeriodicJob] = {}
+        self.commands: dict[str, Command] = {}
+        self.startup_checks: list[StartupCheck] = []
+
+    def _put(self, table: dict[str, Any], kind: str, name: str, value: Any) -> Any:
+        with self._lock:
+            existing = table.get(name)
+            if existing is not None and existing != value:
+                raise ConfigError(f"{kind} {name!r} is declared twice, differently: {existing} and {value}")
+            table[name] = value
+            return value
+
+
+REGISTRY = Registry()
+
+
+def queue(name: str, *, max_workers: int, time_limit_s: float, awaited: bool = False) -> QueueSpec:
+    """Declare a queue's default limits (the environment may override them)."""
+    if max_workers < 1 or not time_limit_s > 0:
+        raise ConfigError(f"queue {name!r}: max_workers must be >= 1 and time_limit_s > 0")
+    return REGISTRY._put(REGISTRY.queues, "queue", name, QueueSpec(name, max_workers, time_limit_s, awaited))
+
+
+def periodic(name: str, actor: str, *, interval_s: float, kwargs: dict[str, Any] | None = None) -> PeriodicJob:
+    """Declare a periodic job: ``actor`` enqueued once per ``interval_s`` period."""
+    if not interval_s > 0:
+        raise ConfigError(f"periodic job {name!r}: interval_s must be > 0")
+    return REGISTRY._put(REGISTRY.periodic, "periodic job", name, PeriodicJob(name, actor, interval_s, kwargs or {}))
+
+
+def command(name: str, help: str, *, setup: Callable[[argparse.ArgumentParser], None],
+            run: Callable[[argparse.Namespace], int]) -> Command:
+    """Declare a ``standmeet-jobs NAME`` subcommand."""
+    return REGISTRY._put(REGISTRY.commands, "command", name, Command(name, help, setup, run))
+
+
+def startup_check(check: StartupCheck) -> StartupCheck:
+    """Declare a check every process runs at start-up with its settings; it raises
+    :class:`broker.errors.StartupRefused` (naming the variables) to refuse to start."""
+    with REGISTRY._lock:
+        if check not in REGISTRY.startup_checks:
+            REGISTRY.startup_checks.append(check)
+    return check
+
+
+def queue_spec(name: str) -> QueueSpec | None:
+    return REGISTRY.queues.get(name)
+
+
+def awaited_queues() -> list[str]:
+    """The queues requests wait on, as declared."""
+    return sorted(name for name, spec in REGISTRY.queues.items() if spec.awaited)
+
+
+def periodic_jobs() -> list[PeriodicJob]:
+    return list(REGISTRY.periodic.values())
+
+
+def run_startup_checks(settings: Any) -> None:
+    for check in list(REGISTRY.startup_checks):
+        check(settings)
+
+
+# The runtime's own queue and periodic jobs (their actors are in broker.maintenance).
+queue("maintenance", max_workers=1, time_limit_s=600.0)
+periodic("prune-messages", "maintenance.prune_messages", interval_s=3600)
+periodic("rescue", "maintenance.rescue", interval_s=30)
+periodic("prune-outbox", "maintenance.prune_outbox", interval_s=3600)
+periodic("prune-expired", "maintenance.prune_expired", interval_s=600)
