@@ -27,6 +27,7 @@ import httpx
 
 from actors.http import ResponseTooLarge, guarded_request
 from actors.netguard import UrlRefused, check_url
+from actors.reasons import keeps_reason
 from broker import db
 from broker.enqueue import build_message, enqueue_message
 from broker.errors import StandmeetError
@@ -198,6 +199,7 @@ def _finished(source_id: int) -> None:
 
 
 @dramatiq.actor(actor_name="jobs.fetch_source", queue_name="fetch", throws=(FeedError, UrlRefused))
+@keeps_reason
 def fetch_source(source_id: int) -> None:
     with db.connection() as conn:
         row = conn.execute(READ_SOURCE, (source_id,)).fetchone()

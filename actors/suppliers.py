@@ -22,6 +22,7 @@ import psycopg
 
 from actors.http import guarded_request
 from actors.netguard import UrlRefused
+from actors.reasons import keeps_reason
 from broker import current_broker, db
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
@@ -66,6 +67,7 @@ def _record(call_id: int, status: str, code: int | None, response: str | None, e
 
 
 @dramatiq.actor(actor_name="supplier.invoke", queue_name="notify", throws=(SupplierRefused,))
+@keeps_reason
 def invoke(call_id: int) -> None:
     with db.connection() as conn:
         row = conn.execute(READ, (call_id,)).fetchone()

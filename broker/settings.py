@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import platformdirs
+
 from broker.errors import ConfigError
 
 #: The five queues of R1, in the order they are documented.
@@ -82,8 +84,11 @@ DEFAULT_WEBHOOK_HTTP_TIMEOUT_S = 10.0
 DEFAULT_WEBHOOK_BUSY_SNOOZE_S = 2.0
 #: An endpoint failing without a break for this long is disabled by the health job.
 DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS = 5.0
-#: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
-DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
+#: Where the embedded Postgres keeps its data when no DATABASE_URL is given: one folder
+#: per user (platformdirs' user data folder), whatever the working directory.
+DEFAULT_EMBEDDED_DIR = str(Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata")
+#: Largest document (title and body, UTF-8 bytes) the write path accepts.
+DEFAULT_DOCUMENT_MAX_BYTES = 1024 * 1024
 #: Name of the database created on the embedded server for the application.
 DEFAULT_EMBEDDED_DATABASE = "standmeet"
 
@@ -159,6 +164,10 @@ class Settings:
     webhook_http_timeout_s: float = DEFAULT_WEBHOOK_HTTP_TIMEOUT_S
     webhook_busy_snooze_s: float = DEFAULT_WEBHOOK_BUSY_SNOOZE_S
     webhook_disable_after_days: float = DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS
+    #: Fernet key that encrypts webhook secrets at rest (embedded default: a key file).
+    secret_key: str | None = None
+    #: Largest document (title and body, UTF-8) ``write`` accepts.
+    document_max_bytes: int = DEFAULT_DOCUMENT_MAX_BYTES
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -174,8 +183,8 @@ class Settings:
                 prefetch_setting=_int(env, prefix + "PREFETCH", -1, minimum=-1),
             )
         return cls(
-            database_url=env.get("DATABASE_URL") or None,
-            embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR),
+            database_url=_database_url(env, "DATABASE_URL"),
+            embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR).expanduser(),
             queues=queues,
             pool_max_size=_int(env, "STANDMEET_POOL_MAX_SIZE", DEFAULT_POOL_MAX_SIZE, minimum=2),
             broker_ack_connections=_int(
@@ -224,6 +233,8 @@ class Settings:
             webhook_disable_after_days=_float(
                 env, "STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS", DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS, minimum=0
             ),
+            secret_key=(env.get("STANDMEET_SECRET_KEY") or "").strip() or None,
+            document_max_bytes=_int(env, "STANDMEET_DOCUMENT_MAX_BYTES", DEFAULT_DOCUMENT_MAX_BYTES, minimum=1),
         )
 
     def queue(self, name: str) -> QueueSettings:
@@ -296,3 +307,29 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float)
     if value != value or value < minimum:  # NaN or too small
         raise ConfigError(f"{name}={raw!r} is below its minimum of {minimum}")
     return value
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (URL or conninfo form), for logs."""
+    import re
+
+    url = re.sub(r"^([a-z]+://[^:/@]*:)[^/]*@", r"\1***@", url)
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url)
+
+
+def _database_url(env: Mapping[str, str], name: str) -> str | None:
+    """A libpq URL or conninfo string, checked for form (not for reachability)."""
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        params = conninfo_to_dict(raw)
+    except Exception as exc:  # psycopg.ProgrammingError, with libpq's reason
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].replace(raw, masked_url(raw))
+        raise ConfigError(f"{name} is not a valid Postgres URL or conninfo string: {reason}") from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"{name} has port {port!r}, not a number from 1 to 65535")
+    return raw
