@@ -185,7 +185,8 @@ def judge(address: IPAddress, allowed_networks: tuple[str, ...] = ()) -> str | N
         if candidate.is_unspecified or candidate.is_multicast or candidate in _NEVER_V4:
             return what(candidate, not_global_reason(candidate) or "not a unicast address")
     allowed = [ipaddress.ip_network(n) for n in allowed_networks]
-    for candidate in carried or [address]:  # an IPv6 form of IPv4 is judged as that IPv4 address
+    judged: list[IPAddress] = [*carried] if carried else [address]
+    for candidate in judged:  # an IPv6 form of IPv4 is judged as that IPv4 address
         if any(candidate.version == n.version and candidate in n for n in allowed):
             continue
         reason = not_global_reason(candidate)
