@@ -34,6 +34,12 @@ logger = logging.getLogger("standmeet")
 
 #: Grace given to child processes beyond the worker shutdown timeout before SIGKILL.
 CHILD_EXIT_GRACE_S = 5.0
+#: A second Ctrl-C forces the exit only this long after the first signal.
+FORCE_AFTER_S = 1.0
+#: A crashed child is restarted after a back-off that doubles (reset once it ran a while).
+RESTART_MIN_BACKOFF_S = 1.0
+RESTART_MAX_BACKOFF_S = 30.0
+RESTART_RESET_AFTER_S = 60.0
 #: How long ``mail test`` waits for the outcome, and for the SMTP server to answer a probe.
 MAIL_TEST_WAIT_S = 12.0
 SMTP_PROBE_TIMEOUT_S = 5.0
@@ -456,32 +462,61 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: float) -> int:
-    """Run the children until SIGTERM/SIGINT (forwarded as SIGTERM) or until one exits."""
-    stopping = False
+    """Run the children until SIGTERM/SIGINT, restarting one that dies (with back-off).
+
+    The first signal is forwarded as SIGTERM: each child gets its full shutdown timeout
+    (a Ctrl-C also reaches them directly, through the process group; they wait all the
+    same). A deliberate second Ctrl-C more than a second later forwards SIGINT, which
+    makes them exit at once, and `run` exits 1.
+    """
+    first_signal_at: list[float] = []
+    forced: list[bool] = []
+    children: list[subprocess.Popen[bytes]] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        now = time.monotonic()
+        if not first_signal_at:
+            first_signal_at.append(now)
+            return
+        if signum == signal.SIGINT and now - first_signal_at[0] > FORCE_AFTER_S and not forced:
+            forced.append(True)
+            logger.warning("second Ctrl-C: forcing the workers to exit now; running jobs are cut off")
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGINT)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    children = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    children.extend(subprocess.Popen(cmd, env=env) for cmd in commands)
     for child, cmd in zip(children, commands, strict=True):
         logger.info("started pid %d: %s", child.pid, " ".join(cmd[1:]))
-    code = 0
+    started_at = [time.monotonic()] * len(children)
+    restart_at: list[float | None] = [None] * len(children)
+    backoff = [RESTART_MIN_BACKOFF_S] * len(children)
     try:
-        while not stopping:
-            exited = [c for c in children if c.poll() is not None]
-            if exited:
-                code = exited[0].returncode or 1
-                logger.error("pid %d exited with %s; stopping the others", exited[0].pid, exited[0].returncode)
-                break
+        while not first_signal_at:
+            now = time.monotonic()
+            for n, child in enumerate(children):
+                if restart_at[n] is None and child.poll() is not None:
+                    ran = now - started_at[n]
+                    if ran > RESTART_RESET_AFTER_S:
+                        backoff[n] = RESTART_MIN_BACKOFF_S
+                    logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.1f s",
+                                 child.pid, " ".join(commands[n][1:3]), child.returncode, ran, backoff[n])
+                    restart_at[n] = now + backoff[n]
+                    backoff[n] = min(backoff[n] * 2, RESTART_MAX_BACKOFF_S)
+                due = restart_at[n]
+                if due is not None and now >= due:
+                    children[n] = subprocess.Popen(commands[n], env=env)
+                    started_at[n], restart_at[n] = now, None
+                    logger.info("restarted pid %d: %s", children[n].pid, " ".join(commands[n][1:]))
             time.sleep(0.2)
-        logger.info("stopping: SIGTERM to %s", ", ".join(str(c.pid) for c in children))
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+        alive = [c for c in children if c.poll() is None]
+        logger.info("stopping: SIGTERM to %s; running jobs get up to %.0f s",
+                    ", ".join(str(c.pid) for c in alive) or "none", shutdown_s - CHILD_EXIT_GRACE_S)
+        for child in alive:
+            child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + shutdown_s
-        for child in children:
+        for child in alive:
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -491,7 +526,7 @@ def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: flo
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return code
+    return 1 if forced else 0
 
 
 if __name__ == "__main__":
