@@ -319,7 +319,18 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_url_first(url: str) -> None:
+    """Refuse a forbidden URL before touching the database (the guard runs again at add)."""
+    from actors.netguard import check_url
+
+    check_url(url, allowed_networks=Settings.from_env().allowed_networks)
+
+
 def cmd_sources_add(args: argparse.Namespace) -> int:
+    from actors.jobboards import check_time_limit
+
+    check_time_limit(args.time_limit_s)
+    _check_url_first(args.url)
     _actors()
     from actors.jobboards import add_source
 
@@ -348,6 +359,11 @@ def cmd_fetch_new(args: argparse.Namespace) -> int:
 
 def cmd_webhooks_add(args: argparse.Namespace) -> int:
     given = _given_secret(args)
+    _check_url_first(args.url)
+    if given is not None:
+        from actors.webhooks import check_new_secret
+
+        check_new_secret(given)
     _actors()
     from actors.webhooks import add_endpoint
 

@@ -155,3 +155,11 @@ def test_db_url_is_the_same_from_any_working_directory(subprocess_env, tmp_path)
     elsewhere = cli(subprocess_env, "db", "url", cwd=tmp_path)
     assert here.returncode == elsewhere.returncode == 0
     assert here.stdout == elsewhere.stdout and here.stdout.strip()
+
+
+def test_a_forbidden_url_or_short_secret_is_refused_before_the_database_is_needed(subprocess_env):
+    down = {**subprocess_env, "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{_closed_port()}/app"}
+    refused(cli(down, "webhooks", "add", "http://169.254.169.254/", "--events", "x"), "cloud metadata")
+    refused(cli(down, "sources", "add", "http://100.100.100.200/", "--kind", "rss"), "cloud metadata")
+    refused(cli(down, "sources", "add", "http://8.8.8.8/", "--kind", "rss", "--time-limit-s", "nan"), "time limit")
+    refused(cli(down, "webhooks", "add", "http://8.8.8.8/", "--events", "x", "--secret", "whsec_AAAA"), "at least 24")
