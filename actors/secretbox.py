@@ -19,6 +19,7 @@ from pathlib import Path
 from cryptography.fernet import Fernet, InvalidToken
 
 from broker import current_broker
+from broker.embedded import is_embedded
 from broker.errors import ConfigError
 from broker.settings import Settings
 
@@ -49,7 +50,7 @@ def fernet(settings: Settings | None = None) -> Fernet:
     settings = settings or current_broker().settings
     if settings.secret_key:
         key, origin = settings.secret_key, "STANDMEET_SECRET_KEY"
-    elif settings.database_url is None:
+    elif is_embedded(settings):  # also a child of `run`, handed the embedded server's URL
         path = key_file(settings)
         key, origin = _embedded_key(path), str(path)
     else:

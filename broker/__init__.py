@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 
 def log_database(settings: Settings, url: str) -> None:
     """Say which database this process uses (password masked), and where an embedded one lives."""
+    from broker.embedded import is_embedded
     from broker.settings import masked_url
 
-    if settings.database_url:
+    if not is_embedded(settings, url):
         logger.info("database: %s (DATABASE_URL)", masked_url(url))
     else:
         logger.info("database: %s, the embedded Postgres in %s; it keeps running after this process "

@@ -456,6 +456,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     queues = args.queues or list(settings.queues)
     budget = check_budget(settings, queues)
     url = resolve_database_url(settings)
+    from broker import log_database
+
+    log_database(settings, url)
     for m in migrate(url):
         logger.info("applied migration %04d_%s", m.version, m.name)
     logger.info("connection budget: %s", budget.describe())

@@ -67,6 +67,22 @@ def resolve_database_url(settings: Settings) -> str:
     return embedded_server_url(settings.embedded_dir, DEFAULT_EMBEDDED_DATABASE)
 
 
+def is_embedded(settings: Settings, url: str | None = None) -> bool:
+    """Whether ``url`` (default: the configured one) is the embedded server of ``settings``:
+    no DATABASE_URL, or one naming the embedded server's socket folder (what `run`
+    hands its children)."""
+    url = url if url is not None else settings.database_url
+    if not url:
+        return True
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        host = conninfo_to_dict(url).get("host")
+    except psycopg.Error:
+        return False
+    return bool(host) and Path(str(host)) == settings.embedded_dir.expanduser().resolve()
+
+
 def stop_embedded(settings: Settings) -> bool:
     """Stop the embedded server if one runs in the configured folder. True if stopped."""
     data_dir = settings.embedded_dir.expanduser().resolve()

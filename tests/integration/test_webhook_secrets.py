@@ -80,3 +80,13 @@ def test_the_embedded_default_key_is_made_once_beside_the_data_with_mode_0600(br
     other = replace(settings, secret_key=None, embedded_dir=tmp_path / "elsewhere" / "pgdata")
     with pytest.raises(ConfigError, match="cannot be decrypted"):
         secretbox.unseal(sealed, other)
+
+
+def test_a_child_of_run_handed_the_embedded_servers_url_uses_the_embedded_key(broker, tmp_path):
+    data = tmp_path / "pgdata"
+    embedded = replace(broker.settings, secret_key=None, database_url=None, embedded_dir=data)
+    child = replace(embedded, database_url=f"postgresql://postgres:@/standmeet?host={data.resolve()}")
+    assert secretbox.unseal(secretbox.seal("whsec_abc", embedded), child) == "whsec_abc"
+    elsewhere = replace(child, database_url="postgresql://postgres@db.example.test/standmeet")
+    with pytest.raises(ConfigError, match="STANDMEET_SECRET_KEY is not set"):
+        secretbox.seal("whsec_abc", elsewhere)
