@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     url = resolve_database_url(settings)
+    from broker import log_database
+
+    log_database(settings, url)
     applied = migrate(url)
     if applied:
         for m in applied:

