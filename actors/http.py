@@ -125,6 +125,20 @@ class _Transport(httpx.HTTPTransport):
 CLIENT = httpx.Client(follow_redirects=False, trust_env=False, transport=_Transport())
 
 
+#: A request ends this long before its job's own time limit, so its outcome can be recorded.
+RECORD_MARGIN_S = 1.0
+#: ... but is never given less than this.
+MIN_REQUEST_S = 0.05
+
+
+def request_budget(timeout_s: float, *, margin_s: float = RECORD_MARGIN_S) -> float:
+    """``timeout_s``, shortened to end ``margin_s`` before the running job's time limit."""
+    left = deadline.remaining_s()
+    if left is None:
+        return timeout_s
+    return max(MIN_REQUEST_S, min(timeout_s, left - margin_s))
+
+
 class ResponseTooLarge(StandmeetError):
     """The response body is over the cap the caller asked to refuse beyond."""
 

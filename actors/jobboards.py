@@ -25,7 +25,7 @@ from typing import Any
 import dramatiq
 import httpx
 
-from actors.http import ResponseTooLarge, guarded_request
+from actors.http import ResponseTooLarge, guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import keeps_reason
 from broker import db
@@ -214,7 +214,8 @@ def fetch_source(source_id: int) -> None:
             headers["If-Modified-Since"] = last_modified
         try:  # no database connection is held during the request
             response = guarded_request("GET", url, allowed_networks=current_broker().settings.allowed_networks,
-                                       timeout_s=FETCH_TIMEOUT_S, max_bytes=MAX_FEED_BYTES, refuse_larger=True,
+                                       timeout_s=request_budget(FETCH_TIMEOUT_S), max_bytes=MAX_FEED_BYTES,
+                                       refuse_larger=True,
                                        headers=headers)
         except ResponseTooLarge:
             raise FeedError(f"the feed is larger than {MAX_FEED_BYTES} bytes") from None

@@ -20,7 +20,7 @@ import dramatiq
 import httpx
 import psycopg
 
-from actors.http import guarded_request
+from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused
 from actors.reasons import keeps_reason
 from broker import current_broker, db
@@ -78,7 +78,7 @@ def invoke(call_id: int) -> None:
     try:  # no connection is held from here to the outcome
         response = guarded_request(
             "POST", url, allowed_networks=current_broker().settings.allowed_networks,
-            timeout_s=SUPPLIER_TIMEOUT_S, max_bytes=RESPONSE_CAP,
+            timeout_s=request_budget(SUPPLIER_TIMEOUT_S), max_bytes=RESPONSE_CAP,
             headers={"Content-Type": "application/json"}, content=json.dumps(payload).encode())
     except UrlRefused as exc:  # the URL is forbidden: retrying cannot help
         _record(call_id, "failed", None, None, f"refused by the request-forgery guard: {exc}")

@@ -36,7 +36,7 @@ from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from actors import secretbox
-from actors.http import guarded_request
+from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from broker import db, deadline
 from broker.enqueue import enqueue
@@ -57,8 +57,6 @@ MIN_SECRET_BYTES = 24
 BODY_CAP = 16 * 1024
 #: The POST ends this long before the job's own time limit, so its attempt is recorded.
 RECORD_MARGIN_S = 1.0
-#: ... but is never given less than this.
-MIN_POST_S = 0.05
 
 
 class WebhookError(StandmeetError):
@@ -350,10 +348,7 @@ def deliver(delivery_id: int) -> None:
     body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
     # 3. POST holding no database connection, within the total deadline (R9), ending early
     #    enough before the job's own limit that the attempt is always recorded
-    timeout_s = settings.webhook_http_timeout_s
-    left = deadline.remaining_s()
-    if left is not None:
-        timeout_s = max(MIN_POST_S, min(timeout_s, left - RECORD_MARGIN_S))
+    timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
     started = datetime.now(timezone.utc)
     t0 = time.monotonic()
     try:
