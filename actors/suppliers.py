@@ -21,7 +21,7 @@ import httpx
 import psycopg
 
 from actors.http import guarded_request, request_budget
-from actors.netguard import UrlRefused
+from actors.netguard import UrlRefused, check_url
 from actors.reasons import keeps_reason
 from broker import current_broker, db
 from broker.enqueue import enqueue
@@ -54,7 +54,12 @@ class SupplierUnavailable(StandmeetError):
 
 
 def request_call(conn: psycopg.Connection[Any], supplier: str, url: str, payload: dict[str, Any]) -> int:
-    """Record a call and enqueue ``supplier.invoke`` for it, in the caller's transaction."""
+    """Record a call and enqueue ``supplier.invoke`` for it, in the caller's transaction.
+
+    A URL the request-forgery guard refuses raises :class:`UrlRefused` before anything is
+    written (the caller's transaction can still commit); it is checked again at each attempt.
+    """
+    check_url(url, allowed_networks=current_broker().settings.allowed_networks)
     row = conn.execute(INSERT, (supplier, url, json.dumps(payload))).fetchone()
     assert row is not None
     enqueue(conn, "supplier.invoke", int(row[0]))

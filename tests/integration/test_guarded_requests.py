@@ -12,6 +12,7 @@ import pytest
 from actors import suppliers
 from actors.http import ResponseTooLarge, guarded_request
 from actors.netguard import UrlRefused
+from broker import enqueue
 from tests.support.db import query, wait_for
 from tests.support.trickle import trickling_headers_server
 from tests.support.webserver import Reply, web_server
@@ -74,9 +75,18 @@ def _localhost_is_ipv4_first() -> bool:
 def test_supplier_calls_go_through_the_guard_and_keep_at_most_the_cap(broker, database_url, start_worker):
     with web_server() as api:
         api.on("POST", "/huge", lambda r: Reply(200, b"y" * 1_000_000))
+        # refused when requested, before anything is written
         with psycopg.connect(database_url) as conn, conn.transaction():
-            blocked = suppliers.request_call(conn, "acme", api.base + "/huge", {"n": 1})
-            metadata = suppliers.request_call(conn, "acme", "http://169.254.169.254/latest/meta-data", {"n": 2})
+            with pytest.raises(UrlRefused, match="cloud metadata"):
+                suppliers.request_call(conn, "acme", "http://169.254.169.254/latest/meta-data", {"n": 0})
+            kept = conn.execute("INSERT INTO test_counters (key) VALUES ('kept') RETURNING key").fetchone()
+        assert kept == ("kept",) and query(database_url, "SELECT count(*) FROM standmeet.supplier_calls") == [(0,)]
+        # and at each attempt: calls recorded while their URLs passed (or by other means)
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            blocked, metadata = (conn.execute(suppliers.INSERT, ("acme", u, "{}")).fetchone()[0]
+                                 for u in (api.base + "/huge", "http://169.254.169.254/latest/meta-data"))
+            for call in (blocked, metadata):
+                enqueue(conn, "supplier.invoke", call)
         start_worker(queues=["notify"], threads=2)
         wait_for(lambda: query(database_url, "SELECT count(*) FROM standmeet.supplier_calls"
                                              " WHERE id IN (%s, %s) AND status = 'failed'", (blocked, metadata))[0][0] == 2,
