@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import replace
 
 import psycopg
@@ -28,27 +29,40 @@ def run_env(broker, subprocess_env):
     broker.settings = original
 
 
-def _emit(database_url: str, endpoint: int) -> int:
+def _endpoint(url: str) -> tuple[int, str]:
+    """An endpoint subscribed to an event type of its own (other tests' endpoints stay out)."""
+    event_type = f"deploy.{uuid.uuid4().hex}"
+    return webhooks.add_endpoint(url, [event_type])[0], event_type
+
+
+def _emit(database_url: str, event_type: str) -> int:
     with psycopg.connect(database_url) as conn, conn.transaction():
-        return webhooks.emit_event(conn, "deploy.test", {"endpoint": endpoint})
+        return webhooks.emit_event(conn, event_type, {})
 
 
-def test_ctrl_c_to_the_process_group_lets_a_running_delivery_finish(database_url, run_env, tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c to the group", "sigterm to the group", "sigterm to run alone"])
+def test_ctrl_c_or_sigterm_lets_a_running_delivery_finish(database_url, run_env, tmp_path, how):
     log = tmp_path / "run.log"
     with http_server(delay_s=3.0) as (url, server):
-        endpoint, _ = webhooks.add_endpoint(url, ["deploy.test"])
+        endpoint, event_type = _endpoint(url)
         with running(RUN, run_env, log=log) as run:
-            event = _emit(database_url, endpoint)
+            event = _emit(database_url, event_type)
             wait_for(lambda: server.current() == 1, timeout_s=30, what="the POST to be in flight")
-            # Ctrl-C: SIGINT to the whole group; `run` then sends its own SIGTERM a few ms later
-            os.killpg(run.pid, signal.SIGINT)
+            # Ctrl-C (or systemd, or `timeout`) signals the whole group; `run` then sends its
+            # own SIGTERM a few ms later. Or an operator signals `run` alone.
+            if how == "ctrl-c to the group":
+                os.killpg(run.pid, signal.SIGINT)
+            elif how == "sigterm to the group":
+                os.killpg(run.pid, signal.SIGTERM)
+            else:
+                os.kill(run.pid, signal.SIGTERM)
             code = run.wait(timeout=30)
         text = log.read_text()
         assert code == 0, text
         assert len(server.received) == 1  # delivered once, never cut and sent again
     outcomes = query(database_url, "SELECT a.outcome FROM standmeet.webhook_attempts a"
-                                   " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id WHERE d.event_id = %s",
-                     (event,))
+                                   " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
+                                   " WHERE d.event_id = %s AND d.endpoint_id = %s", (event, endpoint))
     assert outcomes == [("ok",)], text
     assert "exiting now" not in text and "forcing" not in text
 
@@ -56,9 +70,9 @@ def test_ctrl_c_to_the_process_group_lets_a_running_delivery_finish(database_url
 def test_a_deliberate_second_ctrl_c_forces_the_exit_says_so_and_fails(database_url, run_env, tmp_path):
     log = tmp_path / "run.log"
     with http_server(hold=True) as (url, server):
-        endpoint, _ = webhooks.add_endpoint(url, ["deploy.test"])
+        endpoint, event_type = _endpoint(url)
         with running(RUN, run_env, log=log) as run:
-            _emit(database_url, endpoint)
+            _emit(database_url, event_type)
             wait_for(lambda: server.current() == 1, timeout_s=30, what="the POST to be in flight")
             os.killpg(run.pid, signal.SIGINT)
             time.sleep(1.5)  # the operator waits, then presses Ctrl-C again (the behaviour under test)
