@@ -2,7 +2,7 @@
 
 The call is a row (``standmeet.supplier_calls``) written in the caller's transaction
 with :func:`request_call`, which enqueues the job in the same transaction. The job
-reads the row (a short read), POSTs holding no database connection (R6) through the
+reads the row (a short read), POSTs holding no database connection through the
 request-forgery guard (``actors.http.guarded_request``: the address checked at each
 attempt, a total deadline shorter than the queue's 30 s limit, the response read up to
 16 KiB), then records the outcome. A URL the guard refuses fails for good. A 2xx succeeds;

@@ -346,7 +346,7 @@ def deliver(delivery_id: int) -> None:
     if message is not None and getattr(message, "endpoint_lease", None) is None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
     body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
-    # 3. POST holding no database connection, within the total deadline (R9), ending early
+    # 3. POST holding no database connection, within the total deadline, ending early
     #    enough before the job's own limit that the attempt is always recorded
     timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
     started = datetime.now(timezone.utc)
