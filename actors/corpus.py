@@ -6,7 +6,8 @@ import logging
 
 import dramatiq
 
-from actors.search import Document, search_index
+from actors.reasons import keeps_reason
+from actors.search import Document, IndexRefused, search_index
 from broker import db, deadline
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ def load_document(document_id: int) -> Document | None:
     return None if row is None else Document(int(row[0]), str(row[1]), str(row[2]))
 
 
-@dramatiq.actor(actor_name="corpus.index", queue_name="index")
+@dramatiq.actor(actor_name="corpus.index", queue_name="index", throws=(IndexRefused,))
+@keeps_reason
 def index(document_id: int) -> None:
     """Index one stored document; a document deleted since is removed from the index."""
     document = load_document(document_id)

@@ -17,6 +17,7 @@ from typing import Any
 
 from broker import db
 from broker.enqueue import enqueue
+from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
 from broker.receipts import channel_for
 
@@ -31,9 +32,33 @@ def wiki_page(title: str, body: str) -> tuple[str, str]:
     return f"{title} (wiki)", first
 
 
+class DocumentRefused(StandmeetError):
+    """A document cannot be stored (too large, or holding what Postgres cannot store)."""
+
+
+def check_document(title: str, body: str, *, max_bytes: int) -> None:
+    """Refuse, before anything is written, what must not be stored."""
+    for part, text in (("title", title), ("body", body)):
+        if "\x00" in text:
+            raise DocumentRefused(f"the document's {part} holds a NUL (\\0) character, which cannot be stored")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DocumentRefused(f"the document's {part} is not valid Unicode (a lone surrogate)") from None
+    size = len(title.encode("utf-8")) + len(body.encode("utf-8"))
+    if size > max_bytes:
+        raise DocumentRefused(f"the document is {size} bytes, over the limit of {max_bytes} "
+                              "(STANDMEET_DOCUMENT_MAX_BYTES)")
+
+
 def write_document(title: str, body: str, *, wait_s: float | None = None, wiki_delay_ms: int = 0) -> dict[str, Any]:
-    """Store a document and its wiki page, index both, and wait up to ``wait_s``."""
+    """Store a document and its wiki page, index both, and wait up to ``wait_s``.
+
+    Raises :class:`DocumentRefused` before writing anything for a document over
+    ``STANDMEET_DOCUMENT_MAX_BYTES`` or holding a NUL character.
+    """
     broker = current_broker()
+    check_document(title, body, max_bytes=broker.settings.document_max_bytes)
     wait_s = broker.settings.receipt_wait_s if wait_s is None else wait_s
     channel = channel_for("index")
     with ExitStack() as waiting:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,10 @@ from typing import Any
 import dramatiq
 import httpx
 
-from actors.http import CLIENT
+from actors.http import ResponseTooLarge, guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
-from broker import app, db, deadline
+from actors.reasons import keeps_reason
+from broker import app, db
 from broker.enqueue import build_message, enqueue_message
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
@@ -35,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 #: The largest feed read; a bigger one is an error on its source.
 MAX_FEED_BYTES = 5 * 1024 * 1024
+#: Total time for one fetch (shortened to what remains of the source's time limit).
+FETCH_TIMEOUT_S = 30.0
 KINDS = ("json", "rss")
+#: The longest time limit a source may have (the fetch queue's own jobs are 60 s).
+MAX_TIME_LIMIT_S = 3600.0
 
 ADD_SOURCE = """
 INSERT INTO standmeet.job_sources (url, kind, time_limit_s) VALUES (%s, %s, %s)
@@ -91,10 +97,23 @@ class Posting:
     published: str | None
 
 
+def check_time_limit(time_limit_s: object) -> float:
+    """A source's time limit: a finite number of seconds, above 0 and at most MAX_TIME_LIMIT_S."""
+    try:
+        value = float(time_limit_s)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise FeedError(f"the time limit {time_limit_s!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0 or value > MAX_TIME_LIMIT_S:
+        raise FeedError(f"the time limit {time_limit_s!r} must be a finite number of seconds, "
+                        f"above 0 and at most {MAX_TIME_LIMIT_S:g}")
+    return value
+
+
 def add_source(url: str, kind: str, *, time_limit_s: float = 60.0) -> int:
     """Register a source (the URL must pass the request-forgery guard)."""
     if kind not in KINDS:
         raise FeedError(f"unknown source kind {kind!r}; use json or rss")
+    time_limit_s = check_time_limit(time_limit_s)
     check_url(url, allowed_networks=current_broker().settings.allowed_networks)
     with db.connection() as conn:
         row = conn.execute(ADD_SOURCE, (url, kind, time_limit_s)).fetchone()
@@ -115,8 +134,14 @@ def fetch_new() -> int:
     with db.connection() as conn, conn.transaction():
         conn.execute(CLEAR_FINISHED)
         for source_id, time_limit_s in conn.execute(SOURCES_WITHOUT_FETCH).fetchall():
-            message = build_message("jobs.fetch_source", (int(source_id),),
-                                    options={"time_limit": int(float(time_limit_s) * 1000)})
+            try:  # one bad source (a row written before the check existed) never stops the others
+                limit_ms = int(check_time_limit(time_limit_s) * 1000)
+            except FeedError as exc:
+                logger.warning("source %s not fetched: %s", source_id, exc)
+                conn.execute(RECORD, {"id": source_id, "status": "error", "error": f"not fetched: {exc}",
+                                      "etag": None, "last_modified": None})
+                continue
+            message = build_message("jobs.fetch_source", (int(source_id),), options={"time_limit": limit_ms})
             if conn.execute(MARK_FETCH, (source_id, message.message_id)).fetchone() is not None:
                 enqueue_message(conn, message)
                 queued += 1
@@ -174,6 +199,7 @@ def _finished(source_id: int) -> None:
 
 
 @dramatiq.actor(actor_name="jobs.fetch_source", queue_name="fetch", throws=(FeedError, UrlRefused))
+@keeps_reason
 def fetch_source(source_id: int) -> None:
     with db.connection() as conn:
         row = conn.execute(READ_SOURCE, (source_id,)).fetchone()
@@ -181,29 +207,28 @@ def fetch_source(source_id: int) -> None:
         return
     url, kind, etag, last_modified = row
     try:
-        target = check_url(url, allowed_networks=current_broker().settings.allowed_networks)
-        headers = target.headers()
+        headers = {}
         if etag:
             headers["If-None-Match"] = etag
         if last_modified:
             headers["If-Modified-Since"] = last_modified
         try:  # no database connection is held during the request
-            with CLIENT.stream("GET", target.pinned_url(), headers=headers, extensions=target.extensions(),
-                               timeout=deadline.cap_timeout(30.0)) as response:
-                if response.status_code == 304:
-                    _record(source_id, "not modified", None)
-                    _finished(source_id)
-                    return
-                if response.status_code != 200:
-                    raise FeedError(f"the feed answered HTTP {response.status_code}")
-                body = b""
-                for chunk in response.iter_bytes():
-                    body += chunk
-                    if len(body) > MAX_FEED_BYTES:
-                        raise FeedError(f"the feed is larger than {MAX_FEED_BYTES} bytes")
-                new_etag, new_modified = response.headers.get("ETag"), response.headers.get("Last-Modified")
+            response = guarded_request("GET", url, allowed_networks=current_broker().settings.allowed_networks,
+                                       timeout_s=request_budget(FETCH_TIMEOUT_S), max_bytes=MAX_FEED_BYTES,
+                                       refuse_larger=True,
+                                       headers=headers)
+        except ResponseTooLarge:
+            raise FeedError(f"the feed is larger than {MAX_FEED_BYTES} bytes") from None
         except httpx.HTTPError as exc:
             raise FeedError(f"cannot fetch the feed: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 304:
+            _record(source_id, "not modified", None)
+            _finished(source_id)
+            return
+        if response.status_code != 200:
+            raise FeedError(f"the feed answered HTTP {response.status_code}")
+        body = response.body
+        new_etag, new_modified = response.headers.get("ETag"), response.headers.get("Last-Modified")
         postings = parse(kind, body)
         with db.connection() as conn, conn.transaction():
             for p in postings:

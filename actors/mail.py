@@ -28,6 +28,7 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import CurrentMessage
 
+from actors.reasons import keeps_reason
 from broker import deadline
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
@@ -134,22 +135,26 @@ MAIL_OPTIONS: dict[str, Any] = {"queue_name": "notify", "throws": (PermanentMail
 
 
 @dramatiq.actor(actor_name="owner.notify", **MAIL_OPTIONS)
+@keeps_reason
 def owner_notify(to: str, name: str, subject: str, text: str) -> None:
     """Tell an owner something happened."""
     deliver(to, "owner_notify", {"name": name, "subject": subject, "text": text})
 
 
 @dramatiq.actor(actor_name="mail.approval", **MAIL_OPTIONS)
+@keeps_reason
 def approval(to: str, name: str, requester: str, item: str, link: str) -> None:
     deliver(to, "approval", {"name": name, "requester": requester, "item": item, "link": link})
 
 
 @dramatiq.actor(actor_name="mail.confirmation", **MAIL_OPTIONS)
+@keeps_reason
 def confirmation(to: str, name: str, item: str) -> None:
     deliver(to, "confirmation", {"name": name, "item": item})
 
 
 @dramatiq.actor(actor_name="mail.test", **MAIL_OPTIONS)
+@keeps_reason
 def test_mail(to: str) -> None:
     """What ``standmeet-jobs mail test ADDRESS`` sends."""
     deliver(to, "test", {"sent_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})

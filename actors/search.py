@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+import psycopg
 
 from broker import db, deadline
 from broker.errors import StandmeetError
@@ -56,6 +57,22 @@ class SearchIndexError(StandmeetError):
     """The search index refused or failed an operation."""
 
 
+class IndexRefused(SearchIndexError):
+    """The index refused a document for good (a Postgres program limit): retrying the same
+    document cannot help, so the job fails at once, with this reason."""
+
+
+#: The index holds at most this much of a title and of a body (characters): the tsvector
+#: of a bounded text stays under Postgres' 1 MB limit, and a worker's memory bounded.
+TITLE_PREFIX_CHARS = 1_000
+BODY_PREFIX_CHARS = 256 * 1024
+
+
+def indexed_text(doc: Document) -> tuple[str, str]:
+    """The bounded prefixes of a document's title and body that the index holds."""
+    return doc.title[:TITLE_PREFIX_CHARS], doc.body[:BODY_PREFIX_CHARS]
+
+
 class SearchIndex(Protocol):
     def upsert(self, documents: list[Document], *, wait: bool = False) -> None: ...
 
@@ -68,9 +85,15 @@ class PostgresSearchIndex:
     """tsvector + GIN in the application's database."""
 
     def upsert(self, documents: list[Document], *, wait: bool = False) -> None:
-        with db.connection() as conn, conn.transaction():
-            for doc in documents:
-                conn.execute(UPSERT, {"id": doc.id, "title": doc.title, "body": doc.body})
+        try:
+            with db.connection() as conn, conn.transaction():
+                for doc in documents:
+                    title, body = indexed_text(doc)
+                    conn.execute(UPSERT, {"id": doc.id, "title": title, "body": body})
+        except psycopg.errors.ProgramLimitExceeded as exc:
+            ids = ", ".join(str(d.id) for d in documents[:10])
+            raise IndexRefused(f"Postgres refused to index document(s) {ids}: "
+                               f"{type(exc).__name__}: {str(exc).strip()}") from None
 
     def remove(self, document_id: int) -> None:
         with db.connection() as conn:
@@ -125,7 +148,7 @@ class MeilisearchIndex:
     def upsert(self, documents: list[Document], *, wait: bool = False) -> None:
         if not documents:
             return
-        body = [{"id": d.id, "title": d.title, "body": d.body} for d in documents]
+        body = [dict(zip(("title", "body"), indexed_text(d), strict=True), id=d.id) for d in documents]
         task = self._request("POST", f"/indexes/{self.index}/documents", params={"primaryKey": "id"}, json=body)
         if wait:
             self.wait_for_task(int(task["taskUid"]))

@@ -33,12 +33,14 @@ import httpx
 import psycopg
 from dramatiq.errors import Retry
 from dramatiq.middleware import CurrentMessage
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 
-from actors.http import CLIENT
+from actors import secretbox
+from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
-from broker import app, db, tracing
+from broker import app, db, deadline, tracing
 from broker.enqueue import enqueue
-from broker.errors import StandmeetError
+from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
 from broker.pgbroker import current_broker
 
@@ -48,8 +50,13 @@ logger = logging.getLogger(__name__)
 SCHEDULE = (5, 300, 1800, 7200, 18000, 36000, 36000)
 #: A Retry-After is honoured between these bounds (seconds).
 RETRY_AFTER_BOUNDS = (1, 36000)
+#: Random bytes in a generated signing secret, and the fewest a given one may hold.
+SECRET_BYTES = 32
+MIN_SECRET_BYTES = 24
 #: Response bodies are kept up to this size.
 BODY_CAP = 16 * 1024
+#: The POST ends this long before the job's own time limit, so its attempt is recorded.
+RECORD_MARGIN_S = 1.0
 
 
 class WebhookError(StandmeetError):
@@ -60,16 +67,32 @@ class WebhookError(StandmeetError):
 
 
 def new_secret() -> str:
-    return "whsec_" + base64.b64encode(secrets_module.token_bytes(24)).decode()
+    return "whsec_" + base64.b64encode(secrets_module.token_bytes(SECRET_BYTES)).decode()
 
 
 def _key(secret: str) -> bytes:
-    if not secret.startswith("whsec_"):
+    """The HMAC key of a ``whsec_`` secret. Errors never quote the secret."""
+    if not isinstance(secret, str) or not secret.startswith("whsec_"):
         raise WebhookError("a signing secret looks like whsec_<base64>")
     try:
         return base64.b64decode(secret.removeprefix("whsec_"), validate=True)
     except ValueError:
         raise WebhookError("a signing secret looks like whsec_<base64>") from None
+
+
+def check_new_secret(secret: str) -> None:
+    """Refuse a secret to be stored that is malformed or under MIN_SECRET_BYTES bytes.
+    (Secrets stored before the minimum existed still sign: refusing them at delivery
+    would stop an endpoint without its owner knowing.)"""
+    key = _key(secret)
+    if len(key) < MIN_SECRET_BYTES:
+        raise WebhookError(f"a signing secret must hold at least {MIN_SECRET_BYTES} random bytes "
+                           f"(this one holds {len(key)}); omit it to have one generated")
+
+
+def open_secrets(stored: list[str]) -> list[str]:
+    """The signing secrets of an endpoint, decrypted."""
+    return [secretbox.unseal(s) for s in stored]
 
 
 def sign(secrets: list[str], msg_id: str, timestamp: int, body: bytes) -> str:
@@ -82,19 +105,23 @@ def sign(secrets: list[str], msg_id: str, timestamp: int, body: bytes) -> str:
 
 # -- the operator's API -----------------------------------------------------------------
 
+ADD_ENDPOINT = "INSERT INTO standmeet.webhook_endpoints (url, event_types, secrets) VALUES (%s, %s, %s) RETURNING id"
+ROTATE_SECRET = """
+UPDATE standmeet.webhook_endpoints SET secrets = CASE WHEN %s THEN secrets || %s::text ELSE ARRAY[%s::text] END
+WHERE id = %s RETURNING id
+"""
+
 
 def add_endpoint(url: str, event_types: list[str], *, secret: str | None = None) -> tuple[int, str]:
     """Register an endpoint; returns (id, secret). A refused URL raises UrlRefused."""
     check_url(url, allowed_networks=current_broker().settings.allowed_networks)
     secret = secret or new_secret()
-    _key(secret)
+    check_new_secret(secret)
     if not event_types:
         raise WebhookError("an endpoint needs at least one event type (or '*')")
+    sealed = secretbox.seal(secret)
     with db.connection() as conn:
-        row = conn.execute(
-            "INSERT INTO standmeet.webhook_endpoints (url, event_types, secrets) VALUES (%s, %s, %s) RETURNING id",
-            (url, event_types, [secret]),
-        ).fetchone()
+        row = conn.execute(ADD_ENDPOINT, (url, event_types, [sealed])).fetchone()
     assert row is not None
     return int(row[0]), secret
 
@@ -122,11 +149,12 @@ def set_enabled(endpoint_id: int, enabled: bool, reason: str | None = None) -> N
 def rotate_secret(endpoint_id: int, new: str | None = None, *, keep_old: bool = True) -> str:
     """Add a secret (both sign during the rotation); drop the old ones with keep_old=False."""
     new = new or new_secret()
-    _key(new)
+    check_new_secret(new)
+    sealed = secretbox.seal(new)
     with db.connection() as conn:
-        conn.execute(
-            "UPDATE standmeet.webhook_endpoints SET secrets = CASE WHEN %s THEN secrets || %s::text ELSE ARRAY[%s::text] END"
-            " WHERE id = %s", (keep_old, new, new, endpoint_id))
+        found = conn.execute(ROTATE_SECRET, (keep_old, sealed, sealed, endpoint_id)).fetchone()
+    if found is None:
+        raise WebhookError(f"no webhook endpoint {endpoint_id}")
     return new
 
 
@@ -230,7 +258,7 @@ WHERE id = %s
 
 @dataclass(frozen=True)
 class Outcome:
-    outcome: str                 # ok | http | redirect | timeout | connect | dns | tls | blocked | gone
+    outcome: str                 # ok | http | redirect | timeout | connect | dns | tls | blocked | gone | error
     status_code: int | None = None
     error: str | None = None
     body: str | None = None
@@ -269,59 +297,33 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: float) -> Outcome:
-    """POST once, holding no database connection, within a total deadline of ``timeout_s``."""
-    try:
-        target = check_url(url, allowed_networks=current_broker().settings.allowed_networks)
-    except UrlRefused as exc:
-        return Outcome("blocked", error=str(exc))
+    """POST once, holding no database connection, within a total deadline of ``timeout_s``
+    (shortened to what remains of the job): a watchdog closes the connection when it
+    passes, whatever bytes the endpoint trickles."""
     timestamp = int(time.time())
     headers = {
-        **target.headers(),
         "content-type": "application/json",
         "webhook-id": msg_id,
         "webhook-timestamp": str(timestamp),
         "webhook-signature": sign(secrets, msg_id, timestamp, body),
     }
     tracing.inject_headers(headers)  # traceparent: the receiver can join the trace
-    end = time.monotonic() + timeout_s
-
-    def total_deadline(event: str, info: dict[str, Any]) -> None:
-        # httpx's timeouts are per phase; httpcore reads them at the start of each phase,
-        # so each phase gets only what remains of the total.
-        request = info.get("request")
-        if event.endswith(".started") and request is not None:
-            phases = request.extensions.get("timeout")
-            if isinstance(phases, dict):
-                left = max(0.001, end - time.monotonic())
-                for phase in ("read", "write", "pool"):
-                    phases[phase] = left
-
     try:
-        with CLIENT.stream("POST", target.pinned_url(), content=body, headers=headers,
-                           extensions={**target.extensions(), "trace": total_deadline},
-                           timeout=httpx.Timeout(timeout_s)) as response:
-            chunks, size, truncated = [], 0, False
-            for chunk in response.iter_bytes():
-                if time.monotonic() > end:  # httpx's timeouts are per phase: keep the total
-                    raise httpx.ReadTimeout("the total deadline passed while reading the body")
-                if size + len(chunk) > BODY_CAP:
-                    chunks.append(chunk[: BODY_CAP - size])
-                    truncated = True
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            text = b"".join(chunks).decode("utf-8", "replace")
-            code = response.status_code
-            retry_after = _retry_after(response.headers.get("retry-after"))
+        response = guarded_request("POST", url, allowed_networks=current_broker().settings.allowed_networks,
+                                   timeout_s=timeout_s, max_bytes=BODY_CAP, headers=headers, content=body)
+    except UrlRefused as exc:
+        return Outcome("blocked", error=str(exc))
     except httpx.HTTPError as exc:
         return Outcome(_classify(exc), error=f"{type(exc).__name__}: {exc}")
+    code, text, truncated = response.status_code, response.text, response.truncated
     if 200 <= code < 300:
         return Outcome("ok", code, body=text, truncated=truncated)
     if code == 410:
         return Outcome("gone", code, body=text, truncated=truncated)
     if 300 <= code < 400:
         return Outcome("redirect", code, error="redirects are not followed", body=text, truncated=truncated)
-    return Outcome("http", code, body=text, truncated=truncated, retry_after_s=retry_after)
+    return Outcome("http", code, body=text, truncated=truncated,
+                   retry_after_s=_retry_after(response.headers.get("retry-after")))
 
 
 @dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1)
@@ -345,12 +347,32 @@ def deliver(delivery_id: int) -> None:
     if message is not None and getattr(message, "endpoint_lease", None) is None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
     body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
-    # 3. POST holding no database connection, within the total deadline (R9)
+    # 3. POST holding no database connection, within the total deadline, ending early
+    #    enough before the job's own limit that the attempt is always recorded
+    timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
     started = datetime.now(timezone.utc)
     t0 = time.monotonic()
-    outcome = post(url, list(secrets), f"msg_{event_id}_{endpoint_id}", body, timeout_s=settings.webhook_http_timeout_s)
+    try:
+        outcome = post(url, open_secrets(list(secrets)), f"msg_{event_id}_{endpoint_id}", body, timeout_s=timeout_s)
+    except (TimeLimitExceeded, DeadlineExceeded) as exc:
+        # the job's own limit fired during the request: still an attempt, a timeout
+        deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
+        _settle(delivery_id, attempts, endpoint_id, started, t0,
+                Outcome("timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})"))
+        raise
+    except Exception as exc:
+        _settle(delivery_id, attempts, endpoint_id, started, t0, Outcome("error", error=f"{type(exc).__name__}: {exc}"))
+        raise
+    retry_in = _settle(delivery_id, attempts, endpoint_id, started, t0, outcome)
+    if retry_in is not None:
+        raise Retry(f"delivery {delivery_id}: {outcome.outcome} {outcome.status_code or ''}".strip(),
+                    delay=int(retry_in * 1000))
+
+
+def _settle(delivery_id: int, attempts: int, endpoint_id: int, started: datetime, t0: float,
+            outcome: Outcome) -> float | None:
+    """Record the attempt, the endpoint's health and the next try; the retry delay, if any."""
     ms = int((time.monotonic() - t0) * 1000)
-    # 4. settle: record the attempt, the endpoint's health and the next try
     attempt = attempts + 1
     retry_in: float | None = None
     if outcome.ok:
@@ -374,21 +396,22 @@ def deliver(delivery_id: int) -> None:
             conn.execute(ENDPOINT_GONE, ("the endpoint answered 410 Gone", endpoint_id))
         else:
             conn.execute(ENDPOINT_FAILING, (endpoint_id,))
-    if retry_in is not None:
-        raise Retry(f"delivery {delivery_id}: {outcome.outcome} {outcome.status_code or ''}".strip(),
-                    delay=int(retry_in * 1000))
+    return retry_in
+
+
+DISABLE_FAILING = """
+UPDATE standmeet.webhook_endpoints SET enabled = false,
+    disabled_reason = 'failing continuously since ' || failing_since::text
+WHERE enabled AND failing_since < now() - make_interval(secs => %s) RETURNING id
+"""
 
 
 @dramatiq.actor(actor_name="maintenance.webhook_health", queue_name="maintenance")
 def webhook_health() -> None:
     """Disable endpoints failing without a break for STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS."""
     days = current_broker().settings.webhook_disable_after_days
-    with db.connection() as conn:
-        rows = conn.execute(
-            "UPDATE standmeet.webhook_endpoints SET enabled = false,"
-            " disabled_reason = 'failing continuously since ' || failing_since::text"
-            " WHERE enabled AND failing_since < now() - make_interval(days => %s::int) RETURNING id",
-            (int(days),)).fetchall()
+    with db.connection() as conn:  # in seconds: 0.5 days is 12 hours, not 0
+        rows = conn.execute(DISABLE_FAILING, (float(days) * 86400,)).fetchall()
     for (endpoint_id,) in rows:
         logger.warning("webhook endpoint %s disabled: failing for more than %s days", endpoint_id, days)
 

@@ -96,7 +96,12 @@ def main() -> int:
 
     admin_url = testdb.server_url()
     url = fresh_database(admin_url, "bench_webhooks", ours=True)
-    infra.configure(replace(Settings.from_env(), allowed_networks=("127.0.0.0/8",)), url=url)
+    from cryptography.fernet import Fernet
+
+    settings = Settings.from_env()
+    # secrets are stored encrypted: a throwaway key for this throwaway database, unless one is set
+    key = settings.secret_key or Fernet.generate_key().decode()
+    infra.configure(replace(settings, allowed_networks=("127.0.0.0/8",), secret_key=key), url=url)
     try:
         rate = deliveries_per_s(url, args.events)
         print(f"deliveries: {args.events * 20} to 20 fast endpoints at {rate:,.0f} deliveries/s", flush=True)

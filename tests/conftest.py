@@ -17,6 +17,13 @@ from tests.support import db as testdb
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Webhook secrets are encrypted at rest; with DATABASE_URL a key must be given (the tests'
+# processes all inherit this one).
+if not os.environ.get("STANDMEET_SECRET_KEY"):
+    from cryptography.fernet import Fernet
+
+    os.environ["STANDMEET_SECRET_KEY"] = Fernet.generate_key().decode()
+
 #: Settings every test broker uses: quick heartbeats so rescue is testable in seconds.
 TEST_OVERRIDES = {"heartbeat_s": 0.5, "rescue_after_s": 3.0, "min_backoff_ms": 10, "max_backoff_ms": 200}
 

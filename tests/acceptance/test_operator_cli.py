@@ -17,16 +17,21 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_mail_test_sends_through_the_notify_queue(broker, database_url, subprocess_env, start_worker):
+def test_mail_test_sends_through_the_notify_queue_and_waits_for_the_outcome(
+    broker, database_url, subprocess_env, start_worker
+):
     with smtp_server() as (port, mailbox):
         env = {**subprocess_env, "STANDMEET_SMTP_HOST": "127.0.0.1", "STANDMEET_SMTP_PORT": str(port)}
-        result = cli(env, "mail", "test", "ops@example.test")
-        assert result.returncode == 0, result.stderr
-        assert "queued test mail to ops@example.test" in result.stdout
+        # no worker yet: it says so, non-zero, once its wait is over
+        waited = cli(env, "mail", "test", "nobody@example.test", "--wait-s", "0.5")
+        assert waited.returncode == 1 and "is `standmeet-jobs run` running?" in waited.stderr
         broker.settings = replace(broker.settings, smtp_host="127.0.0.1", smtp_port=port)
         start_worker(queues=["notify"], threads=2)
-        wait_for(lambda: mailbox.received, timeout_s=15, what="the test mail")
-    assert mailbox.received[0]["To"] == "ops@example.test"
+        result = cli(env, "mail", "test", "ops@example.test")
+        assert result.returncode == 0, result.stderr
+        assert f"sent test mail to ops@example.test through 127.0.0.1:{port}" in result.stdout
+        wait_for(lambda: len(mailbox.received) == 2, timeout_s=15, what="both test mails")
+    assert {m["To"] for m in mailbox.received} == {"ops@example.test", "nobody@example.test"}
     assert mailbox.received[0]["Subject"] == "StandMeet test mail"
 
 

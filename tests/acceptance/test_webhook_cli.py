@@ -68,3 +68,18 @@ def test_the_health_job_disables_an_endpoint_failing_for_five_days(broker, datab
     reason = scalar(database_url, "SELECT disabled_reason FROM standmeet.webhook_endpoints WHERE id = %s", (sick,))
     assert reason.startswith("failing continuously since")
     assert scalar(database_url, "SELECT enabled FROM standmeet.webhook_endpoints WHERE id = %s", (recent,))
+
+
+def test_the_health_job_counts_fractions_of_a_day(broker, database_url, start_worker):
+    from actors import webhooks
+
+    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",), webhook_disable_after_days=0.5)
+    day, hours = webhooks.add_endpoint("http://127.0.0.1:9/day", ["x"])[0], webhooks.add_endpoint("http://127.0.0.1:9/6h", ["x"])[0]
+    query(database_url, "UPDATE standmeet.webhook_endpoints SET failing_since = now() - interval '1 day' WHERE id = %s", (day,))
+    query(database_url, "UPDATE standmeet.webhook_endpoints SET failing_since = now() - interval '6 hours' WHERE id = %s", (hours,))
+    start_worker(queues=["maintenance"], threads=1)
+    message = webhooks.webhook_health.send()
+    wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                            (message.message_id,)) == "done", timeout_s=15, what="the health job")
+    enabled = dict(query(database_url, "SELECT id, enabled FROM standmeet.webhook_endpoints WHERE id IN (%s, %s)", (day, hours)))
+    assert enabled == {day: False, hours: True}  # half a day is twelve hours, not zero

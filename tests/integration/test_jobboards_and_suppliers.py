@@ -85,7 +85,8 @@ def test_a_source_on_a_private_address_is_refused_unless_allowed(broker):
         jobboards.add_source("http://169.254.169.254/latest", "json")
 
 
-def test_supplier_calls_record_their_outcome_and_retry_only_what_may_succeed(broker, database_url, start_worker):
+def test_supplier_calls_record_their_outcome_and_retry_only_what_may_succeed(broker, database_url, start_worker,
+                                                                           loopback_allowed):
     answers = {"/ok": [200], "/bad": [422], "/flaky": [503, 200]}
     with web_server() as api:
         for path, codes in answers.items():

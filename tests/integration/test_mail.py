@@ -64,6 +64,10 @@ def test_a_permanent_refusal_fails_without_retry(broker, database_url, start_wor
     assert _final_state(database_url, job.message_id) == "rejected"
     assert mailbox.attempts == 1
     assert mailbox.received == []
+    # the rejected message keeps why: the exception's type and message, not the bare word 'failed'
+    error = query(database_url, "SELECT error FROM dramatiq.queue WHERE message_id = %s", (job.message_id,))[0][0]
+    assert error.startswith("PermanentMailError: recipient refused") or error.startswith("PermanentMailError: SMTP 550")
+    assert "no such user" in error
 
 
 def test_an_unreachable_server_is_a_temporary_failure(broker, database_url, start_worker):

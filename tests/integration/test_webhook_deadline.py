@@ -71,3 +71,50 @@ def test_an_http_date_retry_after_counts_from_now():
 
     value = webhooks._retry_after(format_datetime(datetime.now(timezone.utc) + timedelta(seconds=90), usegmt=True))
     assert value is not None and 85 <= value <= 90
+
+
+def test_an_endpoint_trickling_its_headers_is_cut_at_the_total_deadline(broker):
+    from tests.support.trickle import trickling_headers_server
+
+    original = broker.settings
+    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    try:
+        with trickling_headers_server(every_s=0.1) as url:
+            start = time.monotonic()
+            outcome = webhooks.post(url, [webhooks.new_secret()], "msg_2", b"{}", timeout_s=1.0)
+            took = time.monotonic() - start
+    finally:
+        broker.settings = original
+    # every header byte comes within any per-read timeout; the whole is still cut at 1 s
+    assert outcome.outcome == "timeout", outcome
+    assert 0.9 <= took < 1.6, took
+
+
+def test_an_attempt_cut_by_the_jobs_own_time_limit_is_recorded_as_a_timeout(broker, database_url, start_worker):
+    import psycopg
+
+    from broker.enqueue import enqueue
+    from tests.support.db import query, wait_for
+    from tests.support.trickle import trickling_headers_server
+
+    original = broker.settings
+    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    try:
+        with trickling_headers_server(every_s=0.1) as url:
+            endpoint, _ = webhooks.add_endpoint(url, ["slow.thing"])
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                event = conn.execute("INSERT INTO standmeet.webhook_events (type, payload) VALUES ('slow.thing', '{}')"
+                                     " RETURNING id").fetchone()[0]
+                delivery = conn.execute("INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id)"
+                                        " VALUES (%s, %s) RETURNING id", (event, endpoint)).fetchone()[0]
+                # this job may run 1.5 s, far less than the 10 s HTTP deadline
+                enqueue(conn, "webhook.deliver", delivery, options={"time_limit": 1500})
+            start_worker(queues=["webhook"], threads=2)
+            attempts = wait_for(lambda: query(database_url, "SELECT outcome, duration_ms FROM standmeet.webhook_attempts"
+                                                            " WHERE delivery_id = %s", (delivery,)),
+                                timeout_s=10, what="the attempt to be recorded")
+    finally:
+        broker.settings = original
+    assert attempts[0][0] == "timeout" and attempts[0][1] < 1500, attempts
+    assert query(database_url, "SELECT state, attempts, last_outcome FROM standmeet.webhook_deliveries WHERE id = %s",
+                 (delivery,)) == [("pending", 1, "timeout")]

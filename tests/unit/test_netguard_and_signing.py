@@ -57,3 +57,13 @@ def test_a_signature_is_the_base64_hmac_of_id_timestamp_and_body_per_secret():
 
     with freeze_time("2023-11-14 22:13:20"):
         assert Webhook(s2).verify(body, headers) == {"a": 1}
+
+
+def test_a_short_secret_stored_before_the_minimum_still_signs_but_a_new_one_is_refused():
+    from actors.webhooks import WebhookError, check_new_secret
+
+    legacy = "whsec_" + base64.b64encode(b"short").decode()
+    assert sign([legacy], "msg_1", 1700000000, b"{}").startswith("v1,")
+    with pytest.raises(WebhookError, match="at least 24 random bytes"):
+        check_new_secret(legacy)
+    check_new_secret(new_secret())

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from broker.budget import check_budget, compute_budget
@@ -97,3 +99,35 @@ def test_a_rescue_window_shorter_than_two_heartbeats_is_refused():
 def test_a_minimum_back_off_above_the_maximum_is_refused():
     with pytest.raises(ConfigError, match="STANDMEET_MIN_BACKOFF_MS"):
         Settings.from_env({"STANDMEET_MIN_BACKOFF_MS": "10", "STANDMEET_MAX_BACKOFF_MS": "5"})
+
+
+def test_the_embedded_folder_is_the_users_data_folder_whatever_the_working_directory(tmp_path, monkeypatch):
+    import platformdirs
+
+    from broker.settings import Settings
+
+    first = Settings.from_env({}).embedded_dir
+    monkeypatch.chdir(tmp_path)
+    assert Settings.from_env({}).embedded_dir == first
+    assert first.is_absolute() and first == Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata"
+    assert Settings.from_env({"STANDMEET_EMBEDDED_DIR": "/srv/pg"}).embedded_dir == Path("/srv/pg")
+
+
+@pytest.mark.parametrize("url, words", [("nonsense", "not a valid Postgres URL"),
+                                        ("postgresql://u:hunter2@[::1", "not a valid Postgres URL"),
+                                        ("postgresql://u:hunter2@h:port/db", "port 'port'")])
+def test_a_malformed_database_url_is_named_without_its_password(url, words):
+    from broker.errors import ConfigError
+    from broker.settings import Settings
+
+    with pytest.raises(ConfigError, match=words) as refused:
+        Settings.from_env({"DATABASE_URL": url})
+    assert str(refused.value).startswith("DATABASE_URL") and "hunter2" not in str(refused.value)
+
+
+def test_passwords_are_masked_in_what_is_logged():
+    from broker.settings import masked_url
+
+    assert masked_url("postgresql://bob:s3cret@db:5432/app") == "postgresql://bob:***@db:5432/app"
+    assert masked_url("host=db password='a b' user=bob") == "host=db password=*** user=bob"
+    assert masked_url("postgresql://db/app") == "postgresql://db/app"
