@@ -15,6 +15,7 @@ from broker import configure
 configure()
 
 from actors import (  # noqa: E402  (declared once the broker exists)
+    cli,
     corpus,
     documents,
     jobboards,
@@ -24,4 +25,4 @@ from actors import (  # noqa: E402  (declared once the broker exists)
     webhooks,
 )
 
-__all__ = ["corpus", "documents", "jobboards", "mail", "routes", "suppliers", "webhooks"]
+__all__ = ["cli", "corpus", "documents", "jobboards", "mail", "routes", "suppliers", "webhooks"]

@@ -30,7 +30,7 @@ import psycopg
 from broker import ops
 from broker.embedded import resolve_database_url
 from broker.errors import DatabaseUnavailable, StandmeetError
-from broker.settings import Settings
+from broker.settings import Settings, masked_url
 
 #: ``status --check`` fails when a queue's oldest due job has waited longer than this.
 DEFAULT_MAX_AGE_S = 300.0
@@ -40,8 +40,8 @@ class UsageError(StandmeetError):
     """A command given wrong arguments (one line, exit 1)."""
 
 
-def add_commands(sub: Any, webhooks: Any) -> None:
-    """Add the operators' subcommands to ``standmeet-jobs`` (``sub``) and its ``webhooks``."""
+def add_commands(sub: Any) -> None:
+    """Add the operators' subcommands to ``standmeet-jobs`` (``sub``)."""
     p = sub.add_parser("status", help="queues, worker processes, periodic jobs and the outbox at a glance")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--check", action="store_true",
@@ -98,6 +98,10 @@ def add_commands(sub: Any, webhooks: Any) -> None:
     q.add_argument("queue")
     q.set_defaults(func=cmd_queues_resume)
 
+
+
+def add_webhook_deliveries(webhooks: Any) -> None:
+    """``webhooks deliveries``, for an application that has webhooks to add to its command."""
     q = webhooks.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
     q.add_argument("endpoint", type=int, nargs="?", help="only this endpoint's")
     q.add_argument("--limit", type=int, default=100)
@@ -399,13 +403,16 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
     try:
         conn = psycopg.connect(url, autocommit=True, application_name="standmeet-cli")
     except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(f"cannot connect to the database: {str(exc).strip().splitlines()[0]}") from exc
+        from broker.preflight import first_line, server_of
+
+        raise DatabaseUnavailable(
+            f"cannot reach the database at {server_of(url)} ({masked_url(url)}): {first_line(exc)}") from exc
     with conn:
         try:
             yield conn
         except psycopg.errors.UndefinedTable as exc:
             first = str(exc).strip().splitlines()[0]
-            raise StandmeetError(f"the schema is not up to date (run standmeet-jobs migrate): {first}") from exc
+            raise StandmeetError(f"the schema is not up to date: run `standmeet-jobs migrate` ({first})") from exc
 
 
 def periodic_intervals() -> dict[str, float]:

@@ -1,0 +1,356 @@
+"""This application's ``standmeet-jobs`` commands, declared through ``broker.app.command``.
+
+The runtime's command line loads the application's modules (``actors`` by default) for
+any command it does not own, and these declarations add: ``emit``, ``write``, ``mail
+test``, ``search``, ``reindex``, ``sources``, ``fetch-new`` and ``webhooks``. Bad input
+is one line naming what was wrong, exit status 1, checked before the database is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from broker import app, opscli
+from broker.errors import StandmeetError
+from broker.pgbroker import current_broker
+from broker.settings import Settings
+
+#: How long ``mail test`` waits for the outcome, and for the SMTP server to answer a probe.
+MAIL_TEST_WAIT_S = 12.0
+SMTP_PROBE_TIMEOUT_S = 5.0
+#: ``search --limit`` bounds.
+MAX_SEARCH_LIMIT = 1000
+
+
+def _usage(args: argparse.Namespace) -> int:
+    print("standmeet-jobs: this command needs an action; see --help", file=sys.stderr)
+    return 2
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    import json
+
+    import psycopg
+
+    try:
+        payload = json.loads(args.payload)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        print(f"standmeet-jobs: --payload is not JSON: {what}", file=sys.stderr)
+        return 1
+    if not isinstance(payload, dict):
+        print("standmeet-jobs: --payload must be a JSON object", file=sys.stderr)
+        return 1
+    from broker.outbox import check_payload
+
+    check_payload(args.topic, payload)  # before any connection: bad input is named first
+    _actors()
+    from broker.outbox import emit
+    from broker.pgbroker import current_broker
+
+    with psycopg.connect(current_broker().url) as conn, conn.transaction():
+        event_id = emit(conn, args.topic, payload)
+    print(event_id)
+    return 0
+
+
+def cmd_write(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    settings = Settings.from_env()
+    try:
+        size = Path(args.file).stat().st_size
+        if size > settings.document_max_bytes:  # refused before reading it all
+            print(f"standmeet-jobs: {args.file} is {size} bytes, over the limit of {settings.document_max_bytes} "
+                  "(STANDMEET_DOCUMENT_MAX_BYTES)", file=sys.stderr)
+            return 1
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"standmeet-jobs: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 1
+    title, _, body = text.partition("\n")
+    from actors.documents import check_document
+
+    check_document(title, body, max_bytes=settings.document_max_bytes)
+    _actors()
+    from actors.documents import write_document
+    from broker.pgbroker import current_broker
+
+    result = write_document(title.strip() or Path(args.file).stem, body, wait_s=args.wait_s)
+    print(json.dumps(result))
+    current_broker().close()
+    return 0
+
+
+def _actors() -> None:
+    """Check the database: reachable and migrated (one line naming the cause if not)."""
+    from broker.preflight import check_database
+
+    check_database(current_broker().url)
+
+
+MAIL_OUTCOME = """
+SELECT "state"::text, error, message->'options'->>'traceback' FROM dramatiq.queue WHERE message_id = %s
+"""
+
+
+def cmd_mail_test(args: argparse.Namespace) -> int:
+    import smtplib
+
+    settings = Settings.from_env()
+    server = f"{settings.smtp_host}:{settings.smtp_port}"
+    try:  # the server first: an unreachable one is named at once, worker or not
+        with smtplib.SMTP(settings.smtp_host, settings.smtp_port,
+                          timeout=min(SMTP_PROBE_TIMEOUT_S, settings.smtp_timeout_s)) as smtp:
+            smtp.noop()
+    except (OSError, smtplib.SMTPException) as exc:
+        print(f"standmeet-jobs: cannot reach the SMTP server {server} (STANDMEET_SMTP_HOST, STANDMEET_SMTP_PORT): "
+              f"{exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    _actors()
+    from actors.mail import test_mail
+    from broker import db
+
+    message = test_mail.send(args.address)
+    end = time.monotonic() + max(0.0, args.wait_s)
+    while True:
+        with db.connection() as conn:
+            row = conn.execute(MAIL_OUTCOME, (message.message_id,)).fetchone()
+        state, error, traceback = row if row else (None, None, None)
+        if state == "done":
+            print(f"sent test mail to {args.address} through {server} (job {message.message_id})")
+            return 0
+        if state == "rejected" or traceback:
+            reason = (traceback or error or "failed").strip().splitlines()[-1]
+            print(f"standmeet-jobs: the test mail to {args.address} through {server} failed: {reason}",
+                  file=sys.stderr)
+            return 1
+        if time.monotonic() >= end:
+            print(f"standmeet-jobs: no worker sent the test mail within {args.wait_s:g} s (job {message.message_id} "
+                  "is still queued): is `standmeet-jobs run` running?", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    import json
+
+    if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
+        print(f"standmeet-jobs: --limit must be from 1 to {MAX_SEARCH_LIMIT}, not {args.limit}", file=sys.stderr)
+        return 1
+    _actors()
+    from actors.search import search_index
+
+    for hit in search_index().search(" ".join(args.words), limit=args.limit):
+        print(json.dumps({"id": hit.document_id, "title": hit.title, "rank": round(hit.rank, 4)}))
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.corpus import reindex
+
+    message = reindex.send()
+    print(f"queued a rebuild of the index as job {message.message_id}")
+    return 0
+
+
+def _check_url_first(url: str) -> None:
+    """Refuse a forbidden URL before touching the database (the guard runs again at add)."""
+    from actors.netguard import check_url
+
+    check_url(url, allowed_networks=Settings.from_env().allowed_networks)
+
+
+def cmd_sources_add(args: argparse.Namespace) -> int:
+    from actors.jobboards import check_time_limit
+
+    check_time_limit(args.time_limit_s)
+    _check_url_first(args.url)
+    _actors()
+    from actors.jobboards import add_source
+
+    print(add_source(args.url, args.kind, time_limit_s=args.time_limit_s))
+    return 0
+
+
+def cmd_sources_list(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.jobboards import list_sources
+
+    for src in list_sources():
+        fetched = src["last_fetch_at"].isoformat(timespec="seconds") if src["last_fetch_at"] else "never"
+        print(f"{src['id']}\t{src['kind']}\t{src['url']}\tlast fetch {fetched}: {src['last_status'] or '-'}"
+              f"\t{src['postings']} posting(s)" + (f"\terror: {src['last_error']}" if src["last_error"] else ""))
+    return 0
+
+
+def cmd_fetch_new(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.jobboards import fetch_new
+
+    print(f"queued {fetch_new()} fetch(es)")
+    return 0
+
+
+def cmd_webhooks_add(args: argparse.Namespace) -> int:
+    given = _given_secret(args)
+    _check_url_first(args.url)
+    if given is not None:
+        from actors.webhooks import check_new_secret
+
+        check_new_secret(given)
+    _actors()
+    from actors.webhooks import add_endpoint
+
+    endpoint_id, secret = add_endpoint(args.url, [e.strip() for e in args.events.split(",") if e.strip()],
+                                       secret=given)
+    print(endpoint_id if given else f"{endpoint_id}\t{secret}")
+    return 0
+
+
+def _given_secret(args: argparse.Namespace) -> str | None:
+    """The secret from --secret-file, stdin (--secret -) or --secret; never echoed."""
+    from pathlib import Path
+
+    if args.secret is not None and args.secret_file is not None:
+        raise StandmeetError("give --secret or --secret-file, not both")
+    if args.secret_file is not None:
+        try:
+            return Path(args.secret_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StandmeetError(f"cannot read the secret file {args.secret_file}: {exc.__class__.__name__}") from None
+    if args.secret == "-":
+        return sys.stdin.readline().strip()
+    return args.secret
+
+
+def cmd_webhooks_list(args: argparse.Namespace) -> int:
+    from broker.opscli import print_endpoints
+
+    print_endpoints(Settings.from_env())
+    return 0
+
+
+def cmd_webhooks_toggle(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.webhooks import set_enabled
+
+    set_enabled(args.id, args.enabled)
+    print(f"endpoint {args.id} {'enabled' if args.enabled else 'disabled'}")
+    return 0
+
+
+def cmd_webhooks_replay(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    _actors()
+    from actors.webhooks import replay, replay_failed
+
+    if args.delivery is not None:
+        replay(args.delivery)
+        print(f"delivery {args.delivery} queued again")
+    elif args.failed_since:
+        try:
+            since = datetime.fromisoformat(args.failed_since)
+        except ValueError:
+            print(f"standmeet-jobs: --failed-since {args.failed_since!r} is not an ISO time", file=sys.stderr)
+            return 2
+        print(f"{replay_failed(since)} delivery(ies) queued again")
+    else:
+        print("standmeet-jobs: give a delivery id or --failed-since TIME", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_webhooks_ping(args: argparse.Namespace) -> int:
+    _actors()
+    from actors.webhooks import ping
+
+    events = ping(args.id, args.count)
+    print(f"emitted {len(events)} webhook.ping event(s) for endpoint {args.id}")
+    return 0
+
+
+def _setup_emit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("topic", help="the event's topic (see actors/routes.py)")
+    p.add_argument("--payload", default="{}", help="the payload, a JSON object")
+    p.set_defaults(func=cmd_emit)
+
+
+def _setup_write(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a text file: its first line is the title, the rest the body")
+    p.add_argument("--wait-s", type=float, default=None, help="how long to wait for the index (default 2)")
+    p.set_defaults(func=cmd_write)
+
+
+def _setup_mail(p: argparse.ArgumentParser) -> None:
+    mail_sub = p.add_subparsers(metavar="ACTION")
+    q = mail_sub.add_parser("test", help="send a test mail to ADDRESS through the notify queue, wait for the outcome")
+    q.add_argument("address")
+    q.add_argument("--wait-s", type=float, default=MAIL_TEST_WAIT_S,
+                   help=f"how long to wait for a worker to send it (default {MAIL_TEST_WAIT_S:g})")
+    q.set_defaults(func=cmd_mail_test)
+
+
+def _setup_search(p: argparse.ArgumentParser) -> None:
+    p.add_argument("words", nargs="+")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(func=cmd_search)
+
+
+def _setup_reindex(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(func=cmd_reindex)
+
+
+def _setup_sources(p: argparse.ArgumentParser) -> None:
+    src_sub = p.add_subparsers(metavar="ACTION")
+    q = src_sub.add_parser("add", help="register a job source (subject to the request-forgery guard)")
+    q.add_argument("url")
+    q.add_argument("--kind", choices=["json", "rss"], required=True)
+    q.add_argument("--time-limit-s", type=float, default=60.0, help="this source's fetch time limit")
+    q.set_defaults(func=cmd_sources_add)
+    q = src_sub.add_parser("list", help="each source with its last fetch and error")
+    q.set_defaults(func=cmd_sources_list)
+
+
+def _setup_fetch_new(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(func=cmd_fetch_new)
+
+
+def _setup_webhooks(p: argparse.ArgumentParser) -> None:
+    wh = p.add_subparsers(metavar="ACTION")
+    q = wh.add_parser("add", help="register an endpoint; prints its id (and its secret when generated)")
+    q.add_argument("url")
+    q.add_argument("--events", required=True, help="event types, comma-separated ('*' for all)")
+    q.add_argument("--secret", help="a whsec_… signing secret, or - to read it from stdin (default: a new one)")
+    q.add_argument("--secret-file", metavar="PATH", help="read the whsec_… signing secret from this file")
+    q.set_defaults(func=cmd_webhooks_add)
+    q = wh.add_parser("list", help="the endpoints, enabled or not, and why")
+    q.set_defaults(func=cmd_webhooks_list)
+    for action in ("disable", "enable"):
+        q = wh.add_parser(action, help=f"{action} an endpoint")
+        q.add_argument("id", type=int)
+        q.set_defaults(func=cmd_webhooks_toggle, enabled=action == "enable")
+    q = wh.add_parser("replay", help="deliver again: one delivery, or every failed one since a time")
+    q.add_argument("delivery", type=int, nargs="?", help="a delivery id")
+    q.add_argument("--failed-since", help="an ISO time, e.g. 2026-11-29T10:00:00+00:00")
+    q.set_defaults(func=cmd_webhooks_replay)
+    q = wh.add_parser("ping", help="emit N webhook.ping events for an endpoint through the normal path")
+    q.add_argument("id", type=int)
+    q.add_argument("--count", type=int, default=1)
+    q.set_defaults(func=cmd_webhooks_ping)
+    opscli.add_webhook_deliveries(wh)
+
+
+app.command("emit", "emit one event through the outbox, in its own transaction; print its id", setup=_setup_emit, run=_usage)
+app.command("write", "store a document, index it, wait for the index; print one JSON object", setup=_setup_write, run=_usage)
+app.command("mail", "mail through the notify queue", setup=_setup_mail, run=_usage)
+app.command("search", "query the search index (STANDMEET_SEARCH_BACKEND)", setup=_setup_search, run=_usage)
+app.command("reindex", "enqueue a rebuild of the whole search index", setup=_setup_reindex, run=_usage)
+app.command("sources", "job sources of the fetch queue", setup=_setup_sources, run=_usage)
+app.command("fetch-new", "enqueue one fetch for every source with none pending (jobs.fetch_new)", setup=_setup_fetch_new, run=_usage)
+app.command("webhooks", "webhook endpoints and deliveries", setup=_setup_webhooks, run=_usage)
