@@ -595,11 +595,14 @@ SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason, e.failing_since
        (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')
 FROM standmeet.webhook_endpoints e
 LEFT JOIN LATERAL (
-    SELECT at.started_at, at.outcome, at.status_code, at.error
+    SELECT last.started_at, last.outcome, last.status_code, last.error
     FROM standmeet.webhook_deliveries d
-    JOIN standmeet.webhook_attempts at ON at.delivery_id = d.id
-    WHERE d.endpoint_id = e.id
-    ORDER BY at.started_at DESC, at.id DESC
+    CROSS JOIN LATERAL (
+        SELECT started_at, outcome, status_code, error FROM standmeet.webhook_attempts
+        WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
+    ) last
+    WHERE d.endpoint_id = e.id AND d.attempts > 0
+    ORDER BY d.updated_at DESC, d.id DESC
     LIMIT 1
 ) a ON true
 ORDER BY e.id
