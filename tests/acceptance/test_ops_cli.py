@@ -183,3 +183,15 @@ def test_webhook_deliveries_show_attempts_status_and_error_and_list_says_why_an_
     listed = ok(cli(subprocess_env, "webhooks", "list"))
     (line,) = [ln for ln in listed.splitlines() if ln.startswith(f"{endpoint}\t")]
     assert "enabled\tfailing since" in line and "HTTP 503" in line
+
+
+def test_the_operator_commands_do_not_import_the_application(broker, subprocess_env):
+    script = ("import sys, broker.cli\n"
+              "for argv in (['status', '--json'], ['jobs', 'list', '--json'], ['queues', 'list'],"
+              " ['webhooks', 'deliveries', '--json'], ['webhooks', 'list']):\n"
+              "    assert broker.cli.main(argv) == 0, argv\n"
+              "print('imported actors:', any(m == 'actors' or m.startswith('actors.') for m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script], env=subprocess_env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("imported actors: False")
