@@ -130,6 +130,11 @@ def test_bad_input_is_one_line_naming_what_was_wrong(broker, subprocess_env):
         assert result.returncode == 1, (args, result.stdout)
         assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr
+    # arguments the parser refuses: one line too (exit 2, as argparse does)
+    result = cli(subprocess_env, "jobs", "list", "--state", "failed")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("standmeet-jobs jobs list: argument --state: invalid choice: 'failed'")
 
 
 def test_a_paused_queue_is_not_claimed_by_any_process_and_resumes_within_a_second(
