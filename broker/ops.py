@@ -626,6 +626,57 @@ def webhook_endpoints(conn: psycopg.Connection[Any]) -> list[EndpointStatus]:
             for r in conn.execute(WEBHOOK_ENDPOINTS).fetchall()]
 
 
+#: Turn an endpoint on (its failure streak forgotten) or off (with the reason).
+SET_ENDPOINT_ENABLED = """
+UPDATE standmeet.webhook_endpoints
+SET enabled = %(enabled)s,
+    disabled_reason = CASE WHEN %(enabled)s THEN NULL ELSE %(reason)s END,
+    failing_since = CASE WHEN %(enabled)s THEN NULL ELSE failing_since END
+WHERE id = %(id)s
+RETURNING id
+"""
+
+#: Deliveries back to pending; the caller then enqueues one ``webhook.deliver`` each.
+REPLAY_DELIVERIES = """
+UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now()
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id
+"""
+
+#: The actor and queue of a webhook delivery job (declared by the application).
+DELIVER_ACTOR = "webhook.deliver"
+DELIVER_QUEUE = "webhook"
+
+
+def set_endpoint_enabled(conn: psycopg.Connection[Any], endpoint_id: int, enabled: bool, *,
+                         reason: str | None = None) -> bool:
+    """Enable or disable a webhook endpoint; False when there is no such endpoint."""
+    with conn.transaction():
+        row = conn.execute(SET_ENDPOINT_ENABLED, {
+            "id": endpoint_id, "enabled": enabled, "reason": reason or "disabled by an operator"}).fetchone()
+    return row is not None
+
+
+def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]) -> int:
+    """Deliver again (any state): each back to pending with a ``webhook.deliver`` job
+    enqueued in the same transaction; returns how many exist. Needs no actor import."""
+    from dramatiq.message import Message
+
+    from broker import sql
+
+    with conn.transaction():
+        found = [int(r[0]) for r in conn.execute(REPLAY_DELIVERIES, {"ids": list(delivery_ids)}).fetchall()]
+        if found:
+            messages: list[Message] = [
+                Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(i,), kwargs={}, options={})
+                for i in found
+            ]
+            conn.execute(sql.ENQUEUE, {
+                "queues": [m.queue_name for m in messages], "message_ids": [m.message_id for m in messages],
+                "messages": [m.encode().decode("utf-8") for m in messages], "delays": [0.0] * len(messages)})
+    return len(found)
+
+
 # -- the audit trail ---------------------------------------------------------------------
 
 RECORD_ACTION = """

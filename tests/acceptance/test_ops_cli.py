@@ -200,3 +200,30 @@ def test_the_operator_commands_do_not_import_the_application(broker, subprocess_
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("imported actors: False")
+
+
+def test_an_endpoint_is_disabled_enabled_and_its_delivery_replayed_without_the_application(
+        broker, database_url, start_worker):
+    import psycopg
+
+    from actors import webhooks
+    from broker import ops
+
+    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    with http_server() as (url, server), psycopg.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = webhooks.add_endpoint(url, ["order.shipped"])
+        assert ops.set_endpoint_enabled(conn, endpoint, False, reason="maintenance window")
+        (status,) = [e for e in ops.webhook_endpoints(conn) if e.id == endpoint]
+        assert status.why_failing == "disabled: maintenance window"
+        start_worker(queues=["webhook"], threads=4)
+        with conn.transaction():
+            event = webhooks.emit_event(conn, "order.shipped", {"order": 8})
+        wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE event_id = %s",
+                                (event,)) == "skipped", timeout_s=15, what="a skipped delivery")
+        assert ops.set_endpoint_enabled(conn, endpoint, True)
+        assert not ops.set_endpoint_enabled(conn, 999_999, True)
+        delivery = scalar(database_url, "SELECT id FROM standmeet.webhook_deliveries WHERE event_id = %s", (event,))
+        assert ops.replay_deliveries(conn, [delivery, 999_999]) == 1
+        wait_for(lambda: server.received, timeout_s=15, what="the replayed delivery")
+        wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE id = %s",
+                                (delivery,)) == "succeeded", timeout_s=15, what="the delivery to succeed")
