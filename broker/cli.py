@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NoReturn
 
 from broker.budget import check_budget
 from broker.embedded import resolve_database_url, stop_embedded
@@ -110,8 +111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one line naming what was wrong (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                         help="text (default) or json, one object a line (also STANDMEET_LOG_FORMAT)")

@@ -595,11 +595,14 @@ SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason, e.failing_since
        (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')
 FROM standmeet.webhook_endpoints e
 LEFT JOIN LATERAL (
-    SELECT at.started_at, at.outcome, at.status_code, at.error
+    SELECT last.started_at, last.outcome, last.status_code, last.error
     FROM standmeet.webhook_deliveries d
-    JOIN standmeet.webhook_attempts at ON at.delivery_id = d.id
-    WHERE d.endpoint_id = e.id
-    ORDER BY at.started_at DESC, at.id DESC
+    CROSS JOIN LATERAL (
+        SELECT started_at, outcome, status_code, error FROM standmeet.webhook_attempts
+        WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
+    ) last
+    WHERE d.endpoint_id = e.id AND d.attempts > 0
+    ORDER BY d.updated_at DESC, d.id DESC
     LIMIT 1
 ) a ON true
 ORDER BY e.id
@@ -621,6 +624,57 @@ def webhook_endpoints(conn: psycopg.Connection[Any]) -> list[EndpointStatus]:
     return [EndpointStatus(int(r[0]), r[1], list(r[2]), bool(r[3]), r[4], r[5], r[6], r[7], r[8], r[9],
                            int(r[10]), int(r[11]))
             for r in conn.execute(WEBHOOK_ENDPOINTS).fetchall()]
+
+
+#: Turn an endpoint on (its failure streak forgotten) or off (with the reason).
+SET_ENDPOINT_ENABLED = """
+UPDATE standmeet.webhook_endpoints
+SET enabled = %(enabled)s,
+    disabled_reason = CASE WHEN %(enabled)s THEN NULL ELSE %(reason)s END,
+    failing_since = CASE WHEN %(enabled)s THEN NULL ELSE failing_since END
+WHERE id = %(id)s
+RETURNING id
+"""
+
+#: Deliveries back to pending; the caller then enqueues one ``webhook.deliver`` each.
+REPLAY_DELIVERIES = """
+UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now()
+WHERE id = ANY(%(ids)s::bigint[])
+RETURNING id
+"""
+
+#: The actor and queue of a webhook delivery job (declared by the application).
+DELIVER_ACTOR = "webhook.deliver"
+DELIVER_QUEUE = "webhook"
+
+
+def set_endpoint_enabled(conn: psycopg.Connection[Any], endpoint_id: int, enabled: bool, *,
+                         reason: str | None = None) -> bool:
+    """Enable or disable a webhook endpoint; False when there is no such endpoint."""
+    with conn.transaction():
+        row = conn.execute(SET_ENDPOINT_ENABLED, {
+            "id": endpoint_id, "enabled": enabled, "reason": reason or "disabled by an operator"}).fetchone()
+    return row is not None
+
+
+def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]) -> int:
+    """Deliver again (any state): each back to pending with a ``webhook.deliver`` job
+    enqueued in the same transaction; returns how many exist. Needs no actor import."""
+    from dramatiq.message import Message
+
+    from broker import sql
+
+    with conn.transaction():
+        found = [int(r[0]) for r in conn.execute(REPLAY_DELIVERIES, {"ids": list(delivery_ids)}).fetchall()]
+        if found:
+            messages: list[Message] = [
+                Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(i,), kwargs={}, options={})
+                for i in found
+            ]
+            conn.execute(sql.ENQUEUE, {
+                "queues": [m.queue_name for m in messages], "message_ids": [m.message_id for m in messages],
+                "messages": [m.encode().decode("utf-8") for m in messages], "delays": [0.0] * len(messages)})
+    return len(found)
 
 
 # -- the audit trail ---------------------------------------------------------------------

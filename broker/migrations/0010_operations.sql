@@ -9,8 +9,14 @@ ALTER TABLE dramatiq.queue
     ADD COLUMN IF NOT EXISTS retried_at timestamptz,
     ADD COLUMN IF NOT EXISTS retried_by text;
 
--- What job lists page through: newest first, in a stable order.
-CREATE INDEX IF NOT EXISTS queue_enqueued_idx ON dramatiq.queue (enqueued_at DESC, message_id);
+-- No index for the job lists' order (enqueued_at DESC): every enqueue, claim and ack
+-- would pay for it, and hold one more lock; a page of jobs sorts the rows it filters.
+
+-- What the webhook views read: an endpoint's deliveries, newest first; a delivery's last attempt.
+CREATE INDEX IF NOT EXISTS webhook_deliveries_endpoint_idx
+    ON standmeet.webhook_deliveries (endpoint_id, updated_at DESC);
+CREATE INDEX IF NOT EXISTS webhook_attempts_delivery_idx
+    ON standmeet.webhook_attempts (delivery_id, attempt DESC);
 
 -- A paused queue: no process claims from it until the row is deleted (resume).
 CREATE TABLE IF NOT EXISTS standmeet.queue_pauses (

@@ -68,7 +68,8 @@ def test_status_reports_queues_workers_and_periodic_jobs_and_check_fails_on_what
                         " AND state = 'queued'")
     stale = cli(subprocess_env, "status", "--check", "--max-age-s", "60")
     assert stale.returncode == 1
-    assert "queue index: the oldest due job has waited 600 s" in stale.stderr
+    assert "unhealthy: queue index: the oldest due job has waited 60" in stale.stderr
+    assert "(more than 60 s)" in stale.stderr
 
 
 def test_jobs_are_listed_shown_retried_and_cancelled_from_the_command_line(
@@ -129,6 +130,11 @@ def test_bad_input_is_one_line_naming_what_was_wrong(broker, subprocess_env):
         assert result.returncode == 1, (args, result.stdout)
         assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr
+    # arguments the parser refuses: one line too (exit 2, as argparse does)
+    result = cli(subprocess_env, "jobs", "list", "--state", "failed")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("standmeet-jobs jobs list: argument --state: invalid choice: 'failed'")
 
 
 def test_a_paused_queue_is_not_claimed_by_any_process_and_resumes_within_a_second(
@@ -182,3 +188,42 @@ def test_webhook_deliveries_show_attempts_status_and_error_and_list_says_why_an_
     listed = ok(cli(subprocess_env, "webhooks", "list"))
     (line,) = [ln for ln in listed.splitlines() if ln.startswith(f"{endpoint}\t")]
     assert "enabled\tfailing since" in line and "HTTP 503" in line
+
+
+def test_the_operator_commands_do_not_import_the_application(broker, subprocess_env):
+    script = ("import sys, broker.cli\n"
+              "for argv in (['status', '--json'], ['jobs', 'list', '--json'], ['queues', 'list'],"
+              " ['webhooks', 'deliveries', '--json'], ['webhooks', 'list']):\n"
+              "    assert broker.cli.main(argv) == 0, argv\n"
+              "print('imported actors:', any(m == 'actors' or m.startswith('actors.') for m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script], env=subprocess_env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("imported actors: False")
+
+
+def test_an_endpoint_is_disabled_enabled_and_its_delivery_replayed_without_the_application(
+        broker, database_url, start_worker):
+    import psycopg
+
+    from actors import webhooks
+    from broker import ops
+
+    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    with http_server() as (url, server), psycopg.connect(database_url, autocommit=True) as conn:
+        endpoint, _ = webhooks.add_endpoint(url, ["order.shipped"])
+        assert ops.set_endpoint_enabled(conn, endpoint, False, reason="maintenance window")
+        (status,) = [e for e in ops.webhook_endpoints(conn) if e.id == endpoint]
+        assert status.why_failing == "disabled: maintenance window"
+        start_worker(queues=["webhook"], threads=4)
+        with conn.transaction():
+            event = webhooks.emit_event(conn, "order.shipped", {"order": 8})
+        wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE event_id = %s",
+                                (event,)) == "skipped", timeout_s=15, what="a skipped delivery")
+        assert ops.set_endpoint_enabled(conn, endpoint, True)
+        assert not ops.set_endpoint_enabled(conn, 999_999, True)
+        delivery = scalar(database_url, "SELECT id FROM standmeet.webhook_deliveries WHERE event_id = %s", (event,))
+        assert ops.replay_deliveries(conn, [delivery, 999_999]) == 1
+        wait_for(lambda: server.received, timeout_s=15, what="the replayed delivery")
+        wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE id = %s",
+                                (delivery,)) == "succeeded", timeout_s=15, what="the delivery to succeed")

@@ -11,7 +11,7 @@ import dramatiq
 import psycopg
 import pytest
 
-from broker import app, ops
+from broker import ops
 from middleware.cancellation import Cancellation
 from middleware.retries import Retries
 from tests.support.db import query, scalar, wait_for
@@ -23,7 +23,8 @@ RELEASED = "SELECT 1 FROM test_counters WHERE key = %s"
 
 @dataclass(frozen=True)
 class Actors:
-    """Jobs on one queue of their own, so each test reads only its own rows."""
+    """Jobs on one queue each test has to itself (declaring new queues would leave them
+    on every later module's broker), so each test reads only its own rows."""
 
     queue: str
     ok: dramatiq.Actor
@@ -32,10 +33,10 @@ class Actors:
 
 
 def _actors(queue: str) -> Actors:
-    app.queue(queue, max_workers=3, time_limit_s=60)  # a job held running leaves room for others
+    prefix = f"ops_test.{queue}"
 
     def ok(label: str = "") -> None:
-        record_finish(record_start(f"{queue}.ok", queue, label))
+        record_finish(record_start(f"{prefix}.ok", queue, label))
 
     def fail(label: str = "") -> None:
         raise ValueError(f"{label} is broken")
@@ -44,7 +45,7 @@ def _actors(queue: str) -> Actors:
         """Runs until the test releases ``key``."""
         from broker import db
 
-        run = record_start(f"{queue}.hold", queue, key)
+        run = record_start(f"{prefix}.hold", queue, key)
         while True:
             with db.connection() as conn:
                 if conn.execute(RELEASED, (key,)).fetchone():
@@ -54,9 +55,9 @@ def _actors(queue: str) -> Actors:
 
     return Actors(
         queue,
-        dramatiq.actor(ok, actor_name=f"{queue}.ok", queue_name=queue, max_retries=0),
-        dramatiq.actor(fail, actor_name=f"{queue}.fail", queue_name=queue, max_retries=0),
-        dramatiq.actor(hold, actor_name=f"{queue}.hold", queue_name=queue, max_retries=0),
+        dramatiq.actor(ok, actor_name=f"{prefix}.ok", queue_name=queue, max_retries=0),
+        dramatiq.actor(fail, actor_name=f"{prefix}.fail", queue_name=queue, max_retries=0),
+        dramatiq.actor(hold, actor_name=f"{prefix}.hold", queue_name=queue, max_retries=0),
     )
 
 
@@ -64,19 +65,19 @@ def _checking(key: str) -> None:
     """A long job that checks its deadline between steps, as long actors do."""
     from broker import deadline
 
-    run = record_start("ops_cancel.checking", "ops_cancel", key)
+    run = record_start("ops_test.checking", "webhook", key)
     for _ in range(1500):
         deadline.check()
         cooperative_sleep(0.02)
     record_finish(run)
 
 
-CHECKING = dramatiq.actor(_checking, actor_name="ops_cancel.checking", queue_name="ops_cancel", max_retries=0)
-OVERVIEW = _actors("ops_overview")
-LISTING = _actors("ops_listing")
-RETRY = _actors("ops_retry")
-CANCEL = _actors("ops_cancel")
-PAUSE = _actors("ops_pause")
+CHECKING = dramatiq.actor(_checking, actor_name="ops_test.checking", queue_name="webhook", max_retries=0)
+OVERVIEW = _actors("maintenance")
+LISTING = _actors("fetch")
+RETRY = _actors("notify")
+CANCEL = _actors("webhook")
+PAUSE = _actors("index")
 
 
 @pytest.fixture
@@ -162,7 +163,7 @@ def test_the_worker_overview_shows_live_and_dead_processes_and_what_each_runs(br
     workers = {w.id: w for w in ops.worker_overview(conn, rescue_after_s=20)}
     me = workers[broker.worker_id]
     assert me.alive and me.stopped_at is None and me.last_heartbeat_age_s < 20
-    assert (running.message_id, f"{a.queue}.hold") in me.running_jobs and me.running >= 1
+    assert (running.message_id, a.hold.actor_name) in me.running_jobs and me.running >= 1
     (dead,) = [w for w in workers.values() if w.host == "gone-host"]
     assert not dead.alive and dead.pid == 4242 and dead.running == 0
     # live ones first
@@ -205,9 +206,9 @@ def test_jobs_are_listed_by_state_queue_actor_text_and_id_newest_first(broker, d
     assert [j.id for j in listed] == [failed.message_id, *[m.message_id for m in reversed(finished)]]
     assert ops.count_jobs(conn, queue=a.queue) == 4
     (rejected,) = ops.list_jobs(conn, queue=a.queue, state="rejected")
-    assert (rejected.actor, rejected.retries) == (f"{a.queue}.fail", 1)  # Dramatiq counts the failure
+    assert (rejected.actor, rejected.retries) == (a.fail.actor_name, 1)  # Dramatiq counts the failure
     assert rejected.error == "ValueError: order-77 is broken"
-    assert {j.id for j in ops.list_jobs(conn, actor=f"{a.queue}.ok", state="done")} == {m.message_id for m in finished}
+    assert {j.id for j in ops.list_jobs(conn, actor=a.ok.actor_name, state="done")} == {m.message_id for m in finished}
     assert [j.id for j in ops.list_jobs(conn, search="INVOICE-1")] == [finished[1].message_id]
     assert [j.id for j in ops.list_jobs(conn, message_id=failed.message_id[:8])] == [failed.message_id]
     assert ops.list_jobs(conn, queue=a.queue, since="1d") == listed
