@@ -73,6 +73,8 @@ class Claim:
     message: Message
     number: int
     started: bool
+    #: when it was claimed (wall clock, for the claim-to-start metric)
+    claimed_at: float = field(default_factory=time.time)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -596,6 +598,10 @@ class StandmeetBroker(dramatiq.Broker):
             {"after_s": self.settings.rescue_after_s, "max_crashes": self.settings.max_crashes},
         )
         result = {row[0]: (int(row[1]), int(row[2])) for row in rows}
+        if result:
+            from broker.metrics import count_rescues
+
+            count_rescues(result)
         for row in rows:
             logger.warning(
                 "crash rescue: %d message(s) of queue %r requeued (%d suspect), %d rejected after too many crashes",
@@ -748,6 +754,7 @@ class StandmeetConsumer(Consumer):
             self.broker.settler.mark_started(claim.key)
         proxy = MessageProxy(claim.message)
         proxy.standmeet_claim = claim.number  # type: ignore[attr-defined]  # travels with it to its settle
+        proxy.standmeet_claimed_at = claim.claimed_at  # type: ignore[attr-defined]  # claim-to-start metric
         return proxy
 
     def _claim_or_wait(self) -> MessageProxy | None:

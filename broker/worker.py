@@ -45,7 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker-shutdown-timeout", type=int, default=None, metavar="MS",
                         help="wait this long for running jobs on SIGTERM (default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    from broker.logging_setup import configure_logging
+
+    log_format = (os.environ.get("STANDMEET_LOG_FORMAT") or "text").strip().lower()
+    configure_logging("json" if log_format == "json" else "text")
 
     stop = threading.Event()
     first_signal_at: list[float] = []

@@ -3,11 +3,15 @@
 Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to top.
 
 1. ``ConnectionBudget``  refuse to boot over the connection budget, or for an unknown queue
+   ``Tracing``           a consumer span per run, the producer's trace carried on (``[otel]``)
 2. ``QueueConcurrency``  never more than a queue's max_workers jobs at once in a process
 3. ``AgeLimit``          (Dramatiq's) drop messages older than their ``max_age``
 4. ``TimeLimit``         a hard limit per job kind; records the deadline where jobs block
 5. ``CurrentMessage``, ``ShutdownNotifications`` (Dramatiq's)
 6. ``Callbacks``, ``Pipelines`` (Dramatiq's)
+   ``Metrics``, ``JobLog``, ``Cancellation``  Dramatiq's metric names; one log line per
+                         finished job; a cancelled running job stops at its next check
+                         (before Retries, so their after-hooks see its decision)
 7. ``Retries``           retry failures with back-off; the delay lives in the database
 8. ``Results``           results in Postgres (``store_results=True``), none for a snoozed run
 9. ``GroupCallbacks``    (Dramatiq's) group completion callbacks, on the Postgres rate limiter
@@ -36,14 +40,18 @@ from dramatiq.rate_limits import RateLimiterBackend
 from dramatiq.results import ResultBackend
 
 from broker.settings import Settings
+from middleware.cancellation import Cancellation
 from middleware.connection_budget import ConnectionBudget
 from middleware.endpoint_lease import EndpointLease
 from middleware.graceful_shutdown import GracefulShutdown
+from middleware.job_log import JobLog
+from middleware.metrics import Metrics
 from middleware.queue_concurrency import QueueConcurrency
 from middleware.results import Results
 from middleware.retries import Retries
 from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
 from middleware.time_limit import TimeLimit
+from middleware.tracing import Tracing
 
 __all__ = ["Snooze", "default_middleware", "snooze_before_start"]
 
@@ -57,6 +65,7 @@ def default_middleware(
     groups = [GroupCallbacks(rate_limiter)] if rate_limiter is not None else []
     return [
         ConnectionBudget(),
+        Tracing(),
         QueueConcurrency(),
         AgeLimit(),
         TimeLimit(),
@@ -64,6 +73,9 @@ def default_middleware(
         ShutdownNotifications(),
         Callbacks(),
         Pipelines(),
+        Metrics(),
+        JobLog(),
+        Cancellation(),
         Retries(
             max_retries=settings.max_retries,
             min_backoff_ms=settings.min_backoff_ms,

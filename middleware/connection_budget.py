@@ -34,4 +34,4 @@ class ConnectionBudget(Middleware):
                 f"the known queues are {', '.join(sorted(broker.queues))}"
             )
         budget = check_budget(broker.settings, served_queues(broker, worker))  # refuse to start
-        logger.info("connection budget: %s", budget.describe())
+        logger.debug("connection budget: %s", budget.describe())  # `run` and `check` say it once

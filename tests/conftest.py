@@ -28,6 +28,13 @@ if not os.environ.get("STANDMEET_SECRET_KEY"):
 TEST_OVERRIDES = {"heartbeat_s": 0.5, "rescue_after_s": 3.0, "min_backoff_ms": 10, "max_backoff_ms": 200}
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Acceptance tests (real processes and signals) are slow: ``-m "not slow"`` skips them."""
+    for item in items:
+        if "acceptance" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     logging.getLogger("dramatiq").setLevel(logging.WARNING)
 
