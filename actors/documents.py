@@ -1,4 +1,4 @@
-"""The write path: store a document, enqueue its index jobs, wait for them (R5, R12).
+"""The write path: store a document, enqueue its index jobs, wait for them.
 
     result = write_document("Title", "body text")
     # {"id": 17, "wiki_id": 18, "indexed": True, "waited_ms": 4.1}

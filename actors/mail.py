@@ -8,7 +8,7 @@ recipient's mail system sees one mail, not two.
 
 A permanent rejection (5xx) fails the job at once, without retry; a temporary one
 (4xx, connection refused, a timeout) is retried with back-off. No database connection
-is held while talking to the SMTP server (R6).
+is held while talking to the SMTP server.
 """
 
 from __future__ import annotations

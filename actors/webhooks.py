@@ -1,10 +1,11 @@
-"""Webhooks: endpoints, fan-out, and signed delivery, one at a time per endpoint (R3, R6, R9).
+"""Webhooks: endpoints, fan-out, and signed delivery, one at a time per endpoint.
 
 An event is stored (``standmeet.webhook_events``) and emitted through the outbox;
 ``webhook.fanout`` makes one delivery per enabled endpoint subscribed to its type (a
 disabled one gets a *skipped* delivery, replayable later) and a ``webhook.deliver``
 job for each. The endpoint lease is taken and released around ``webhook.deliver`` by
-``middleware/endpoint_lease.py``; the actor only reads (connection returned), POSTs
+the keyed-lease middleware (``middleware/keyed_lease.py``), as this module's
+``ENDPOINT_LEASE`` declares; the actor only reads (connection returned), POSTs
 holding no connection, and records.
 
 Deliveries are signed per the Standard Webhooks specification (``webhook-id``,
@@ -43,6 +44,7 @@ from broker.enqueue import enqueue
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
 from broker.pgbroker import current_broker
+from middleware.keyed_lease import Lease, lease_of
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +328,43 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
                    retry_after_s=_retry_after(response.headers.get("retry-after")))
 
 
-@dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1)
+#: The endpoint lease: at most one delivery in flight per endpoint, across processes and
+#: hosts, by a row lease on the endpoint with a token; it outlives the job's limit.
+ENDPOINT_OF = """
+SELECT d.endpoint_id FROM standmeet.webhook_deliveries d
+JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id WHERE d.id = %s AND e.enabled
+"""
+TAKE_ENDPOINT = """
+UPDATE standmeet.webhook_endpoints
+SET busy_until = now() + make_interval(secs => %(lease_s)s), lease_token = gen_random_uuid()
+WHERE id = %(key)s AND enabled AND (busy_until IS NULL OR busy_until < now())
+RETURNING lease_token::text
+"""
+RELEASE_ENDPOINT = """
+UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
+WHERE id = %(key)s AND lease_token = %(token)s::uuid
+"""
+
+
+def _endpoint_of(message: Any) -> int | None:
+    """The delivery's endpoint; None when the delivery or its endpoint is gone or disabled
+    (the actor records the delivery as such, no lease needed)."""
+    if not message.args:
+        return None
+    with db.connection() as conn:
+        row = conn.execute(ENDPOINT_OF, (int(message.args[0]),)).fetchone()
+    return int(row[0]) if row is not None else None
+
+
+ENDPOINT_LEASE = Lease(
+    key=_endpoint_of, take=TAKE_ENDPOINT, release=RELEASE_ENDPOINT,
+    lease_s=lambda: current_broker().settings.webhook_lease_s,
+    busy_snooze_s=lambda: current_broker().settings.webhook_busy_snooze_s,
+)
+
+
+@dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1,
+                lease=ENDPOINT_LEASE)
 def deliver(delivery_id: int) -> None:
     settings = current_broker().settings
     # 1. the lease is already ours (middleware); 2. short reads, connection returned at once
@@ -344,7 +382,7 @@ def deliver(delivery_id: int) -> None:
                                            "outcome": "endpoint disabled", "next": None})
         return
     message = CurrentMessage.get_current_message()
-    if message is not None and getattr(message, "endpoint_lease", None) is None:
+    if message is not None and lease_of(message) is None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
     body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
     # 3. POST holding no database connection, within the total deadline, ending early

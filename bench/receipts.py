@@ -1,4 +1,4 @@
-"""Write → indexed receipt latency, at idle and with the webhook queue saturated (R2, R5).
+"""Write → indexed receipt latency, at idle and with the webhook queue saturated.
 
     python bench/receipts.py [--writes 500] [--runs 1]
 

@@ -1,5 +1,5 @@
 """Webhooks: deliveries/s to 20 fast local endpoints, and index latency while slow endpoints
-fill the webhook queue (R2), against an idle run in the same invocation.
+fill the webhook queue, against an idle run in the same invocation.
 
     python bench/webhooks.py [--events 25] [--writes 200]
 

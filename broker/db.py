@@ -1,7 +1,7 @@
 """The application's psycopg 3 pool, and the connection helper jobs use.
 
 A job borrows a connection for a short piece of work and gives it back before any
-network call (R6). The helper sets ``statement_timeout`` to what remains of the
+network call. The helper sets ``statement_timeout`` to what remains of the
 job's time limit, so a long query is stopped by Postgres where the async exception
 of the time limit could not reach it.
 """

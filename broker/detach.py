@@ -4,7 +4,7 @@ Infrastructure that must have a thread of its own (the relay loop, the LISTEN
 connection, the heartbeat) starts it here and nowhere else: the thread is named,
 any exception the function raises is logged and absorbed (the process stays up),
 and the owner can stop it and join it with a timeout. Domain code never starts a
-thread: it enqueues a job or declares a periodic job (see the R13 gate).
+thread: it enqueues a job or declares a periodic job (see scripts/check_no_bare_threads.py).
 
 A looping function takes the :class:`threading.Event` it is given and returns when
 the event is set; :meth:`Detached.stop` sets it.

@@ -5,7 +5,7 @@
     StandmeetError                     base of everything we raise on purpose
     ├── ConfigError                    a setting is missing, malformed or out of range
     │   └── StartupRefused             a start-up check failed: the process refuses to start
-    │       └── BudgetError            the connection budget (R7) does not hold
+    │       └── BudgetError            the connection budget does not hold
     ├── DatabaseError                  Postgres could not be reached or answered badly
     │   └── DatabaseUnavailable        no connection could be made (server down, bad URL)
     ├── MigrationError                 a schema migration failed; nothing of it was applied
@@ -47,7 +47,7 @@ class StartupRefused(ConfigError, MiddlewareError):
 
 
 class BudgetError(StartupRefused):
-    """The sum of the served queues' workers and the relay exceeds half the pool (R7)."""
+    """The sum of the served queues' workers and the relay exceeds half the pool."""
 
 
 class DatabaseError(StandmeetError):

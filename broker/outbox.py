@@ -1,4 +1,4 @@
-"""The transactional outbox and the relay (R4, R5).
+"""The transactional outbox and the relay.
 
 An application writes its domain rows and the events they cause in one transaction:
 

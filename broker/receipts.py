@@ -1,4 +1,4 @@
-"""Completion receipts and the waiters of a web request (R5, R12).
+"""Completion receipts and the waiters of a web request.
 
 When a job on an awaited queue (index, notify) finishes for good — done, or rejected
 with no retry left; not when it is retried or snoozed — its settle sends, in the same
@@ -31,7 +31,7 @@ from broker.pgpool import Outage
 
 logger = logging.getLogger(__name__)
 
-#: Waiters a channel holds at most; one more is answered False at once (R12).
+#: Waiters a channel holds at most; one more is answered False at once.
 DEFAULT_MAX_WAITERS = 64
 #: How long a request waits for its receipts by default.
 DEFAULT_WAIT_S = 2.0

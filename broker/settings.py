@@ -29,14 +29,14 @@ QUEUE_VARIABLE = re.compile(r"^STANDMEET_QUEUE_(?P<name>[A-Z0-9_]+?)_(?P<field>M
 #: much later, and rejected with the reason after this many claims (about 5 minutes).
 DEFAULT_UNKNOWN_ACTOR_DELAY_S = 10.0
 DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS = 30
-#: Connections of the application pool (psycopg 3); half is reserved for requests (R7).
+#: Connections of the application pool (psycopg 3); half is reserved for requests.
 DEFAULT_POOL_MAX_SIZE = 40
-#: Connections the relay takes from the application pool in each process (R7).
+#: Connections the relay takes from the application pool in each process.
 RELAY_CONNECTIONS = 1
 #: Connections of the broker's pool for sends, heartbeats and rescue (beside one per
 #: consumer and the settler's, which are not pooled).
 DEFAULT_BROKER_ACK_CONNECTIONS = 4
-#: How long a worker waits for running jobs on SIGTERM before cancelling them (R11).
+#: How long a worker waits for running jobs on SIGTERM before cancelling them.
 DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S = 20.0
 #: Fallback poll of an idle consumer, in case a notification was missed.
 DEFAULT_POLL_S = 1.0
@@ -54,15 +54,15 @@ DEFAULT_RETENTION_DAYS = 7.0
 DEFAULT_PRUNE_BATCH = 5_000
 #: Largest outbox payload (JSON, bytes) that emit accepts.
 DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES = 64 * 1024
-#: Rows one relay pass (one transaction) claims at most (R4).
+#: Rows one relay pass (one transaction) claims at most.
 DEFAULT_RELAY_BATCH = 200
 #: The relay's fallback poll, in case a notification was missed.
 DEFAULT_RELAY_POLL_S = 1.0
 #: Relayed outbox rows are pruned after this many hours.
 DEFAULT_OUTBOX_RETENTION_HOURS = 24.0
-#: Waiters a receipt channel holds at most in one process (R12).
+#: Waiters a receipt channel holds at most in one process.
 DEFAULT_MAX_WAITERS = 64
-#: How long a write waits for its receipts by default (R12).
+#: How long a write waits for its receipts by default.
 DEFAULT_RECEIPT_WAIT_S = 2.0
 #: Mail (notify queue): the SMTP server and the sender.
 DEFAULT_SMTP_HOST = "localhost"
@@ -74,8 +74,8 @@ DEFAULT_SMTP_TIMEOUT_S = 10.0
 SEARCH_BACKENDS = ("postgres", "meilisearch")
 DEFAULT_MEILI_URL = "http://127.0.0.1:7700"
 DEFAULT_MEILI_INDEX = "documents"
-#: The webhook endpoint lease (R3) outlives the webhook job limit (15 s), which outlives
-#: the HTTP deadline (R9): a crashed worker's lease expires by itself, and a slow
+#: The webhook endpoint lease outlives the webhook job limit (15 s), which outlives
+#: the HTTP deadline: a crashed worker's lease expires by itself, and a slow
 #: endpoint gives a clear timeout, not a killed job.
 DEFAULT_WEBHOOK_LEASE_S = 20.0
 DEFAULT_WEBHOOK_HTTP_TIMEOUT_S = 10.0

@@ -16,7 +16,8 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 8. ``Results``           results in Postgres (``store_results=True``), none for a snoozed run
 9. ``GroupCallbacks``    (Dramatiq's) group completion callbacks, on the Postgres rate limiter
 10. ``SnoozePolicy``     run a job again later without counting a retry
-11. ``EndpointLease``    at most one webhook delivery in flight per endpoint, by a row lease
+11. ``KeyedLease``       at most one message in flight per key (an actor's ``lease``), by a
+                         row lease; busy means snooze (the webhook endpoint lease is one)
 12. ``GracefulShutdown`` stop the relay and claiming on SIGTERM
 
 The broker disarms the time limit before any after-hook runs, so the limit never fires
@@ -42,9 +43,9 @@ from dramatiq.results import ResultBackend
 from broker.settings import Settings
 from middleware.cancellation import Cancellation
 from middleware.connection_budget import ConnectionBudget
-from middleware.endpoint_lease import EndpointLease
 from middleware.graceful_shutdown import GracefulShutdown
 from middleware.job_log import JobLog
+from middleware.keyed_lease import KeyedLease, Lease, lease_of
 from middleware.metrics import Metrics
 from middleware.queue_concurrency import QueueConcurrency
 from middleware.results import Results
@@ -53,7 +54,7 @@ from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
 from middleware.time_limit import TimeLimit
 from middleware.tracing import Tracing
 
-__all__ = ["Snooze", "default_middleware", "snooze_before_start"]
+__all__ = ["Lease", "Snooze", "default_middleware", "lease_of", "snooze_before_start"]
 
 
 def default_middleware(
@@ -84,6 +85,6 @@ def default_middleware(
         *stores,
         *groups,
         SnoozePolicy(),
-        EndpointLease(),
+        KeyedLease(),
         GracefulShutdown(),
     ]

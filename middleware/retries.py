@@ -1,4 +1,4 @@
-"""Retries: a failed job (an exception, a time limit) runs again with back-off (R8, R10).
+"""Retries: a failed job (an exception, a time limit) runs again with back-off.
 
 Dramatiq's policy, with our defaults (``STANDMEET_MAX_RETRIES``, ``…_MIN_BACKOFF_MS``,
 ``…_MAX_BACKOFF_MS``). The back-off delay is written to the database (the message's

@@ -1,4 +1,4 @@
-"""Snooze: run this job again in N seconds, without counting a retry (R3).
+"""Snooze: run this job again in N seconds, without counting a retry.
 
 An actor (or a middleware, before the actor runs) raises ``Snooze(seconds)``. The
 broker reports the message as skipped, not failed: no retry is counted, no failure

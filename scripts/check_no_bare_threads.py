@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The no-stray-threads gate (R13).
+"""The no-stray-threads gate.
 
 Starting concurrency — a thread, a process, an executor, an asyncio task — is allowed
 only in the infrastructure package (``broker/``), the process entry points

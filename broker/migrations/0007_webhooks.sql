@@ -5,7 +5,7 @@ CREATE TABLE IF NOT EXISTS standmeet.webhook_endpoints (
     event_types      text[] NOT NULL,
     secrets          text[] NOT NULL,             -- whsec_…; every active one signs
     enabled          boolean NOT NULL DEFAULT true,
-    busy_until       timestamptz,                 -- the lease: ≤ 1 delivery in flight (R3)
+    busy_until       timestamptz,                 -- the lease: ≤ 1 delivery in flight
     lease_token      uuid,
     failing_since    timestamptz,
     disabled_reason  text,

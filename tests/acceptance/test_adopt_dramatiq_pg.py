@@ -73,6 +73,8 @@ def test_a_dramatiq_pg_database_is_adopted_and_every_message_runs(admin_url, sub
             # on its canonical queue, and the finished one is left alone
             wait_for(lambda: scalar(url, "SELECT count(*) FROM test_runs WHERE label LIKE 'dpg-%%'") == 3,
                      timeout_s=30, what="the three pending dramatiq-pg messages to run")
+            wait_for(lambda: scalar(url, "SELECT count(*) FROM dramatiq.queue WHERE state <> 'done'") == 0,
+                     timeout_s=30, what="their outcomes to be written")
         labels = {row[0]: row[1] for row in testdb.query(
             url, "SELECT label, extract(epoch FROM started_at) * 1000 FROM test_runs WHERE label LIKE 'dpg-%%'")}
         assert set(labels) == {"dpg-queued", "dpg-delayed", "dpg-orphan"}

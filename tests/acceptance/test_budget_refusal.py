@@ -1,4 +1,4 @@
-"""R7: an over-budget configuration refuses to start, naming every term and the limit."""
+"""An over-budget configuration refuses to start, naming every term and the limit."""
 
 from __future__ import annotations
 

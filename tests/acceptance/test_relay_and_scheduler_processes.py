@@ -1,4 +1,4 @@
-"""R4 and R14 with real processes: three relays, two schedulers, no leader."""
+"""With real processes: three relays, two schedulers, no leader."""
 
 from __future__ import annotations
 

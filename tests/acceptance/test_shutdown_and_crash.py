@@ -1,4 +1,4 @@
-"""R11 and crash rescue: SIGTERM finishes what it can; a dead worker's jobs run again."""
+"""Shutdown and crash rescue: SIGTERM finishes what it can; a dead worker's jobs run again."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""R3 across processes: ≤ 1 delivery in flight per endpoint; a dead worker's lease expires."""
+"""Across processes: ≤ 1 delivery in flight per endpoint; a dead worker's lease expires."""
 
 from __future__ import annotations
 

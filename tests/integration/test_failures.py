@@ -1,4 +1,4 @@
-"""R8, R10: time limits cancel jobs and count as retryable; exceptions never kill the worker."""
+"""Time limits cancel jobs and count as retryable; exceptions never kill the worker."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""R2: a slow endpoint fills only the webhook queue; indexing goes on at full speed."""
+"""A slow endpoint fills only the webhook queue; indexing goes on at full speed."""
 
 from __future__ import annotations
 

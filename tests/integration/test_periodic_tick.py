@@ -1,4 +1,4 @@
-"""R14 at the database: a tick per period, whoever ticks."""
+"""At the database: a tick per period, whoever ticks."""
 
 from __future__ import annotations
 

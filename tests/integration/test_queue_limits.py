@@ -1,4 +1,4 @@
-"""R1: per-queue concurrency limits hold in one process, whatever its thread count."""
+"""Per-queue concurrency limits hold in one process, whatever its thread count."""
 
 from __future__ import annotations
 

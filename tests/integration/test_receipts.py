@@ -1,4 +1,4 @@
-"""R5, R12: write, then wait for the index — receipts, one LISTEN connection, back-pressure."""
+"""Write, then wait for the index — receipts, one LISTEN connection, back-pressure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Snooze costs no retry (R3); delays live in the database and start on time."""
+"""Snooze costs no retry; delays live in the database and start on time."""
 
 from __future__ import annotations
 

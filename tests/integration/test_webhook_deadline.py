@@ -1,4 +1,4 @@
-"""R9: the POST has a total deadline, not a per-phase one; Retry-After is honoured within bounds."""
+"""The POST has a total deadline, not a per-phase one; Retry-After is honoured within bounds."""
 
 from __future__ import annotations
 

@@ -131,7 +131,7 @@ def test_an_endpoint_that_never_answers_times_out_at_10_s_and_no_transaction_is_
         start_worker(queues=["webhook"], threads=8)
         event = emit(database_url, "slow", {})
         wait_for(lambda: server.current() == 1, timeout_s=10, what="the POST to be pending")
-        # while the POST is pending, none of our connections is in a transaction (R6)
+        # while the POST is pending, none of our connections is in a transaction
         in_tx = scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
                                      " AND application_name LIKE 'standmeet%%' AND xact_start IS NOT NULL"
                                      " AND pid <> pg_backend_pid()")

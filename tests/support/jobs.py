@@ -133,7 +133,7 @@ HTTP = httpx.Client(follow_redirects=False)
 
 @dramatiq.actor(actor_name="test.post", queue_name="webhook", max_retries=0)
 def post(url: str, label: str = "") -> None:
-    """POST to ``url`` holding no database connection (R6), with a deadline-capped timeout."""
+    """POST to ``url`` holding no database connection, with a deadline-capped timeout."""
     from broker import deadline
 
     run = record_start("test.post", "webhook", label)
@@ -170,5 +170,5 @@ def _ping(event_id: int, payload: dict) -> tuple[tuple, dict]:
 
 from broker.outbox import route  # noqa: E402
 
-#: test.ping events run test.noop with the event's label (index queue: awaited, R5).
+#: test.ping events run test.noop with the event's label (index queue: awaited).
 route("test.ping", "test.noop", _ping)

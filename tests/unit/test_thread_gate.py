@@ -1,4 +1,4 @@
-"""R13: the no-stray-threads gate, proven red on every form it forbids, kept as a test."""
+"""The no-stray-threads gate, proven red on every form it forbids, kept as a test."""
 
 from __future__ import annotations
 
