@@ -15,7 +15,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from broker import db
+from broker import db, services
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
@@ -72,7 +72,7 @@ def write_document(title: str, body: str, *, wait_s: float | None = None, wiki_d
                 enqueue(conn, "corpus.index", int(wiki[0]), delay_ms=wiki_delay_ms or None),
             ]
             # Register before the commit: a job that finishes at once is still seen.
-            waiter = waiting.enter_context(broker.waiters.expect(channel, [m.message_id for m in jobs]))
+            waiter = waiting.enter_context(services.current().waiters.expect(channel, [m.message_id for m in jobs]))
         # Committed, and the connection is back in the pool: the wait holds none.
         start = time.monotonic()
         indexed = waiter is not None and waiter.wait(wait_s)

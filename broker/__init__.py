@@ -13,6 +13,7 @@ from typing import Any
 import dramatiq
 import psycopg
 
+from broker import services
 from broker.embedded import resolve_database_url
 from broker.enqueue import enqueue
 from broker.errors import BudgetError, ConfigError, StandmeetError
@@ -88,6 +89,7 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
         if isinstance(previous, StandmeetBroker):
             previous.close()
     dramatiq.set_broker(broker)
+    services.install(services.Services(settings=settings, url=url, broker=broker))
     for actor in _runtime_actors():  # the runtime's own jobs, on every broker
         if actor.actor_name not in broker.actors:  # configured again: they move over too
             actor.broker = broker

@@ -14,28 +14,15 @@ from contextlib import contextmanager
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from broker import deadline
+from broker import deadline, services
 from broker.errors import DatabaseUnavailable
-from broker.pgpool import close_quietly
+from broker.pgpool import close_quietly, open_app_pool
 
 __all__ = ["close_quietly", "connection", "open_pool"]
 
-#: How long a job waits for a pooled connection before failing (retryable).
-DEFAULT_CHECKOUT_TIMEOUT_S = 10.0
+open_pool = open_app_pool
 
 SET_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, false)"
-
-
-def open_pool(url: str, *, max_size: int) -> ConnectionPool:
-    """Open the application pool lazily: connections are made on demand."""
-    return ConnectionPool(
-        url,
-        min_size=0,
-        max_size=max_size,
-        open=True,
-        kwargs={"application_name": "standmeet-app", "autocommit": True},
-        timeout=DEFAULT_CHECKOUT_TIMEOUT_S,
-    )
 
 
 @contextmanager
@@ -45,9 +32,7 @@ def connection(*, timeout_s: float | None = None) -> Iterator[psycopg.Connection
     Use ``with conn.transaction():`` inside for multi-statement work. Return the
     connection (leave the ``with``) before calling the network.
     """
-    from broker.pgbroker import current_broker
-
-    pool = current_broker().app_pool
+    pool = services.current().app_pool
     limit = deadline.remaining_s()
     if timeout_s is not None:
         limit = timeout_s if limit is None else min(limit, timeout_s)

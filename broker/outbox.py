@@ -27,9 +27,11 @@ from typing import Any
 
 import psycopg
 
-from broker import sql, tracing
+from broker import detach, sql, tracing
+from broker.enqueue import build_message, enqueue_messages
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
-from broker.pgpool import Outage
+from broker.pgbroker import current_broker
+from broker.pgpool import Outage, close_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +123,6 @@ def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
     Raises :class:`UnknownTopic`, :class:`PayloadTooLarge` or :class:`InvalidPayload`
     before writing anything (so the caller's transaction can still commit).
     """
-    from broker.pgbroker import current_broker
 
     routes = routes_for(topic)
     cap = max_payload_bytes if max_payload_bytes is not None else current_broker().settings.outbox_max_payload_bytes
@@ -161,7 +162,6 @@ class RelayResult:
 
 def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
     """Relay at most ``limit`` pending events in one transaction on ``conn``."""
-    from broker.enqueue import build_message, enqueue_messages
 
     with conn.transaction():
         rows = conn.execute(sql.RELAY_CLAIM, {"limit": limit}).fetchall()
@@ -248,7 +248,6 @@ class Relay:
                 backoff = min(backoff * 2, 5.0)
 
     def start(self) -> Relay:
-        from broker import detach
 
         self._thread = detach.go("relay", self.run)
         return self
@@ -268,7 +267,6 @@ class Relay:
         return stopped
 
     def close(self) -> None:
-        from broker.db import close_quietly
 
         close_quietly(self._conn)
         self._conn = None

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -340,9 +340,7 @@ class StandmeetBroker(dramatiq.Broker):
         self._lock = threading.Lock()
         self._heartbeat: detach.Detached | None = None
         self._pool: Any = None
-        self._app_pool: Any = None
-        self.relay: Any = None
-        self._waiters: Any = None
+        self._close_hooks: list[Callable[[], None]] = []
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
         # Queues are declared by the actors that name them (and by declare_queue): a
@@ -637,58 +635,22 @@ class StandmeetBroker(dramatiq.Broker):
                 raise QueueJoinTimeout(queue_name)
             time.sleep(JOIN_POLL_S)
 
-    # -- the outbox relay ------------------------------------------------------------
-
-    def start_relay(self) -> None:
-        """Run the outbox relay in this process (every worker process runs one)."""
-        from broker.outbox import Relay
-
-        with self._lock:
-            if self.relay is None:
-                self.relay = Relay(
-                    self.url, batch=self.settings.relay_batch, poll_s=self.settings.relay_poll_s, outage=self.outage
-                ).start()
-
-    def stop_relay(self) -> None:
-        """Stop the relay first on shutdown: no new messages from this process."""
-        relay, self.relay = self.relay, None
-        if relay is not None:
-            relay.stop()
-
-    # -- receipts -------------------------------------------------------------------
-
-    @property
-    def waiters(self) -> Any:
-        """This process's receipt listeners and waiters (one LISTEN connection a channel)."""
-        if self._waiters is None:
-            with self._lock:
-                if self._waiters is None:
-                    from broker.receipts import Waiters
-
-                    self._waiters = Waiters(self.url, max_waiters=self.settings.max_waiters)
-        return self._waiters
-
-    # -- application pool (psycopg 3) ---------------------------------------------
-
-    @property
-    def app_pool(self) -> Any:
-        """The application's psycopg 3 pool, opened on first use."""
-        if self._app_pool is None:
-            with self._lock:
-                if self._app_pool is None:
-                    from broker.db import open_pool
-
-                    self._app_pool = open_pool(self.url, max_size=self.settings.pool_max_size)
-        return self._app_pool
-
     # -- shutdown -----------------------------------------------------------------
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` first when this broker closes (the process's services stop with it)."""
+        self._close_hooks.append(hook)
 
     def close(self) -> None:
         """Stop: write what is settled, give back what this process still holds, without blame."""
         if self.closing:
             return
         self.closing = True
-        self.stop_relay()
+        for hook in self._close_hooks:  # the relay first: no new messages from this process
+            try:
+                hook()
+            except Exception:
+                logger.exception("closing a service of this process failed")
         if self.claiming:
             self.stop_claiming()
         if not self.settler.flush(CLOSE_FLUSH_S):
@@ -705,12 +667,8 @@ class StandmeetBroker(dramatiq.Broker):
                 self.execute(sql.STOP_WORKER, {"worker_id": self.worker_id})
             except DISCONNECTS as exc:
                 logger.warning("could not record this worker as stopped: %s", exc)
-        if self._waiters is not None:
-            self._waiters.close()
         for backend in self.backends:
             backend.close()
-        if self._app_pool is not None:
-            self._app_pool.close(timeout=1.0)  # a job still running past shutdown keeps its own
         if self._pool is not None:
             self._pool.close(timeout=1.0)
         for state in self.queue_states.values():

@@ -105,6 +105,22 @@ def open_send_pool(url: str, *, max_size: int, wait_s: float = DEFAULT_POOL_WAIT
     )
 
 
+#: How long a job waits for a pooled application connection before failing (retryable).
+APP_CHECKOUT_TIMEOUT_S = 10.0
+
+
+def open_app_pool(url: str, *, max_size: int) -> ConnectionPool:
+    """The application's pool, for jobs and requests; connections are made on demand."""
+    return ConnectionPool(
+        url,
+        min_size=0,
+        max_size=max_size,
+        open=True,
+        kwargs={"application_name": "standmeet-app", "autocommit": True},
+        timeout=APP_CHECKOUT_TIMEOUT_S,
+    )
+
+
 def close_quietly(conn: psycopg.Connection[Any] | None) -> None:
     """Close a dedicated connection that may already be broken."""
     if conn is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 
 from broker import detach, metrics
-from broker.pgpool import Outage
+from broker.pgpool import Outage, close_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,6 @@ class Listener:
         self._close()
 
     def _close(self) -> None:
-        from broker.db import close_quietly
 
         close_quietly(self._conn)
         self._conn = None

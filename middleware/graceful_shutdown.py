@@ -20,6 +20,8 @@ from typing import Any
 
 from dramatiq import Middleware
 
+from broker import services
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,10 +37,10 @@ class GracefulShutdown(Middleware):
 
     def after_worker_boot(self, broker: Any, worker: Any) -> None:
         # Every worker process relays the outbox (no leader); the broker owns the thread.
-        broker.start_relay()
+        services.current().start_relay()
 
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
-        broker.stop_relay()
+        services.current().stop_relay()
         broker.stop_claiming()
         logger.info("shutdown: relay stopped, prefetched messages given back, nothing more claimed; "
                     "waiting for running jobs")

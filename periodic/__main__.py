@@ -21,6 +21,7 @@ import threading
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
+from broker import services
 from broker.budget import check_budget
 from broker.errors import StandmeetError
 from broker.logging_setup import configure_logging
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
-    broker.start_relay()
+    services.current().start_relay()
     scheduler = BackgroundScheduler(timezone="UTC")
     now = utcnow()
     for job in jobs:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("scheduler running %d periodic job(s)", len(jobs))
     stop.wait()
     logger.info("stopping: the relay first, then the scheduler")
-    broker.stop_relay()
+    services.current().stop_relay()
     scheduler.shutdown(wait=True)
     broker.close()
     return 0

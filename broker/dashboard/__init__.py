@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from broker.dashboard.app import DashboardConfig, create_app
+from broker.dashboard.app import DashboardConfig
 from broker.dashboard.security import check_bind
+from broker.dashboard.server import create_app
 from broker.settings import Settings
 
 __all__ = ["DashboardConfig", "config_from_settings", "create_app", "serve"]

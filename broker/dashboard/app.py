@@ -12,27 +12,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 from urllib.parse import urlencode
 
-import jinja2
 import psycopg
 from psycopg_pool import ConnectionPool
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Mount
-from starlette.staticfiles import StaticFiles
-from starlette.templating import Jinja2Templates
 
-from broker.dashboard.security import CSRF_FIELD, BasicAuth, Csrf, SecurityHeaders
+from broker.dashboard.security import CSRF_FIELD, Csrf
 
 T = TypeVar("T")
 
@@ -78,47 +71,6 @@ class DashboardConfig:
     pool_max_size: int = 4
     #: how long a request waits for a database connection before answering 503
     connect_timeout_s: float = 3.0
-
-
-def create_app(config: DashboardConfig) -> Starlette:
-    """The ASGI application; its lifespan opens (and closes) a small connection pool."""
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        pool = ConnectionPool(
-            config.database_url, min_size=0, max_size=config.pool_max_size, open=True, timeout=config.connect_timeout_s,
-            kwargs={"autocommit": True, "application_name": "standmeet-dashboard",
-                    "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
-        )
-        app.state.pool = pool
-        try:
-            yield
-        finally:
-            pool.close()
-
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("broker.dashboard", "templates"),
-        autoescape=True,  # every template, whatever its name
-        undefined=jinja2.StrictUndefined,
-    )
-    env.filters.update(age=format_age, ts=format_ts, pretty=pretty_json)
-    templates = Jinja2Templates(env=env)
-
-    from broker.dashboard import pages
-
-    middleware = [Middleware(SecurityHeaders)]
-    if config.password:
-        middleware.append(Middleware(BasicAuth, user=config.user, password=config.password))
-    app = Starlette(
-        routes=[*pages.routes(), Mount("/static", StaticFiles(packages=[("broker.dashboard", "static")]),
-                                       name="static")],
-        middleware=middleware,
-        lifespan=lifespan,
-    )
-    app.state.config = config
-    app.state.templates = templates
-    app.state.csrf = Csrf.new()
-    return app
 
 
 # -- helpers the pages share ----------------------------------------------------------

@@ -17,6 +17,7 @@ import pytest
 from dramatiq.message import Message
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker import services
 from broker.logging_setup import JsonFormatter, masked_url
 from middleware.job_log import JobLog
 from middleware.retries import Retries
@@ -177,7 +178,7 @@ def test_receipt_waiters_are_counted_while_they_wait_and_refusals_when_a_channel
     from broker.receipts import channel_for
 
     channel = channel_for("notify")
-    listener = broker.waiters.listener(channel)
+    listener = services.current().waiters.listener(channel)
     listener.max_waiters = 2
 
     def sample(name: str) -> float:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from actors.documents import write_document
 from actors.search import search_index
+from broker import services
 from broker.receipts import channel_for
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import raise_once, snooze_n
@@ -28,7 +29,7 @@ def test_64_concurrent_writes_are_all_indexed(broker, database_url, start_worker
 
 
 def test_with_64_waiters_parked_a_65th_is_answered_false_at_once_and_connections_do_not_grow(broker, database_url):
-    waiters = broker.waiters
+    waiters = services.current().waiters
     waiters.listener(INDEX)  # the one LISTEN connection of this process for the channel
     before = scalar(database_url, CONNECTIONS)
     parked = []
@@ -71,13 +72,13 @@ def test_with_the_index_queue_stopped_a_write_says_false_after_2_s_and_is_indexe
 
 
 def test_waiters_get_their_answer_when_the_listen_connection_is_terminated(broker, database_url, start_worker):
-    listener = broker.waiters.listener(INDEX)
+    listener = services.current().waiters.listener(INDEX)
     pid = listener.connection_pid
     assert pid is not None
     # Given waiters for jobs that are queued but not yet run (no worker yet)
     messages = [raise_once.send(f"listen-{i}") for i in range(3)]
     results: list[bool] = []
-    threads = [threading.Thread(target=lambda m=m: results.append(broker.waiters.wait(INDEX, m.message_id, timeout_s=8)))
+    threads = [threading.Thread(target=lambda m=m: results.append(services.current().waiters.wait(INDEX, m.message_id, timeout_s=8)))
                for m in messages]
     for t in threads:
         t.start()
@@ -100,7 +101,7 @@ def test_a_retried_or_snoozed_job_gives_no_early_receipt(broker, database_url, s
     retried = raise_once.send_with_options(args=("early-retry",), min_backoff=300, max_backoff=310)
     snoozed = snooze_n.send("early-snooze", 2, 0.3)
     for message, runs in ((retried, 2), (snoozed, 3)):
-        assert broker.waiters.wait(INDEX, message.message_id, timeout_s=5) is True
+        assert services.current().waiters.wait(INDEX, message.message_id, timeout_s=5) is True
         # The receipt came with the final run: read at once, the message is done and every
         # run has happened (an early receipt would find it queued, due in ≥ 150 ms).
         assert scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
@@ -115,7 +116,7 @@ def test_a_job_that_fails_for_good_answers_false_without_waiting_out_the_timeout
 
     message = always_fails.send()
     start = time.monotonic()
-    assert broker.waiters.wait(INDEX, message.message_id, timeout_s=10) is False
+    assert services.current().waiters.wait(INDEX, message.message_id, timeout_s=10) is False
     assert time.monotonic() - start < 5
     assert query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
                  (message.message_id,)) == [("rejected",)]

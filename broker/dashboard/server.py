@@ -1,0 +1,63 @@
+"""The dashboard's ASGI application: its routes (``pages``), security and connection pool."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import jinja2
+from psycopg_pool import ConnectionPool
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from broker.dashboard import pages
+from broker.dashboard.app import (
+    STATEMENT_TIMEOUT_MS,
+    DashboardConfig,
+    format_age,
+    format_ts,
+    pretty_json,
+)
+from broker.dashboard.security import BasicAuth, Csrf, SecurityHeaders
+
+
+def create_app(config: DashboardConfig) -> Starlette:
+    """The ASGI application; its lifespan opens (and closes) a small connection pool."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        pool = ConnectionPool(
+            config.database_url, min_size=0, max_size=config.pool_max_size, open=True, timeout=config.connect_timeout_s,
+            kwargs={"autocommit": True, "application_name": "standmeet-dashboard",
+                    "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
+        )
+        app.state.pool = pool
+        try:
+            yield
+        finally:
+            pool.close()
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("broker.dashboard", "templates"),
+        autoescape=True,  # every template, whatever its name
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(age=format_age, ts=format_ts, pretty=pretty_json)
+    templates = Jinja2Templates(env=env)
+
+    middleware = [Middleware(SecurityHeaders)]
+    if config.password:
+        middleware.append(Middleware(BasicAuth, user=config.user, password=config.password))
+    app = Starlette(
+        routes=[*pages.routes(), Mount("/static", StaticFiles(packages=[("broker.dashboard", "static")]),
+                                       name="static")],
+        middleware=middleware,
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.templates = templates
+    app.state.csrf = Csrf.new()
+    return app

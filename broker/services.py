@@ -1,0 +1,103 @@
+"""One process's services, owned in one place: settings, pools, broker, relay, receipts.
+
+    from broker import services
+    services.current().settings       # resolved once, at configure()
+    services.current().broker         # the Dramatiq broker (only a broker)
+    services.current().app_pool       # the application's psycopg 3 pool (opened on first use)
+    services.current().waiters        # receipt listeners: one LISTEN connection a channel
+    services.current().start_relay()  # every worker process and scheduler runs one
+
+``broker.configure()`` builds the services and installs them; closing the broker (at
+the end of a worker, by Dramatiq's CLI or ours) closes them: the relay first, then the
+listeners and the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from psycopg_pool import ConnectionPool
+
+from broker.errors import ConfigError
+from broker.outbox import Relay
+from broker.pgbroker import StandmeetBroker
+from broker.pgpool import open_app_pool
+from broker.receipts import Waiters
+from broker.settings import Settings
+
+
+class Services:
+    """What every part of one process shares."""
+
+    def __init__(self, *, settings: Settings, url: str, broker: StandmeetBroker) -> None:
+        self.settings = settings
+        self.url = url
+        self.broker = broker
+        self._lock = threading.Lock()
+        self._app_pool: ConnectionPool | None = None
+        self._waiters: Waiters | None = None
+        self.relay: Relay | None = None
+        broker.on_close(self.close)
+
+    @property
+    def app_pool(self) -> ConnectionPool:
+        """The application's psycopg 3 pool, opened on first use."""
+        with self._lock:
+            if self._app_pool is None:
+                self._app_pool = open_app_pool(self.url, max_size=self.settings.pool_max_size)
+            return self._app_pool
+
+    @property
+    def waiters(self) -> Waiters:
+        """This process's receipt listeners and waiters (one LISTEN connection a channel)."""
+        with self._lock:
+            if self._waiters is None:
+                self._waiters = Waiters(self.url, max_waiters=self.settings.max_waiters)
+            return self._waiters
+
+    def start_relay(self) -> None:
+        """Run the outbox relay in this process (every worker process runs one)."""
+        with self._lock:
+            if self.relay is None:
+                self.relay = Relay(self.url, batch=self.settings.relay_batch, poll_s=self.settings.relay_poll_s,
+                                   outage=self.broker.outage).start()
+
+    def stop_relay(self) -> None:
+        """Stop the relay first on shutdown: no new messages from this process."""
+        with self._lock:
+            relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.stop()
+
+    def close(self) -> None:
+        self.stop_relay()
+        with self._lock:
+            waiters, self._waiters = self._waiters, None
+            pool, self._app_pool = self._app_pool, None
+        if waiters is not None:
+            waiters.close()
+        if pool is not None:
+            pool.close(timeout=1.0)  # a job still running past shutdown keeps its own
+
+
+_current: Services | None = None
+
+
+def install(services: Services) -> Services:
+    global _current
+    _current = services
+    return services
+
+
+def current() -> Services:
+    """This process's services; a clear error if ``broker.configure()`` was not called."""
+    if _current is None:
+        raise ConfigError("the broker is not configured: import actors, or call broker.configure()")
+    return _current
+
+
+def installed() -> Services | None:
+    return _current
+
+
+__all__ = ["Services", "current", "install", "installed"]
