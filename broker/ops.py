@@ -663,6 +663,7 @@ def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]
     from dramatiq.message import Message
 
     from broker import sql
+    from broker.pgbroker import enqueue_params
 
     with conn.transaction():
         found = [int(r[0]) for r in conn.execute(REPLAY_DELIVERIES, {"ids": list(delivery_ids)}).fetchall()]
@@ -671,9 +672,7 @@ def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]
                 Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(i,), kwargs={}, options={})
                 for i in found
             ]
-            conn.execute(sql.ENQUEUE, {
-                "queues": [m.queue_name for m in messages], "message_ids": [m.message_id for m in messages],
-                "messages": [m.encode().decode("utf-8") for m in messages], "delays": [0.0] * len(messages)})
+            conn.execute(sql.ENQUEUE, enqueue_params(messages))
     return len(found)
 
 
