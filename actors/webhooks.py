@@ -36,13 +36,13 @@ from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from actors import secretbox
+from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from broker import app, db, deadline, tracing
 from broker.enqueue import enqueue
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
-from broker.pgbroker import current_broker
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ WHERE id = %s RETURNING id
 
 def add_endpoint(url: str, event_types: list[str], *, secret: str | None = None) -> tuple[int, str]:
     """Register an endpoint; returns (id, secret). A refused URL raises UrlRefused."""
-    check_url(url, allowed_networks=current_broker().settings.allowed_networks)
+    check_url(url, allowed_networks=app_settings.current().allowed_networks)
     secret = secret or new_secret()
     check_new_secret(secret)
     if not event_types:
@@ -309,7 +309,7 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
     }
     tracing.inject_headers(headers)  # traceparent: the receiver can join the trace
     try:
-        response = guarded_request("POST", url, allowed_networks=current_broker().settings.allowed_networks,
+        response = guarded_request("POST", url, allowed_networks=app_settings.current().allowed_networks,
                                    timeout_s=timeout_s, max_bytes=BODY_CAP, headers=headers, content=body)
     except UrlRefused as exc:
         return Outcome("blocked", error=str(exc))
@@ -328,7 +328,7 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
 
 @dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1)
 def deliver(delivery_id: int) -> None:
-    settings = current_broker().settings
+    settings = app_settings.current()
     # 1. the lease is already ours (middleware); 2. short reads, connection returned at once
     with db.connection() as conn:
         row = conn.execute(READ, (delivery_id,)).fetchone()
@@ -409,7 +409,7 @@ WHERE enabled AND failing_since < now() - make_interval(secs => %s) RETURNING id
 @dramatiq.actor(actor_name="maintenance.webhook_health", queue_name="maintenance")
 def webhook_health() -> None:
     """Disable endpoints failing without a break for STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS."""
-    days = current_broker().settings.webhook_disable_after_days
+    days = app_settings.current().webhook_disable_after_days
     with db.connection() as conn:  # in seconds: 0.5 days is 12 hours, not 0
         rows = conn.execute(DISABLE_FAILING, (float(days) * 86400,)).fetchall()
     for (endpoint_id,) in rows:

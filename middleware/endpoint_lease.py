@@ -17,7 +17,7 @@ from typing import Any
 
 from dramatiq import Middleware
 
-from broker import db
+from broker import app, db
 from middleware.snooze import snooze_before_start
 
 logger = logging.getLogger(__name__)
@@ -44,15 +44,14 @@ class EndpointLease(Middleware):
     def before_process_message(self, broker: Any, message: Any) -> None:
         if message.actor_name != DELIVER_ACTOR or not message.args:
             return
-        settings = broker.settings
         with db.connection() as conn:
             row = conn.execute(ENDPOINT_OF, (int(message.args[0]),)).fetchone()
             if row is None or not row[1]:
                 return  # gone or disabled: the actor records the delivery as such, no lease needed
             endpoint_id = int(row[0])
-            taken = conn.execute(TAKE, {"id": endpoint_id, "lease_s": settings.webhook_lease_s}).fetchone()
+            taken = conn.execute(TAKE, {"id": endpoint_id, "lease_s": app.setting("webhook_lease_s")}).fetchone()
         if taken is None:
-            wait = settings.webhook_busy_snooze_s * (1 + random.random() / 2)
+            wait = app.setting("webhook_busy_snooze_s") * (1 + random.random() / 2)
             snooze_before_start(message, wait, f"endpoint {endpoint_id} is busy")
         message.endpoint_lease = (endpoint_id, taken[0])
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import dramatiq
 
+from actors import settings as app_settings
+from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.jobs import SLEEP, noop
@@ -164,7 +165,7 @@ def test_webhook_deliveries_show_attempts_status_and_error_and_list_says_why_an_
 
     from actors import webhooks
 
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",)))
     with http_server(status=503) as (url, server):
         endpoint, _ = webhooks.add_endpoint(url, ["order.paid"])
         start_worker(queues=["webhook"], threads=4)
