@@ -369,8 +369,8 @@ def declared_variables() -> dict[str, str]:
     return names
 
 
-#: Variables whose value is not repeated in a warning: it may be a secret.
-SECRET_WORDS = re.compile(r"PASS|KEY|SECRET|TOKEN", re.IGNORECASE)
+#: Variables whose value is not repeated in a warning (nor that of a misspelling of one).
+SECRET_WORDS = re.compile(r"PASS|PWD|KEY|SECRET|TOKEN", re.IGNORECASE)
 
 
 def undeclared(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -383,8 +383,9 @@ def undeclared(environ: Mapping[str, str] | None = None) -> list[str]:
         if not key.startswith(PREFIX) or key in known or QUEUE_VARIABLE.match(key):
             continue
         near = difflib.get_close_matches(key.removeprefix(PREFIX), list(short), n=1, cutoff=0.6)
-        hint = f"; did you mean {short[near[0]]}?" if near else " (no declared variable is close)"
-        value = "***" if SECRET_WORDS.search(key) else env[key]
+        nearest = short[near[0]] if near else ""
+        hint = f"; did you mean {nearest}?" if near else " (no declared variable is close)"
+        value = "***" if SECRET_WORDS.search(key) or SECRET_WORDS.search(nearest) else env[key]
         lines.append(f"{key}={value} is not a setting{hint}")
     return lines
 
