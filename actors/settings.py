@@ -20,9 +20,6 @@ from broker import app
 from broker.errors import ConfigError
 from broker.settings import Declared, replace, shown
 
-#: The search index: "postgres" (full-text, in the application's database) or "meilisearch".
-SEARCH_BACKENDS = ("postgres", "meilisearch")
-
 
 class AppSettings(Declared):
     """The application's settings. Build with :meth:`from_env`; the process's is :func:`current`."""

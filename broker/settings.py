@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import platformdirs
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -54,7 +54,8 @@ DEFAULT_POLL_S = 1.0
 #: Connections the relay takes from the application pool in each process.
 RELAY_CONNECTIONS = 1
 #: How logs are written: "text" (one line each) or "json" (one object a line, for shippers).
-LOG_FORMATS = ("text", "json")
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given: one folder
 #: per user (platformdirs' user data folder), whatever the working directory.
 DEFAULT_EMBEDDED_DIR = str(Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata")
@@ -264,7 +265,7 @@ class Settings(Declared):
     outbox_retention_hours: float = Field(24.0, ge=0, description="relayed outbox rows kept")
     max_waiters: int = Field(64, ge=1, description="waiters per receipt channel per process")
     receipt_wait_s: float = Field(2.0, ge=0, description="how long a write waits for its receipts by default")
-    log_format: Literal["text", "json"] = Field(
+    log_format: LogFormat = Field(
         "text", description="`text`, or `json`: one object a line for log shippers (`--log-format` says the same)")
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="where `run` serves `/metrics` for all its processes; "
