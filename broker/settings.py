@@ -130,7 +130,7 @@ class Declared(BaseSettings):
             found = cls._current.get(cls)
             if found is None:
                 found = cls._current[cls] = cls.from_env()
-            return found  # type: ignore[no-any-return]
+            return found
 
     @classmethod
     def use(cls: type[D], settings: D | None) -> None:
