@@ -185,6 +185,7 @@ def describe(cls: type[Declared], exc: ValidationError) -> str:
         return f"{name}={raw!r} is not one of {ctx.get('expected', '')}".replace("'", "")
     return f"{name}={raw!r}: {error['msg']}".replace("\n", " ")
 
+
 @dataclass(frozen=True)
 class QueueSettings:
     """One queue's limits: at most ``max_workers`` jobs at once per process."""
