@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 
+from actors import settings as app_settings
 from broker import app, opscli
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
@@ -60,7 +61,7 @@ def cmd_write(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    settings = Settings.from_env()
+    settings = app_settings.current()
     try:
         size = Path(args.file).stat().st_size
         if size > settings.document_max_bytes:  # refused before reading it all
@@ -100,7 +101,7 @@ SELECT "state"::text, error, message->'options'->>'traceback' FROM dramatiq.queu
 def cmd_mail_test(args: argparse.Namespace) -> int:
     import smtplib
 
-    settings = Settings.from_env()
+    settings = app_settings.current()
     server = f"{settings.smtp_host}:{settings.smtp_port}"
     try:  # the server first: an unreachable one is named at once, worker or not
         with smtplib.SMTP(settings.smtp_host, settings.smtp_port,
@@ -162,7 +163,7 @@ def _check_url_first(url: str) -> None:
     """Refuse a forbidden URL before touching the database (the guard runs again at add)."""
     from actors.netguard import check_url
 
-    check_url(url, allowed_networks=Settings.from_env().allowed_networks)
+    check_url(url, allowed_networks=app_settings.current().allowed_networks)
 
 
 def cmd_sources_add(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from actors import settings as app_settings
 from broker import db, services
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
@@ -58,7 +59,7 @@ def write_document(title: str, body: str, *, wait_s: float | None = None, wiki_d
     ``STANDMEET_DOCUMENT_MAX_BYTES`` or holding a NUL character.
     """
     broker = current_broker()
-    check_document(title, body, max_bytes=broker.settings.document_max_bytes)
+    check_document(title, body, max_bytes=app_settings.current().document_max_bytes)
     wait_s = broker.settings.receipt_wait_s if wait_s is None else wait_s
     channel = channel_for("index")
     with ExitStack() as waiting:

@@ -25,13 +25,13 @@ from typing import Any
 import dramatiq
 import httpx
 
+from actors import settings as app_settings
 from actors.http import ResponseTooLarge, guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import keeps_reason
 from broker import app, db
 from broker.enqueue import build_message, enqueue_message
 from broker.errors import StandmeetError
-from broker.pgbroker import current_broker
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def add_source(url: str, kind: str, *, time_limit_s: float = 60.0) -> int:
     if kind not in KINDS:
         raise FeedError(f"unknown source kind {kind!r}; use json or rss")
     time_limit_s = check_time_limit(time_limit_s)
-    check_url(url, allowed_networks=current_broker().settings.allowed_networks)
+    check_url(url, allowed_networks=app_settings.current().allowed_networks)
     with db.connection() as conn:
         row = conn.execute(ADD_SOURCE, (url, kind, time_limit_s)).fetchone()
     assert row is not None
@@ -213,7 +213,7 @@ def fetch_source(source_id: int) -> None:
         if last_modified:
             headers["If-Modified-Since"] = last_modified
         try:  # no database connection is held during the request
-            response = guarded_request("GET", url, allowed_networks=current_broker().settings.allowed_networks,
+            response = guarded_request("GET", url, allowed_networks=app_settings.current().allowed_networks,
                                        timeout_s=request_budget(FETCH_TIMEOUT_S), max_bytes=MAX_FEED_BYTES,
                                        refuse_larger=True,
                                        headers=headers)

@@ -28,10 +28,10 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import CurrentMessage
 
+from actors import settings as app_settings
 from actors.reasons import keeps_reason
 from broker import deadline
 from broker.errors import StandmeetError
-from broker.pgbroker import current_broker
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def build(to: str, rendered: Rendered, *, sender: str, key: str) -> EmailMessage
 
 def send(mail: EmailMessage) -> None:
     """Send over SMTP; translate smtplib's errors into permanent or temporary ones."""
-    settings = current_broker().settings
+    settings = app_settings.current()
     timeout = deadline.cap_timeout(settings.smtp_timeout_s)
     try:
         with smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=timeout) as smtp:
@@ -124,7 +124,7 @@ def _job_key() -> str:
 
 def deliver(to: str, template: str, context: dict[str, Any]) -> str:
     """Render and send one mail as the current job; returns its Message-ID."""
-    settings = current_broker().settings
+    settings = app_settings.current()
     mail = build(to, render(template, context), sender=settings.smtp_from, key=_job_key())
     send(mail)
     logger.info("mail %s (%s) sent to %s", mail["Message-ID"], template, to)

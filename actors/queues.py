@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actors import settings as _settings  # noqa: F401  (declares the application's settings)
 from broker import app
 from broker.errors import StartupRefused
 
@@ -29,12 +30,15 @@ for _name, (_workers, _limit_s, _awaited) in QUEUES.items():
 def webhook_timings_nest(settings: Any) -> None:
     """HTTP timeout < webhook job limit < endpoint lease: a slow endpoint gives a clear
     timeout, not a killed job, and a dead worker's lease expires by itself."""
+    from actors import settings as app_settings
+
+    mine = app_settings.current()
     webhook_limit = settings.queue("webhook").time_limit_s
-    if not settings.webhook_http_timeout_s < webhook_limit < settings.webhook_lease_s:
+    if not mine.webhook_http_timeout_s < webhook_limit < mine.webhook_lease_s:
         raise StartupRefused(
             "refusing to start: webhook timings must be HTTP timeout < job limit < endpoint lease "
-            f"(STANDMEET_WEBHOOK_HTTP_TIMEOUT_S={settings.webhook_http_timeout_s:g} < "
+            f"(STANDMEET_WEBHOOK_HTTP_TIMEOUT_S={mine.webhook_http_timeout_s:g} < "
             f"STANDMEET_QUEUE_WEBHOOK_TIME_LIMIT_S={webhook_limit:g} < STANDMEET_WEBHOOK_LEASE_S="
-            f"{settings.webhook_lease_s:g}), so a slow endpoint times out before its job is killed "
+            f"{mine.webhook_lease_s:g}), so a slow endpoint times out before its job is killed "
             "and a dead worker's lease expires by itself"
         )

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 import httpx
 import psycopg
 
+from actors import settings as app_settings
 from broker import db, deadline
 from broker.errors import StandmeetError
-from broker.pgbroker import current_broker
 
 UPSERT = """
 INSERT INTO standmeet.search_index (document_id, title, tsv, indexed_at)
@@ -167,7 +167,7 @@ _meili: dict[tuple[str, str | None, str], MeilisearchIndex] = {}
 
 def search_index() -> SearchIndex:
     """The configured index (``STANDMEET_SEARCH_BACKEND``)."""
-    settings = current_broker().settings
+    settings = app_settings.current()
     if settings.search_backend == "meilisearch":
         key = (settings.meili_url, settings.meili_key, settings.meili_index)
         if key not in _meili:

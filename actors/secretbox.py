@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
 
+from actors import settings as app_settings
 from broker import current_broker
 from broker.embedded import is_embedded
 from broker.errors import ConfigError
@@ -47,9 +48,12 @@ def _embedded_key(path: Path) -> str:
 
 
 def fernet(settings: Settings | None = None) -> Fernet:
+    """The key: STANDMEET_SECRET_KEY (the application's setting), else the embedded server's
+    key file beside its data folder (``settings``: the runtime's, default the broker's)."""
     settings = settings or current_broker().settings
-    if settings.secret_key:
-        key, origin = settings.secret_key, "STANDMEET_SECRET_KEY"
+    secret_key = app_settings.current().secret_key
+    if secret_key:
+        key, origin = secret_key, "STANDMEET_SECRET_KEY"
     elif is_embedded(settings):  # also a child of `run`, handed the embedded server's URL
         path = key_file(settings)
         key, origin = _embedded_key(path), str(path)

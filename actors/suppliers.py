@@ -20,10 +20,11 @@ import dramatiq
 import httpx
 import psycopg
 
+from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import keeps_reason
-from broker import current_broker, db
+from broker import db
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
 
@@ -59,7 +60,7 @@ def request_call(conn: psycopg.Connection[Any], supplier: str, url: str, payload
     A URL the request-forgery guard refuses raises :class:`UrlRefused` before anything is
     written (the caller's transaction can still commit); it is checked again at each attempt.
     """
-    check_url(url, allowed_networks=current_broker().settings.allowed_networks)
+    check_url(url, allowed_networks=app_settings.current().allowed_networks)
     row = conn.execute(INSERT, (supplier, url, json.dumps(payload))).fetchone()
     assert row is not None
     enqueue(conn, "supplier.invoke", int(row[0]))
@@ -82,7 +83,7 @@ def invoke(call_id: int) -> None:
     supplier, url, payload = row
     try:  # no connection is held from here to the outcome
         response = guarded_request(
-            "POST", url, allowed_networks=current_broker().settings.allowed_networks,
+            "POST", url, allowed_networks=app_settings.current().allowed_networks,
             timeout_s=request_budget(SUPPLIER_TIMEOUT_S), max_bytes=RESPONSE_CAP,
             headers={"Content-Type": "application/json"}, content=json.dumps(payload).encode())
     except UrlRefused as exc:  # the URL is forbidden: retrying cannot help

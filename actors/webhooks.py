@@ -37,13 +37,13 @@ from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from actors import secretbox
+from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from broker import app, db, deadline, tracing
 from broker.enqueue import enqueue
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
-from broker.pgbroker import current_broker
 from middleware.keyed_lease import Lease, lease_of
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ WHERE id = %s RETURNING id
 
 def add_endpoint(url: str, event_types: list[str], *, secret: str | None = None) -> tuple[int, str]:
     """Register an endpoint; returns (id, secret). A refused URL raises UrlRefused."""
-    check_url(url, allowed_networks=current_broker().settings.allowed_networks)
+    check_url(url, allowed_networks=app_settings.current().allowed_networks)
     secret = secret or new_secret()
     check_new_secret(secret)
     if not event_types:
@@ -311,7 +311,7 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
     }
     tracing.inject_headers(headers)  # traceparent: the receiver can join the trace
     try:
-        response = guarded_request("POST", url, allowed_networks=current_broker().settings.allowed_networks,
+        response = guarded_request("POST", url, allowed_networks=app_settings.current().allowed_networks,
                                    timeout_s=timeout_s, max_bytes=BODY_CAP, headers=headers, content=body)
     except UrlRefused as exc:
         return Outcome("blocked", error=str(exc))
@@ -358,15 +358,15 @@ def _endpoint_of(message: Any) -> int | None:
 
 ENDPOINT_LEASE = Lease(
     key=_endpoint_of, take=TAKE_ENDPOINT, release=RELEASE_ENDPOINT,
-    lease_s=lambda: current_broker().settings.webhook_lease_s,
-    busy_snooze_s=lambda: current_broker().settings.webhook_busy_snooze_s,
+    lease_s=lambda: app_settings.current().webhook_lease_s,
+    busy_snooze_s=lambda: app_settings.current().webhook_busy_snooze_s,
 )
 
 
 @dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1,
                 lease=ENDPOINT_LEASE)
 def deliver(delivery_id: int) -> None:
-    settings = current_broker().settings
+    settings = app_settings.current()
     # 1. the lease is already ours (middleware); 2. short reads, connection returned at once
     with db.connection() as conn:
         row = conn.execute(READ, (delivery_id,)).fetchone()
@@ -447,7 +447,7 @@ WHERE enabled AND failing_since < now() - make_interval(secs => %s) RETURNING id
 @dramatiq.actor(actor_name="maintenance.webhook_health", queue_name="maintenance")
 def webhook_health() -> None:
     """Disable endpoints failing without a break for STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS."""
-    days = current_broker().settings.webhook_disable_after_days
+    days = app_settings.current().webhook_disable_after_days
     with db.connection() as conn:  # in seconds: 0.5 days is 12 hours, not 0
         rows = conn.execute(DISABLE_FAILING, (float(days) * 86400,)).fetchall()
     for (endpoint_id,) in rows:

@@ -14,8 +14,9 @@ import argparse
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import replace
 from pathlib import Path
+
+from broker.settings import replace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -98,10 +99,13 @@ def main() -> int:
     url = fresh_database(admin_url, "bench_webhooks", ours=True)
     from cryptography.fernet import Fernet
 
-    settings = Settings.from_env()
+    from actors import settings as app_settings
+
+    mine = app_settings.current()
     # secrets are stored encrypted: a throwaway key for this throwaway database, unless one is set
-    key = settings.secret_key or Fernet.generate_key().decode()
-    infra.configure(replace(settings, allowed_networks=("127.0.0.0/8",), secret_key=key), url=url)
+    key = mine.secret_key or Fernet.generate_key().decode()
+    app_settings.use(replace(mine, allowed_networks=("127.0.0.0/8",), secret_key=key))
+    infra.configure(Settings.from_env(), url=url)
     try:
         rate = deliveries_per_s(url, args.events)
         print(f"deliveries: {args.events * 20} to 20 fast endpoints at {rate:,.0f} deliveries/s", flush=True)

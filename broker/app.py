@@ -10,6 +10,7 @@ another) declares, at import, through these few calls:
     app.periodic("nightly-report", "reports.nightly", interval_s=86_400)
     app.command("report", "print the last report", setup=add_arguments, run=main)
     app.startup_check(refuse_bad_timings)                            # fn(settings) -> None
+    app.settings(ReportSettings)   # its own settings, declared like broker.settings.Settings
 
 and its actors with ``@dramatiq.actor``, its topics and routes with
 ``broker.outbox.route``. Every entry point (``standmeet-jobs run MODULE…``,
@@ -79,6 +80,8 @@ class Registry:
         self.periodic: dict[str, PeriodicJob] = {}
         self.commands: dict[str, Command] = {}
         self.startup_checks: list[StartupCheck] = []
+        #: the applications' settings declarations (``broker.settings.Declared`` subclasses)
+        self.settings: list[Any] = []
 
     def _put(self, table: dict[str, Any], kind: str, name: str, value: Any) -> Any:
         with self._lock:
@@ -121,6 +124,25 @@ def startup_check(check: StartupCheck) -> StartupCheck:
     return check
 
 
+def settings(declaration: Any) -> Any:
+    """Declare an application's settings: a ``broker.settings.Declared`` subclass. Its
+    variables then count as declared, and every process validates them at start-up."""
+    with REGISTRY._lock:
+        if declaration not in REGISTRY.settings:
+            REGISTRY.settings.append(declaration)
+    return declaration
+
+
+def setting(name: str) -> Any:
+    """The current value of an application's setting ``name`` (its declaration's
+    ``current()``, built once per process), for the runtime's parts that an application
+    parameterises; a name no loaded application declares is a ConfigError."""
+    for declaration in list(REGISTRY.settings):
+        if name in declaration.model_fields:
+            return getattr(declaration.current(), name)
+    raise ConfigError(f"no loaded application declares the setting {name!r}")
+
+
 def queue_spec(name: str) -> QueueSpec | None:
     return REGISTRY.queues.get(name)
 
@@ -135,6 +157,12 @@ def periodic_jobs() -> list[PeriodicJob]:
 
 
 def run_startup_checks(settings: Any) -> None:
+    """Validate the applications' settings, warn of undeclared variables, run the checks."""
+    from broker.settings import warn_undeclared
+
+    for declaration in list(REGISTRY.settings):
+        declaration.current()
+    warn_undeclared()
     for check in list(REGISTRY.startup_checks):
         check(settings)
 

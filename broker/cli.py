@@ -34,7 +34,7 @@ from broker.embedded import resolve_database_url, stop_embedded
 from broker.errors import ConfigError, StandmeetError
 from broker.logging_setup import configure_logging
 from broker.migrate import migrate
-from broker.settings import LOG_FORMATS, Settings
+from broker.settings import LOG_FORMATS, Settings, undeclared
 
 logger = logging.getLogger("standmeet")
 
@@ -203,6 +203,8 @@ def served(settings: Settings, modules: Sequence[str], queues: Sequence[str] | N
 def cmd_check(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     budget = check_budget(settings, served(settings, args.modules or ["actors"], args.queues))
+    for line in undeclared():  # the loaded modules' settings count as declared
+        print(f"warning: {line}")
     print(f"ok: {budget.describe()}")
     print(f"broker pool: {budget.broker_pool_size} connections for {budget.consumers} consumers and acks")
     return 0

@@ -1,101 +1,189 @@
 """Settings: the only module that reads the environment.
 
-Every option has a named default below and one environment variable, prefixed
-``STANDMEET_`` (plus the conventional ``DATABASE_URL``). A malformed value raises
-:class:`broker.errors.ConfigError` naming the variable and what was wrong, at start-up.
+Each setting is declared once, below: its name, type, default, bounds and a one-line
+description, as a pydantic-settings field. The variable is the name upper-cased with the
+prefix ``STANDMEET_`` (plus the conventional ``DATABASE_URL``). Parsing, validation, the
+README's table (``scripts/settings_table.py``) and the tests' environment all derive from
+these declarations. A malformed or out-of-range value raises
+:class:`broker.errors.ConfigError`: one line naming the variable and what was wrong.
+
+This module holds the runtime's settings only. An application declares its own the same
+way (a subclass of :class:`Declared`) and registers the class with ``broker.app.settings``,
+so that its variables count as declared and ``standmeet-jobs check`` validates them.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+import threading
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import platformdirs
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from broker import app
 from broker.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
+PREFIX = "STANDMEET_"
 #: A queue no module declares limits for: one job at a time, Dramatiq's default time limit.
 DEFAULT_OTHER_QUEUE_MAX_WORKERS = 1
 DEFAULT_OTHER_QUEUE_TIME_LIMIT_S = 600.0
 #: The per-queue variables, for any queue: STANDMEET_QUEUE_<NAME>_<FIELD>, where <NAME> is
 #: the queue's name upper-cased with every other character than A-Z and 0-9 as ``_``.
 QUEUE_VARIABLE = re.compile(r"^STANDMEET_QUEUE_(?P<name>[A-Z0-9_]+?)_(?P<field>MAX_WORKERS|TIME_LIMIT_S|POLL_S|PREFETCH)$")
-#: A message for an actor this process does not know (a rolling deploy) is given back this
-#: much later, and rejected with the reason after this many claims (about 5 minutes).
-DEFAULT_UNKNOWN_ACTOR_DELAY_S = 10.0
-DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS = 30
-#: Connections of the application pool (psycopg 3); half is reserved for requests.
-DEFAULT_POOL_MAX_SIZE = 40
-#: Connections the relay takes from the application pool in each process.
-RELAY_CONNECTIONS = 1
-#: Connections of the broker's pool for sends, heartbeats and rescue (beside one per
-#: consumer and the settler's, which are not pooled).
-DEFAULT_BROKER_ACK_CONNECTIONS = 4
-#: How long a worker waits for running jobs on SIGTERM before cancelling them.
-DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S = 20.0
 #: Fallback poll of an idle consumer, in case a notification was missed.
 DEFAULT_POLL_S = 1.0
-#: Dramatiq's retry policy, applied to every actor unless it says otherwise.
-DEFAULT_MAX_RETRIES = 20
-DEFAULT_MIN_BACKOFF_MS = 5_000
-DEFAULT_MAX_BACKOFF_MS = 3_600_000
-#: How often a worker process proves it is alive, and after how long silent it is dead.
-DEFAULT_HEARTBEAT_S = 5.0
-DEFAULT_RESCUE_AFTER_S = 20.0
-#: A message whose worker died more times than this is rejected instead of requeued.
-DEFAULT_MAX_CRASHES = 3
-#: Finished (done or rejected) messages are pruned after this many days, in batches.
-DEFAULT_RETENTION_DAYS = 7.0
-DEFAULT_PRUNE_BATCH = 5_000
-#: Largest outbox payload (JSON, bytes) that emit accepts.
-DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES = 64 * 1024
-#: Rows one relay pass (one transaction) claims at most.
-DEFAULT_RELAY_BATCH = 200
-#: The relay's fallback poll, in case a notification was missed.
-DEFAULT_RELAY_POLL_S = 1.0
-#: Relayed outbox rows are pruned after this many hours.
-DEFAULT_OUTBOX_RETENTION_HOURS = 24.0
-#: Waiters a receipt channel holds at most in one process.
-DEFAULT_MAX_WAITERS = 64
-#: How long a write waits for its receipts by default.
-DEFAULT_RECEIPT_WAIT_S = 2.0
-#: Mail (notify queue): the SMTP server and the sender.
-DEFAULT_SMTP_HOST = "localhost"
-DEFAULT_SMTP_PORT = 25
-DEFAULT_SMTP_FROM = "standmeet@localhost"
-#: SMTP's network timeout; shorter than the notify queue's 30 s job limit.
-DEFAULT_SMTP_TIMEOUT_S = 10.0
-#: The search index: "postgres" (full-text, in the application's database) or "meilisearch".
-SEARCH_BACKENDS = ("postgres", "meilisearch")
-DEFAULT_MEILI_URL = "http://127.0.0.1:7700"
-DEFAULT_MEILI_INDEX = "documents"
-#: The webhook endpoint lease outlives the webhook job limit (15 s), which outlives
-#: the HTTP deadline: a crashed worker's lease expires by itself, and a slow
-#: endpoint gives a clear timeout, not a killed job.
-DEFAULT_WEBHOOK_LEASE_S = 20.0
-DEFAULT_WEBHOOK_HTTP_TIMEOUT_S = 10.0
-#: How long a delivery to a busy endpoint snoozes (plus up to half as much jitter).
-DEFAULT_WEBHOOK_BUSY_SNOOZE_S = 2.0
-#: An endpoint failing without a break for this long is disabled by the health job.
-DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS = 5.0
-#: The dashboard's HTTP basic-auth user (the password has no default: unset, no auth on loopback).
-DEFAULT_DASHBOARD_USER = "admin"
+#: Connections the relay takes from the application pool in each process.
+RELAY_CONNECTIONS = 1
 #: How logs are written: "text" (one line each) or "json" (one object a line, for shippers).
-LOG_FORMATS = ("text", "json")
-#: Where ``standmeet-jobs run`` serves /metrics (only when STANDMEET_METRICS_PORT is set).
-DEFAULT_METRICS_HOST = "127.0.0.1"
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given: one folder
 #: per user (platformdirs' user data folder), whatever the working directory.
 DEFAULT_EMBEDDED_DIR = str(Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata")
-#: Largest document (title and body, UTF-8 bytes) the write path accepts.
-DEFAULT_DOCUMENT_MAX_BYTES = 1024 * 1024
 #: Name of the database created on the embedded server for the application.
 DEFAULT_EMBEDDED_DATABASE = "standmeet"
+
+#: The environment ``from_env`` reads while it builds one object (None: ``os.environ``).
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("standmeet_environ", default=None)
+
+D = TypeVar("D", bound="Declared")
+
+
+def shown(default: str) -> dict[str, Any]:
+    """How the README shows a default that is not a plain value."""
+    return {"shown": default}
+
+
+class _MappingSource(EnvSettingsSource):
+    """pydantic-settings' environment source, over the mapping ``from_env`` was given."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        environ = _ENVIRON.get()
+        environ = os.environ if environ is None else environ
+        # blank is unset, as it always was here; names are matched case-insensitively
+        return {(k if self.case_sensitive else k.lower()): v for k, v in environ.items() if v.strip()}
+
+
+class Declared(BaseSettings):
+    """Settings declared once each; built by :meth:`from_env`, changed by :func:`replace`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, env_ignore_empty=True, frozen=True, allow_inf_nan=False,
+        extra="ignore", populate_by_name=True, validate_default=False,
+    )
+
+    #: per class: the object this process built (see :meth:`current`)
+    _current: ClassVar[dict[type, Any]] = {}
+    _current_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _MappingSource(settings_cls)
+
+    @classmethod
+    def from_env(cls: type[D], environ: Mapping[str, str] | None = None, **given: Any) -> D:
+        """The settings ``environ`` (default: the process environment) gives; a bad value
+        raises :class:`ConfigError` naming its variable."""
+        token = _ENVIRON.set(environ)
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise ConfigError(describe(cls, exc)) from None
+        except SettingsError as exc:  # a value pydantic-settings could not decode
+            raise ConfigError(str(exc).splitlines()[0]) from None
+        finally:
+            _ENVIRON.reset(token)
+
+    @classmethod
+    def variables(cls) -> dict[str, str]:
+        """Each declared variable and its field's name."""
+        return {variable(name, info): name for name, info in cls.model_fields.items()
+                if (info.json_schema_extra or {}) != {"env": False}}
+
+    @classmethod
+    def current(cls: type[D]) -> D:
+        """This process's settings of this class: built from the environment once, cached."""
+        with cls._current_lock:
+            found = cls._current.get(cls)
+            if found is None:
+                found = cls._current[cls] = cls.from_env()
+            return found
+
+    @classmethod
+    def use(cls: type[D], settings: D | None) -> None:
+        """Make ``settings`` this process's (None: rebuilt from the environment when next used)."""
+        with cls._current_lock:
+            if settings is None:
+                cls._current.pop(cls, None)
+            else:
+                cls._current[cls] = settings
+
+
+def variable(name: str, info: FieldInfo) -> str:
+    """The environment variable of a field."""
+    alias = info.validation_alias
+    return alias if isinstance(alias, str) else PREFIX + name.upper()
+
+
+def replace(settings: D, **overrides: Any) -> D:
+    """A copy of ``settings`` with ``overrides``, validated like the environment's values."""
+    cls = type(settings)
+    values = {name: getattr(settings, name) for name in cls.model_fields}
+    try:
+        return cls.model_validate({**values, **overrides})
+    except ValidationError as exc:
+        raise ConfigError(describe(cls, exc)) from None
+
+
+def describe(cls: type[Declared], exc: ValidationError) -> str:
+    """The first error of ``exc`` as one line naming the variable."""
+    error = exc.errors()[0]
+    field = str(error["loc"][0]) if error["loc"] else ""
+    info = cls.model_fields.get(field)
+    name = variable(field, info) if info is not None else (field or cls.__name__)
+    raw = error.get("input")
+    ctx = error.get("ctx") or {}
+    kind = error["type"]
+    if kind in ("int_parsing", "int_from_float", "int_type"):
+        return f"{name}={raw!r} is not a whole number"
+    if kind in ("float_parsing", "float_type"):
+        return f"{name}={raw!r} is not a number"
+    if kind == "finite_number":
+        return f"{name}={raw!r} is not a finite number"
+    if kind == "greater_than_equal":
+        return f"{name}={raw} is below its minimum of {ctx['ge']}"
+    if kind == "greater_than":
+        return f"{name}={raw} must be above {ctx['gt']}"
+    if kind == "less_than_equal":
+        return f"{name}={raw} is above its maximum of {ctx['le']}"
+    if kind == "bool_parsing":
+        return f"{name}={raw!r} is not a yes/no value (use 1 or 0)"
+    if kind == "literal_error":
+        return f"{name}={raw!r} is not one of {ctx.get('expected', '')}".replace("'", "")
+    return f"{name}={raw!r}: {error['msg']}".replace("\n", " ")
 
 
 @dataclass(frozen=True)
@@ -139,63 +227,82 @@ def _queue_settings(env: Mapping[str, str], name: str, workers: int, limit_s: fl
     )
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything configurable, resolved once. Build with :meth:`from_env`."""
 
-    database_url: str | None = None
-    embedded_dir: Path = Path(DEFAULT_EMBEDDED_DIR)
-    pool_max_size: int = DEFAULT_POOL_MAX_SIZE
-    broker_ack_connections: int = DEFAULT_BROKER_ACK_CONNECTIONS
-    worker_shutdown_timeout_s: float = DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S
-    max_retries: int = DEFAULT_MAX_RETRIES
-    min_backoff_ms: int = DEFAULT_MIN_BACKOFF_MS
-    max_backoff_ms: int = DEFAULT_MAX_BACKOFF_MS
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    rescue_after_s: float = DEFAULT_RESCUE_AFTER_S
-    max_crashes: int = DEFAULT_MAX_CRASHES
-    retention_days: float = DEFAULT_RETENTION_DAYS
-    prune_batch: int = DEFAULT_PRUNE_BATCH
-    outbox_max_payload_bytes: int = DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES
-    relay_batch: int = DEFAULT_RELAY_BATCH
-    relay_poll_s: float = DEFAULT_RELAY_POLL_S
-    outbox_retention_hours: float = DEFAULT_OUTBOX_RETENTION_HOURS
-    dashboard_user: str = DEFAULT_DASHBOARD_USER
-    dashboard_password: str | None = field(default=None, repr=False)
-    dashboard_hide_args: bool = False
-    max_waiters: int = DEFAULT_MAX_WAITERS
-    receipt_wait_s: float = DEFAULT_RECEIPT_WAIT_S
-    smtp_host: str = DEFAULT_SMTP_HOST
-    smtp_port: int = DEFAULT_SMTP_PORT
-    smtp_from: str = DEFAULT_SMTP_FROM
-    smtp_starttls: bool = False
-    smtp_username: str | None = None
-    smtp_password: str | None = None
-    smtp_timeout_s: float = DEFAULT_SMTP_TIMEOUT_S
-    search_backend: str = "postgres"
-    meili_url: str = DEFAULT_MEILI_URL
-    meili_key: str | None = None
-    meili_index: str = DEFAULT_MEILI_INDEX
-    allowed_networks: tuple[str, ...] = ()
-    webhook_lease_s: float = DEFAULT_WEBHOOK_LEASE_S
-    webhook_http_timeout_s: float = DEFAULT_WEBHOOK_HTTP_TIMEOUT_S
-    webhook_busy_snooze_s: float = DEFAULT_WEBHOOK_BUSY_SNOOZE_S
-    webhook_disable_after_days: float = DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS
+class Settings(Declared):
+    """The runtime's settings, resolved once. Build with :meth:`from_env`."""
+
+    database_url: str | None = Field(
+        None, validation_alias="DATABASE_URL", json_schema_extra=shown("(embedded)"),
+        description="the Postgres server to use; unset means the embedded one")
+    embedded_dir: Path = Field(
+        Path(DEFAULT_EMBEDDED_DIR), json_schema_extra=shown("user data folder + `/pgdata`"),
+        description="data folder of the embedded server (platformdirs' user data folder, the same from any directory)")
+    pool_max_size: int = Field(
+        40, ge=2, description="the application's psycopg 3 pool; half is kept for web requests")
+    broker_ack_connections: int = Field(
+        4, ge=1, description="the broker's pool for sends, heartbeats and rescue "
+        "(consumers and the settler have their own connection each)")
+    unknown_actor_delay_s: float = Field(
+        10.0, ge=0.01, description="a message for an actor this process lacks (a rolling deploy) "
+        "is given back this much later")
+    unknown_actor_max_claims: int = Field(
+        30, ge=1, description="such a message is rejected after this many claims (about 5 minutes), "
+        "the reason on the job")
+    worker_shutdown_timeout_s: float = Field(
+        20.0, ge=0, description="how long `run` lets running jobs finish on SIGTERM")
+    max_retries: int = Field(20, ge=0, description="retries of a failed job (actors may override)")
+    min_backoff_ms: int = Field(5_000, ge=0, description="retry back-off, shortest (at most the longest)")
+    max_backoff_ms: int = Field(3_600_000, ge=0, description="retry back-off, longest")
+    heartbeat_s: float = Field(5.0, ge=0.05, description="how often a worker process records it is alive")
+    rescue_after_s: float = Field(
+        20.0, ge=0.1, description="silence after which a worker is dead and its jobs are requeued; "
+        "at least twice the heartbeat")
+    max_crashes: int = Field(3, ge=0, description="a job that killed its worker more often is rejected, with the reason")
+    retention_days: float = Field(7.0, ge=0, description="finished messages kept")
+    prune_batch: int = Field(5_000, ge=1, description="finished messages pruned per batch")
+    outbox_max_payload_bytes: int = Field(64 * 1024, ge=2, description="largest event payload `emit` accepts")
+    relay_batch: int = Field(200, ge=1, description="outbox rows per relay pass (one transaction)")
+    relay_poll_s: float = Field(1.0, ge=0.01, description="the relay's fallback poll")
+    outbox_retention_hours: float = Field(24.0, ge=0, description="relayed outbox rows kept")
+    max_waiters: int = Field(64, ge=1, description="waiters per receipt channel per process")
+    receipt_wait_s: float = Field(2.0, ge=0, description="how long a write waits for its receipts by default")
+    log_format: LogFormat = Field(
+        "text", description="`text`, or `json`: one object a line for log shippers (`--log-format` says the same)")
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="where `run` serves `/metrics` for all its processes; "
+        "unset: no metrics endpoint")
+    metrics_host: str = Field("127.0.0.1", description="the address of the metrics endpoint")
+    dashboard_user: str = Field("admin", description="HTTP basic-auth user of the dashboard")
+    dashboard_password: str | None = Field(
+        None, repr=False, description="HTTP basic auth for every dashboard request; "
+        "required to listen beyond loopback")
+    dashboard_hide_args: bool = Field(
+        False, description="`1`: the dashboard never shows job arguments or webhook payloads, nor searches them")
     #: the STANDMEET_QUEUE_* variables, for queues declared later by any module
-    queue_env: Mapping[str, str] = field(default_factory=dict)
-    unknown_actor_delay_s: float = DEFAULT_UNKNOWN_ACTOR_DELAY_S
-    unknown_actor_max_claims: int = DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS
+    queue_env: Mapping[str, str] = Field(default_factory=dict, json_schema_extra={"env": False})
 
-    log_format: str = "text"
-    metrics_port: int | None = None
-    metrics_host: str = DEFAULT_METRICS_HOST
+    @field_validator("database_url", mode="before")
+    @classmethod
+    def _database_url(cls, raw: Any) -> str | None:
+        return _database_url({"DATABASE_URL": str(raw) if raw is not None else ""}, "DATABASE_URL")
 
-    #: Fernet key that encrypts webhook secrets at rest (embedded default: a key file).
-    secret_key: str | None = None
-    #: Largest document (title and body, UTF-8) ``write`` accepts.
-    document_max_bytes: int = DEFAULT_DOCUMENT_MAX_BYTES
+    @field_validator("embedded_dir", mode="after")
+    @classmethod
+    def _expand(cls, path: Path) -> Path:
+        return path.expanduser()
 
-    def __post_init__(self) -> None:
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _lower(cls, raw: Any) -> Any:
+        return raw.strip().lower() if isinstance(raw, str) else raw
+
+    @field_validator("metrics_host", "dashboard_user", mode="after")
+    @classmethod
+    def _strip(cls, raw: str) -> str:
+        return raw.strip()
+
+    @model_validator(mode="after")
+    def _rules(self) -> Settings:
         if self.rescue_after_s < 2 * self.heartbeat_s:
             raise ConfigError(
                 f"STANDMEET_RESCUE_AFTER_S={self.rescue_after_s:g} must be at least twice "
@@ -207,81 +314,17 @@ class Settings:
                 f"STANDMEET_MIN_BACKOFF_MS={self.min_backoff_ms} is above "
                 f"STANDMEET_MAX_BACKOFF_MS={self.max_backoff_ms}"
             )
+        return self
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> Settings:
         env = os.environ if environ is None else environ
         queue_env = {k: v for k, v in env.items() if QUEUE_VARIABLE.match(k)}
         for key in queue_env:  # malformed values of any queue fail now, naming the variable
             match = QUEUE_VARIABLE.match(key)
             assert match is not None
             _queue_settings(queue_env, match["name"].lower(), 1, 1.0)
-        return cls(
-            database_url=_database_url(env, "DATABASE_URL"),
-            queue_env=queue_env,
-            embedded_dir=Path(env.get("STANDMEET_EMBEDDED_DIR") or DEFAULT_EMBEDDED_DIR).expanduser(),
-            pool_max_size=_int(env, "STANDMEET_POOL_MAX_SIZE", DEFAULT_POOL_MAX_SIZE, minimum=2),
-            broker_ack_connections=_int(
-                env, "STANDMEET_BROKER_ACK_CONNECTIONS", DEFAULT_BROKER_ACK_CONNECTIONS, minimum=1
-            ),
-            worker_shutdown_timeout_s=_float(
-                env, "STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S", DEFAULT_WORKER_SHUTDOWN_TIMEOUT_S, minimum=0
-            ),
-            max_retries=_int(env, "STANDMEET_MAX_RETRIES", DEFAULT_MAX_RETRIES, minimum=0),
-            min_backoff_ms=_int(env, "STANDMEET_MIN_BACKOFF_MS", DEFAULT_MIN_BACKOFF_MS, minimum=0),
-            max_backoff_ms=_int(env, "STANDMEET_MAX_BACKOFF_MS", DEFAULT_MAX_BACKOFF_MS, minimum=0),
-            heartbeat_s=_float(env, "STANDMEET_HEARTBEAT_S", DEFAULT_HEARTBEAT_S, minimum=0.05),
-            rescue_after_s=_float(env, "STANDMEET_RESCUE_AFTER_S", DEFAULT_RESCUE_AFTER_S, minimum=0.1),
-            max_crashes=_int(env, "STANDMEET_MAX_CRASHES", DEFAULT_MAX_CRASHES, minimum=0),
-            retention_days=_float(env, "STANDMEET_RETENTION_DAYS", DEFAULT_RETENTION_DAYS, minimum=0),
-            prune_batch=_int(env, "STANDMEET_PRUNE_BATCH", DEFAULT_PRUNE_BATCH, minimum=1),
-            outbox_max_payload_bytes=_int(
-                env, "STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES", DEFAULT_OUTBOX_MAX_PAYLOAD_BYTES, minimum=2
-            ),
-            relay_batch=_int(env, "STANDMEET_RELAY_BATCH", DEFAULT_RELAY_BATCH, minimum=1),
-            relay_poll_s=_float(env, "STANDMEET_RELAY_POLL_S", DEFAULT_RELAY_POLL_S, minimum=0.01),
-            outbox_retention_hours=_float(
-                env, "STANDMEET_OUTBOX_RETENTION_HOURS", DEFAULT_OUTBOX_RETENTION_HOURS, minimum=0
-            ),
-            dashboard_user=env.get("STANDMEET_DASHBOARD_USER") or DEFAULT_DASHBOARD_USER,
-            dashboard_password=env.get("STANDMEET_DASHBOARD_PASSWORD") or None,
-            dashboard_hide_args=_bool(env, "STANDMEET_DASHBOARD_HIDE_ARGS", False),
-            max_waiters=_int(env, "STANDMEET_MAX_WAITERS", DEFAULT_MAX_WAITERS, minimum=1),
-            receipt_wait_s=_float(env, "STANDMEET_RECEIPT_WAIT_S", DEFAULT_RECEIPT_WAIT_S, minimum=0),
-            smtp_host=env.get("STANDMEET_SMTP_HOST") or DEFAULT_SMTP_HOST,
-            smtp_port=_int(env, "STANDMEET_SMTP_PORT", DEFAULT_SMTP_PORT, minimum=1),
-            smtp_from=env.get("STANDMEET_SMTP_FROM") or DEFAULT_SMTP_FROM,
-            smtp_starttls=_bool(env, "STANDMEET_SMTP_STARTTLS", False),
-            smtp_username=env.get("STANDMEET_SMTP_USERNAME") or None,
-            smtp_password=env.get("STANDMEET_SMTP_PASSWORD") or None,
-            smtp_timeout_s=_float(env, "STANDMEET_SMTP_TIMEOUT_S", DEFAULT_SMTP_TIMEOUT_S, minimum=0.1),
-            search_backend=_choice(env, "STANDMEET_SEARCH_BACKEND", "postgres", SEARCH_BACKENDS),
-            meili_url=(env.get("STANDMEET_MEILI_URL") or DEFAULT_MEILI_URL).rstrip("/"),
-            meili_key=env.get("STANDMEET_MEILI_KEY") or None,
-            meili_index=env.get("STANDMEET_MEILI_INDEX") or DEFAULT_MEILI_INDEX,
-            allowed_networks=_networks(env, "STANDMEET_WEBHOOK_ALLOWED_NETWORKS"),
-            webhook_lease_s=_float(env, "STANDMEET_WEBHOOK_LEASE_S", DEFAULT_WEBHOOK_LEASE_S, minimum=0.1),
-            webhook_http_timeout_s=_float(
-                env, "STANDMEET_WEBHOOK_HTTP_TIMEOUT_S", DEFAULT_WEBHOOK_HTTP_TIMEOUT_S, minimum=0.05
-            ),
-            webhook_busy_snooze_s=_float(
-                env, "STANDMEET_WEBHOOK_BUSY_SNOOZE_S", DEFAULT_WEBHOOK_BUSY_SNOOZE_S, minimum=0.01
-            ),
-            unknown_actor_delay_s=_float(
-                env, "STANDMEET_UNKNOWN_ACTOR_DELAY_S", DEFAULT_UNKNOWN_ACTOR_DELAY_S, minimum=0.01
-            ),
-            unknown_actor_max_claims=_int(
-                env, "STANDMEET_UNKNOWN_ACTOR_MAX_CLAIMS", DEFAULT_UNKNOWN_ACTOR_MAX_CLAIMS, minimum=1
-            ),
-            webhook_disable_after_days=_float(
-                env, "STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS", DEFAULT_WEBHOOK_DISABLE_AFTER_DAYS, minimum=0
-            ),
-            log_format=_choice(env, "STANDMEET_LOG_FORMAT", "text", LOG_FORMATS),
-            metrics_port=_port(env, "STANDMEET_METRICS_PORT"),
-            metrics_host=(env.get("STANDMEET_METRICS_HOST") or DEFAULT_METRICS_HOST).strip(),
-            secret_key=(env.get("STANDMEET_SECRET_KEY") or "").strip() or None,
-            document_max_bytes=_int(env, "STANDMEET_DOCUMENT_MAX_BYTES", DEFAULT_DOCUMENT_MAX_BYTES, minimum=1),
-        )
+        return super().from_env(environ, queue_env=queue_env, **given)
 
     def queue(self, name: str) -> QueueSettings:
         """A queue's limits: what its module declared (``broker.app.queue``), or the
@@ -302,6 +345,106 @@ class Settings:
         return replace(self, database_url=url)
 
 
+#: The per-queue variables as the README shows them: (suffix, default, bounds, meaning); the
+#: bounds are those ``_queue_settings`` checks.
+QUEUE_ROWS: tuple[tuple[str, str, str, str], ...] = (
+    ("MAX_WORKERS", "as its module declares; `1` for any other queue", "≥ 1",
+     "jobs of that queue running at once, per process (`<NAME>`: the queue's name upper-cased, "
+     "other characters than letters and digits as `_`)"),
+    ("TIME_LIMIT_S", "as its module declares; `600` for any other queue", "≥ 0.001", "the queue's default hard time limit"),
+    ("POLL_S", f"`{DEFAULT_POLL_S:g}`", "≥ 0.01", "fallback poll of an idle consumer (notifications do the real waking)"),
+    ("PREFETCH", "half the limit, at least 1", "≥ -1 (-1: the default)",
+     "messages claimed beyond the running ones, to start the moment one finishes"),
+)
+
+
+def declarations() -> list[type[Declared]]:
+    """The runtime's declaration, then each registered application's."""
+    return [Settings, *app.REGISTRY.settings]
+
+
+def declared_variables() -> dict[str, str]:
+    """Every declared variable (runtime and registered applications), to its field."""
+    names: dict[str, str] = {}
+    for cls in declarations():
+        names.update(cls.variables())
+    return names
+
+
+#: Variables whose value is not repeated in a warning (nor that of a misspelling of one).
+SECRET_WORDS = re.compile(r"PASS|PWD|KEY|SECRET|TOKEN", re.IGNORECASE)
+
+
+def undeclared(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each ``STANDMEET_*`` variable no declaration has, with the nearest one."""
+    env = os.environ if environ is None else environ
+    known = sorted(declared_variables())
+    short = {name.removeprefix(PREFIX): name for name in known}
+    lines = []
+    for key in sorted(env):
+        if not key.startswith(PREFIX) or key in known or QUEUE_VARIABLE.match(key):
+            continue
+        near = difflib.get_close_matches(key.removeprefix(PREFIX), list(short), n=1, cutoff=0.6)
+        nearest = short[near[0]] if near else ""
+        hint = f"; did you mean {nearest}?" if near else " (no declared variable is close)"
+        value = "***" if SECRET_WORDS.search(key) or SECRET_WORDS.search(nearest) else env[key]
+        lines.append(f"{key}={value} is not a setting{hint}")
+    return lines
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_undeclared(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Log each undeclared variable once per process; every line, for printing."""
+    lines = undeclared(environ)
+    with _warned_lock:
+        for line in lines:
+            if line not in _warned:
+                _warned.add(line)
+                logger.warning("%s", line)
+    return lines
+
+
+def markdown_table(cls: type[Declared]) -> Iterator[str]:
+    """The rows of the README's table for one declaration."""
+    for name, info in cls.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get("env") is False:
+            continue
+        if "shown" in extra:
+            default = str(extra["shown"])
+        elif info.default is None:
+            default = "–"
+        elif isinstance(info.default, bool):
+            default = f"`{int(info.default)}`"
+        elif isinstance(info.default, float):
+            default = f"`{info.default:g}`"
+        else:
+            default = f"`{info.default}`"
+        yield f"| `{variable(name, info)}` | {default} | {bounds(info)} | {info.description or ''} |"
+
+
+def bounds(info: FieldInfo) -> str:
+    """A field's declared bounds, as the README shows them (``≥ 1``, ``1 – 65535``)."""
+    low = high = None
+    for item in info.metadata:
+        low = getattr(item, "ge", low)
+        low = f"> {item.gt}" if getattr(item, "gt", None) is not None else low
+        high = getattr(item, "le", high)
+    annotation = info.annotation
+    if annotation is bool:
+        return "`0` / `1`"
+    if annotation is not None and getattr(annotation, "__origin__", None) is Literal:
+        return " / ".join(f"`{choice}`" for choice in annotation.__args__)
+    if low is not None and high is not None:
+        return f"{low} – {high}"
+    if low is not None:
+        return str(low) if str(low).startswith(">") else f"≥ {low}"
+    return ""
+
+
 def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -313,50 +456,6 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> in
     if value < minimum:
         raise ConfigError(f"{name}={value} is below its minimum of {minimum}")
     return value
-
-
-def _port(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    value = _int(env, name, 0, minimum=1)
-    if value > 65535:
-        raise ConfigError(f"{name}={value} is not a TCP port (1-65535)")
-    return value
-
-
-def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = (env.get(name) or default).strip().lower()
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
-    return value
-
-
-def _networks(env: Mapping[str, str], name: str) -> tuple[str, ...]:
-    import ipaddress
-
-    raw = env.get(name) or ""
-    networks = []
-    for part in (p.strip() for p in raw.split(",")):
-        if not part:
-            continue
-        try:
-            networks.append(str(ipaddress.ip_network(part, strict=False)))
-        except ValueError:
-            raise ConfigError(f"{name}: {part!r} is not a network in CIDR form (e.g. 127.0.0.0/8)") from None
-    return tuple(networks)
-
-
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a yes/no value (use 1 or 0)")
 
 
 def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float) -> float:

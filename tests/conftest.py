@@ -6,13 +6,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import dramatiq
 import pytest
 
-from broker.settings import Settings
+from broker.settings import Settings, replace
 from tests.support import db as testdb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +62,17 @@ def database_url(admin_url: str, template_db: str, request: pytest.FixtureReques
 
 
 def test_settings(**overrides: object) -> Settings:
-    return replace(Settings.from_env(), **{**TEST_OVERRIDES, **overrides})  # type: ignore[arg-type]
+    return replace(Settings.from_env(), **{**TEST_OVERRIDES, **overrides})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_application_settings() -> Iterator[None]:
+    """A module that changed the application's settings (``actors.settings.use``) leaves
+    them as the environment gives them for the next."""
+    yield
+    loaded = sys.modules.get("actors.settings")
+    if loaded is not None:
+        loaded.use(None)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +111,8 @@ def subprocess_env(database_url: str) -> dict[str, str]:
         **os.environ,
         "DATABASE_URL": database_url,
         "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "STANDMEET_HEARTBEAT_S": str(TEST_OVERRIDES["heartbeat_s"]),
-        "STANDMEET_RESCUE_AFTER_S": str(TEST_OVERRIDES["rescue_after_s"]),
-        "STANDMEET_MIN_BACKOFF_MS": str(TEST_OVERRIDES["min_backoff_ms"]),
-        "STANDMEET_MAX_BACKOFF_MS": str(TEST_OVERRIDES["max_backoff_ms"]),
+        **{Settings.model_fields[name].validation_alias or f"STANDMEET_{name.upper()}": str(value)
+           for name, value in TEST_OVERRIDES.items()},
         "PYTHONUNBUFFERED": "1",
     }
 

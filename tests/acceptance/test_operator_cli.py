@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
+from actors import settings as app_settings
+from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.procs import ROOT
 from tests.support.smtp import smtp_server
@@ -25,7 +26,7 @@ def test_mail_test_sends_through_the_notify_queue_and_waits_for_the_outcome(
         # no worker yet: it says so, non-zero, once its wait is over
         waited = cli(env, "mail", "test", "nobody@example.test", "--wait-s", "0.5")
         assert waited.returncode == 1 and "is `standmeet-jobs run` running?" in waited.stderr
-        broker.settings = replace(broker.settings, smtp_host="127.0.0.1", smtp_port=port)
+        app_settings.use(replace(app_settings.current(), smtp_host="127.0.0.1", smtp_port=port))
         start_worker(queues=["notify"], threads=2)
         result = cli(env, "mail", "test", "ops@example.test")
         assert result.returncode == 0, result.stderr

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import dramatiq
 
+from actors import settings as app_settings
+from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.jobs import SLEEP, noop
@@ -170,7 +171,7 @@ def test_webhook_deliveries_show_attempts_status_and_error_and_list_says_why_an_
 
     from actors import webhooks
 
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",)))
     with http_server(status=503) as (url, server):
         endpoint, _ = webhooks.add_endpoint(url, ["order.paid"])
         start_worker(queues=["webhook"], threads=4)
@@ -209,8 +210,8 @@ def test_an_endpoint_is_disabled_enabled_and_its_delivery_replayed_without_the_a
     from actors import webhooks
     from broker import ops
 
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
-    with http_server() as (url, server), psycopg.connect(database_url, autocommit=True) as conn:
+    with app_settings.overridden(allowed_networks=("127.0.0.0/8",)), http_server() as (url, server), \
+            psycopg.connect(database_url, autocommit=True) as conn:
         endpoint, _ = webhooks.add_endpoint(url, ["order.shipped"])
         assert ops.set_endpoint_enabled(conn, endpoint, False, reason="maintenance window")
         (status,) = [e for e in ops.webhook_endpoints(conn) if e.id == endpoint]

@@ -7,12 +7,13 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import replace
 
 import psycopg
 import pytest
 
+from actors import settings as app_settings
 from actors import webhooks
+from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.http import http_server
 from tests.support.procs import child_pids, running
@@ -23,10 +24,10 @@ RUN = [sys.executable, "-m", "broker.cli", "run", "--no-scheduler", "--queues", 
 
 @pytest.fixture
 def run_env(broker, subprocess_env):
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",)))
     yield {**subprocess_env, "STANDMEET_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8"}
-    broker.settings = original
+    app_settings.use(original)
 
 
 def _endpoint(url: str) -> tuple[int, str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 
+from actors import settings as app_settings
+from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.procs import ROOT
@@ -18,7 +19,7 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_add_list_ping_disable_enable_and_replay(broker, database_url, subprocess_env, start_worker):
     env = {**subprocess_env, "STANDMEET_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8"}
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05)
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05))
     # a refused URL exits non-zero with the reason
     refused = cli(subprocess_env, "add", "http://127.0.0.1:9/h", "--events", "x")
     assert refused.returncode == 1 and "loopback address" in refused.stderr
@@ -56,7 +57,7 @@ def test_add_list_ping_disable_enable_and_replay(broker, database_url, subproces
 def test_the_health_job_disables_an_endpoint_failing_for_five_days(broker, database_url, start_worker):
     from actors import webhooks
 
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",)))
     sick, _ = webhooks.add_endpoint("http://127.0.0.1:9/sick", ["x"])
     recent, _ = webhooks.add_endpoint("http://127.0.0.1:9/recent", ["x"])
     query(database_url, "UPDATE standmeet.webhook_endpoints SET failing_since = now() - interval '6 days' WHERE id = %s", (sick,))
@@ -73,7 +74,7 @@ def test_the_health_job_disables_an_endpoint_failing_for_five_days(broker, datab
 def test_the_health_job_counts_fractions_of_a_day(broker, database_url, start_worker):
     from actors import webhooks
 
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",), webhook_disable_after_days=0.5)
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",), webhook_disable_after_days=0.5))
     day, hours = webhooks.add_endpoint("http://127.0.0.1:9/day", ["x"])[0], webhooks.add_endpoint("http://127.0.0.1:9/6h", ["x"])[0]
     query(database_url, "UPDATE standmeet.webhook_endpoints SET failing_since = now() - interval '1 day' WHERE id = %s", (day,))
     query(database_url, "UPDATE standmeet.webhook_endpoints SET failing_since = now() - interval '6 hours' WHERE id = %s", (hours,))

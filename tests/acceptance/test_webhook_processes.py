@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import replace
 
 import psycopg
 
+from actors import settings as app_settings
 from actors import webhooks
+from broker.settings import replace
 from tests.support.db import scalar, wait_for
 from tests.support.http import http_server
 from tests.support.procs import running, worker_cmd
@@ -33,7 +34,7 @@ def _succeeded(database_url: str, endpoint: int) -> int:
 def test_two_workers_never_post_twice_at_once_to_one_endpoint_and_endpoints_run_in_parallel(
     broker, database_url, subprocess_env, tmp_path
 ):
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",)))
     env = {**subprocess_env, **WEBHOOK_ENV}
     with http_server(delay_s=0.02) as (url_a, a), http_server(delay_s=0.02) as (url_b, b):
         endpoint_a, _ = webhooks.add_endpoint(url_a, ["a"])
@@ -58,7 +59,7 @@ def test_two_workers_never_post_twice_at_once_to_one_endpoint_and_endpoints_run_
 def test_a_worker_killed_during_a_post_leaves_a_lease_that_expires_and_delivery_resumes(
     broker, database_url, subprocess_env, tmp_path
 ):
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",)))
     # lease 3 s > job limit 2 s > HTTP deadline 1.5 s: the same order as 20 > 15 > 10
     env = {**subprocess_env, **WEBHOOK_ENV, "STANDMEET_WEBHOOK_LEASE_S": "3",
            "STANDMEET_QUEUE_WEBHOOK_TIME_LIMIT_S": "2", "STANDMEET_WEBHOOK_HTTP_TIMEOUT_S": "1.5"}

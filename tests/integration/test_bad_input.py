@@ -49,21 +49,22 @@ def test_emit_refuses_what_postgres_would_refuse_and_the_callers_transaction_sti
 
 
 def test_a_document_over_the_limit_or_holding_nul_is_refused_before_anything_is_written(broker, database_url):
-    from dataclasses import replace
+    from actors import settings as app_settings
+    from broker.settings import replace
 
     before = scalar(database_url, "SELECT count(*) FROM standmeet.documents")
-    original = broker.settings
-    broker.settings = replace(original, document_max_bytes=1000)
+    original = app_settings.current()
+    app_settings.use(replace(original, document_max_bytes=1000))
     try:
         with pytest.raises(documents.DocumentRefused, match="over the limit of 1000 .STANDMEET_DOCUMENT_MAX_BYTES"):
             documents.write_document("big", "é" * 600)  # 1200 bytes in UTF-8
     finally:
-        broker.settings = original
+        app_settings.use(original)
     with pytest.raises(documents.DocumentRefused, match="NUL"):
         documents.write_document("nul", "before\x00after")
     with pytest.raises(documents.DocumentRefused, match="NUL"):
         documents.write_document("ti\x00tle", "body")
-    assert broker.settings.document_max_bytes == 1024 * 1024  # the default: 1 MiB
+    assert app_settings.current().document_max_bytes == 1024 * 1024  # the default: 1 MiB
     assert scalar(database_url, "SELECT count(*) FROM standmeet.documents") == before
 
 

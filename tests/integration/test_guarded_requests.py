@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import httpx
 import psycopg
 import pytest
 
+from actors import settings as app_settings
 from actors import suppliers
 from actors.http import ResponseTooLarge, guarded_request
 from actors.netguard import UrlRefused
 from broker import enqueue
+from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.trickle import trickling_headers_server
 from tests.support.webserver import Reply, web_server
@@ -96,14 +97,14 @@ def test_supplier_calls_go_through_the_guard_and_keep_at_most_the_cap(broker, da
                           (blocked, metadata)))
         assert "loopback" in rows[blocked] and "cloud metadata" in rows[metadata]
         assert query(database_url, "SELECT attempts FROM standmeet.supplier_calls WHERE id = %s", (blocked,)) == [(1,)]
-        original = broker.settings
-        broker.settings = replace(original, allowed_networks=LOOPBACK)
+        original = app_settings.current()
+        app_settings.use(replace(original, allowed_networks=LOOPBACK))
         try:
             with psycopg.connect(database_url) as conn, conn.transaction():
                 huge = suppliers.request_call(conn, "acme", api.base + "/huge", {"n": 3})
             wait_for(lambda: query(database_url, "SELECT status FROM standmeet.supplier_calls WHERE id = %s",
                                    (huge,)) == [("succeeded",)], timeout_s=15, what="the allowed call")
         finally:
-            broker.settings = original
+            app_settings.use(original)
     assert query(database_url, "SELECT length(response) FROM standmeet.supplier_calls WHERE id = %s",
                  (huge,)) == [(suppliers.RESPONSE_CAP,)]

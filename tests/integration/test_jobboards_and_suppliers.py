@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import psycopg
 import pytest
 
 from actors import jobboards, suppliers
+from actors import settings as app_settings
 from actors.netguard import UrlRefused
+from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.webserver import Reply, web_server
 
@@ -30,10 +31,10 @@ def feed(body: bytes, etag: str, content_type: str):
 
 @pytest.fixture
 def loopback_allowed(broker):
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",)))
     yield
-    broker.settings = original
+    app_settings.use(original)
 
 
 def _pending_fetches(url: str) -> int:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from actors import mail
+from actors import settings as app_settings
+from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.smtp import smtp_server
 
@@ -21,11 +21,11 @@ def _final_state(database_url: str, message_id: str) -> str:
 
 @pytest.fixture
 def mailbox(broker):
-    original = broker.settings
+    original = app_settings.current()
     with smtp_server() as (port, box):
-        broker.settings = replace(original, smtp_host="127.0.0.1", smtp_port=port, smtp_from="jobs@standmeet.test")
+        app_settings.use(replace(original, smtp_host="127.0.0.1", smtp_port=port, smtp_from="jobs@standmeet.test"))
         yield box
-    broker.settings = original
+    app_settings.use(original)
 
 
 def test_an_owner_notification_arrives_with_its_headers_and_both_bodies(broker, database_url, start_worker, mailbox):
@@ -71,8 +71,8 @@ def test_a_permanent_refusal_fails_without_retry(broker, database_url, start_wor
 
 
 def test_an_unreachable_server_is_a_temporary_failure(broker, database_url, start_worker):
-    original = broker.settings
-    broker.settings = replace(original, smtp_host="127.0.0.1", smtp_port=1)  # nothing listens there
+    original = app_settings.current()
+    app_settings.use(replace(original, smtp_host="127.0.0.1", smtp_port=1))  # nothing listens there
     try:
         start_worker(queues=["notify"], threads=2)
         job = mail.test_mail.send_with_options(args=("x@example.test",), max_retries=1, min_backoff=10, max_backoff=20)
@@ -82,7 +82,7 @@ def test_an_unreachable_server_is_a_temporary_failure(broker, database_url, star
         assert retries == 2  # tried, retried once, then given up: it was treated as temporary
         assert "TemporaryMailError" in tb and "cannot reach 127.0.0.1:1" in tb
     finally:
-        broker.settings = original
+        app_settings.use(original)
 
 
 def test_a_template_value_that_is_missing_is_a_clear_permanent_error():

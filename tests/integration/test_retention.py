@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import psycopg
 
 from broker import maintenance, sql
 from broker.pgbroker import enqueue_params
+from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.jobs import mark
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import count
 
 import pytest
 
 from actors import corpus
+from actors import settings as app_settings
 from actors.search import Document, MeilisearchIndex, SearchIndexError, search_index
+from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.webserver import Reply, web_server
 
@@ -69,8 +70,8 @@ def test_a_failed_meilisearch_task_is_a_clear_error(meili):
 
 def test_corpus_index_uses_the_configured_backend(broker, database_url, start_worker, meili):
     (doc_id,) = query(database_url, "INSERT INTO standmeet.documents (title, body) VALUES ('Meili', 'routed') RETURNING id")[0]
-    original = broker.settings
-    broker.settings = replace(original, search_backend="meilisearch", meili_url=meili.base, meili_key="k")
+    original = app_settings.current()
+    app_settings.use(replace(original, search_backend="meilisearch", meili_url=meili.base, meili_key="k"))
     try:
         assert isinstance(search_index(), MeilisearchIndex)
         start_worker(queues=["index"], threads=4)
@@ -78,7 +79,7 @@ def test_corpus_index_uses_the_configured_backend(broker, database_url, start_wo
         wait_for(lambda: any(r.method == "POST" and r.path.startswith("/indexes/documents/documents") for r in meili.requests),
                  timeout_s=10, what="the document posted to Meilisearch")
     finally:
-        broker.settings = original
+        app_settings.use(original)
     posted = [r for r in meili.requests if r.method == "POST"][0].json()
     assert posted == [{"id": doc_id, "title": "Meili", "body": "routed"}]
     # the Postgres index was not written

@@ -5,10 +5,12 @@ sent on the POST, recorded by the SDK's in-memory exporter."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 import psycopg
 import pytest
+
+from actors import settings as app_settings
+from broker.settings import replace
 
 pytest.importorskip("opentelemetry.sdk", reason="the [otel] extra is not installed")
 
@@ -50,7 +52,7 @@ def test_one_trace_runs_from_emit_through_the_relay_and_fanout_to_the_webhook_po
         broker, database_url, start_worker, spans):
     from actors import webhooks
 
-    broker.settings = replace(broker.settings, allowed_networks=("127.0.0.0/8",))
+    app_settings.use(replace(app_settings.current(), allowed_networks=("127.0.0.0/8",)))
     with http_server() as (url, server):
         webhooks.add_endpoint(url, ["order.paid"])
         start_worker(queues=["webhook"], threads=4)

@@ -6,12 +6,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from actors import settings as app_settings
 from actors import webhooks
+from broker.settings import replace
 
 
 @contextmanager
@@ -46,15 +47,15 @@ def trickling_server() -> Iterator[str]:
 
 
 def test_a_trickling_endpoint_is_cut_at_the_total_deadline(broker):
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",)))
     try:
         with trickling_server() as url:
             start = time.monotonic()
             outcome = webhooks.post(url, [webhooks.new_secret()], "msg_1", b"{}", timeout_s=1.0)
             took = time.monotonic() - start
     finally:
-        broker.settings = original
+        app_settings.use(original)
     # each byte arrives well within a per-phase read timeout, yet the whole is cut at 1 s
     assert outcome.outcome == "timeout", outcome
     assert 0.9 <= took < 1.6, took
@@ -76,15 +77,15 @@ def test_an_http_date_retry_after_counts_from_now():
 def test_an_endpoint_trickling_its_headers_is_cut_at_the_total_deadline(broker):
     from tests.support.trickle import trickling_headers_server
 
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",)))
     try:
         with trickling_headers_server(every_s=0.1) as url:
             start = time.monotonic()
             outcome = webhooks.post(url, [webhooks.new_secret()], "msg_2", b"{}", timeout_s=1.0)
             took = time.monotonic() - start
     finally:
-        broker.settings = original
+        app_settings.use(original)
     # every header byte comes within any per-read timeout; the whole is still cut at 1 s
     assert outcome.outcome == "timeout", outcome
     assert 0.9 <= took < 1.6, took
@@ -97,8 +98,8 @@ def test_an_attempt_cut_by_the_jobs_own_time_limit_is_recorded_as_a_timeout(brok
     from tests.support.db import query, wait_for
     from tests.support.trickle import trickling_headers_server
 
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",))
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",)))
     try:
         with trickling_headers_server(every_s=0.1) as url:
             endpoint, _ = webhooks.add_endpoint(url, ["slow.thing"])
@@ -114,7 +115,7 @@ def test_an_attempt_cut_by_the_jobs_own_time_limit_is_recorded_as_a_timeout(brok
                                                             " WHERE delivery_id = %s", (delivery,)),
                                 timeout_s=10, what="the attempt to be recorded")
     finally:
-        broker.settings = original
+        app_settings.use(original)
     assert attempts[0][0] == "timeout" and attempts[0][1] < 1500, attempts
     assert query(database_url, "SELECT state, attempts, last_outcome FROM standmeet.webhook_deliveries WHERE id = %s",
                  (delivery,)) == [("pending", 1, "timeout")]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import base64
 import stat
-from dataclasses import replace
 
 import pytest
 from psycopg import sql
 
 from actors import secretbox, webhooks
+from actors import settings as app_settings
 from broker.errors import ConfigError
+from broker.settings import replace
 from tests.support.db import query
 
 LOOPBACK = ("127.0.0.0/8",)
@@ -29,10 +30,15 @@ def database_text(url: str) -> str:
 
 @pytest.fixture
 def loopback(broker):
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=LOOPBACK)
-    yield broker.settings
-    broker.settings = original
+    with app_settings.overridden(allowed_networks=LOOPBACK) as changed:
+        yield changed
+
+
+@pytest.fixture
+def no_key():
+    """STANDMEET_SECRET_KEY unset (the tests' processes all have one)."""
+    with app_settings.overridden(secret_key=None) as changed:
+        yield changed
 
 
 def test_generated_secrets_hold_32_random_bytes_and_short_ones_are_refused(loopback):
@@ -61,30 +67,30 @@ def test_secrets_are_encrypted_at_rest_and_absent_from_a_dump_of_the_database(lo
     assert "a very secret" not in dump
 
 
-def test_without_a_key_a_server_database_refuses_to_store_a_secret_naming_the_variable(broker):
-    settings = replace(broker.settings, secret_key=None, database_url="postgresql://db.example.test/app")
+def test_without_a_key_a_server_database_refuses_to_store_a_secret_naming_the_variable(broker, no_key):
+    settings = replace(broker.settings, database_url="postgresql://db.example.test/app")
     with pytest.raises(ConfigError, match="STANDMEET_SECRET_KEY is not set"):
         secretbox.seal(webhooks.new_secret(), settings)
-    with pytest.raises(ConfigError, match="STANDMEET_SECRET_KEY"):
-        secretbox.seal("whsec_x", replace(settings, secret_key="not-a-fernet-key"))
+    with app_settings.overridden(secret_key="not-a-fernet-key"), pytest.raises(ConfigError, match="STANDMEET_SECRET_KEY"):
+        secretbox.seal("whsec_x", settings)
 
 
-def test_the_embedded_default_key_is_made_once_beside_the_data_with_mode_0600(broker, tmp_path):
-    settings = replace(broker.settings, secret_key=None, database_url=None, embedded_dir=tmp_path / "pgdata")
+def test_the_embedded_default_key_is_made_once_beside_the_data_with_mode_0600(broker, no_key, tmp_path):
+    settings = replace(broker.settings, database_url=None, embedded_dir=tmp_path / "pgdata")
     sealed = secretbox.seal("whsec_abc", settings)
     key = tmp_path / "secret.key"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     first = key.read_text()
     assert secretbox.unseal(sealed, settings) == "whsec_abc"  # the same key, read back
     assert key.read_text() == first
-    other = replace(settings, secret_key=None, embedded_dir=tmp_path / "elsewhere" / "pgdata")
+    other = replace(settings, embedded_dir=tmp_path / "elsewhere" / "pgdata")
     with pytest.raises(ConfigError, match="cannot be decrypted"):
         secretbox.unseal(sealed, other)
 
 
-def test_a_child_of_run_handed_the_embedded_servers_url_uses_the_embedded_key(broker, tmp_path):
+def test_a_child_of_run_handed_the_embedded_servers_url_uses_the_embedded_key(broker, no_key, tmp_path):
     data = tmp_path / "pgdata"
-    embedded = replace(broker.settings, secret_key=None, database_url=None, embedded_dir=data)
+    embedded = replace(broker.settings, database_url=None, embedded_dir=data)
     child = replace(embedded, database_url=f"postgresql://postgres:@/standmeet?host={data.resolve()}")
     assert secretbox.unseal(secretbox.seal("whsec_abc", embedded), child) == "whsec_abc"
     elsewhere = replace(child, database_url="postgresql://postgres@db.example.test/standmeet")

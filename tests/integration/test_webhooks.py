@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import psycopg
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
+from actors import settings as app_settings
 from actors import webhooks
+from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.webserver import Reply, web_server
@@ -17,10 +18,10 @@ from tests.support.webserver import Reply, web_server
 
 @pytest.fixture
 def webhook_settings(broker):
-    original = broker.settings
-    broker.settings = replace(original, allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05)
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05))
     yield broker.settings
-    broker.settings = original
+    app_settings.use(original)
 
 
 def emit(database_url: str, event_type: str, payload: dict) -> int:
