@@ -157,12 +157,9 @@ def periodic_jobs() -> list[PeriodicJob]:
 
 
 def run_startup_checks(settings: Any) -> None:
-    """Validate the applications' settings, warn of undeclared variables, run the checks."""
-    from broker.settings import warn_undeclared
-
+    """Validate the applications' settings, then run the declared checks."""
     for declaration in list(REGISTRY.settings):
         declaration.current()
-    warn_undeclared()
     for check in list(REGISTRY.startup_checks):
         check(settings)
 

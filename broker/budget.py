@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from broker import app
 from broker.errors import BudgetError
-from broker.settings import RELAY_CONNECTIONS, Settings
+from broker.settings import RELAY_CONNECTIONS, Settings, warn_undeclared
 
 
 @dataclass(frozen=True)
@@ -73,4 +73,5 @@ def check_budget(settings: Settings, queues: Iterable[str] | None = None) -> Bud
             + ". Lower a queue's STANDMEET_QUEUE_<QUEUE>_MAX_WORKERS or raise STANDMEET_POOL_MAX_SIZE."
         )
     app.run_startup_checks(settings)  # what the loaded modules declared
+    warn_undeclared()  # a misspelt STANDMEET_ variable, named with the nearest declared one
     return budget

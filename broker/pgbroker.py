@@ -341,6 +341,8 @@ class StandmeetBroker(dramatiq.Broker):
         self._heartbeat: detach.Detached | None = None
         self._pool: Any = None
         self._close_hooks: list[Callable[[], None]] = []
+        #: told what each rescue pass did: {queue: (requeued, rejected)}
+        self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
         # Queues are declared by the actors that name them (and by declare_queue): a
@@ -596,10 +598,8 @@ class StandmeetBroker(dramatiq.Broker):
             {"after_s": self.settings.rescue_after_s, "max_crashes": self.settings.max_crashes},
         )
         result = {row[0]: (int(row[1]), int(row[2])) for row in rows}
-        if result:
-            from broker.metrics import count_rescues
-
-            count_rescues(result)
+        for listener in self.rescue_listeners:  # e.g. the metrics' rescue counter
+            listener(result)
         for row in rows:
             logger.warning(
                 "crash rescue: %d message(s) of queue %r requeued (%d suspect), %d rejected after too many crashes",

@@ -27,6 +27,14 @@ class Metrics(Middleware):
     """Stamps each run's start on its message proxy (one per run), not in a map by id:
     a retry of the same message may start before this run's after-hooks are done."""
 
+    def after_process_boot(self, broker: Any) -> None:
+        listeners = getattr(broker, "rescue_listeners", None)
+        if listeners is not None and metrics.count_rescues not in listeners:
+            listeners.append(metrics.count_rescues)  # what this process's rescue passes did
+
+    def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        self.after_process_boot(broker)  # an embedded Worker emits only worker_boot
+
     def before_process_message(self, broker: Any, message: Any) -> None:
         labels = (message.queue_name, message.actor_name)
         metrics.IN_PROGRESS.labels(*labels).inc()
