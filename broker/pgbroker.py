@@ -98,6 +98,10 @@ class QueueState:
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
+        #: the consumer sleeps on the wake pipe (set and read under ``lock``)
+        self.waiting = False
+        #: a running job ended since the consumer last looked
+        self.freed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -106,6 +110,22 @@ class QueueState:
         """How many more messages this process may claim now."""
         with self.lock:
             return self.limit + self.prefetch - len(self.in_flight)
+
+    def should_claim(self) -> bool:
+        """Worth a claim now: a running slot would otherwise stay idle, or enough room for a
+        batch. Claiming one message each time one finishes costs a round trip per job;
+        waiting for a batch's worth of room costs nothing while the buffer still holds
+        messages to start."""
+        with self.lock:
+            free = self.limit + self.prefetch - len(self.in_flight)
+            if free <= 0:
+                return False
+            return free >= self.claim_batch or len(self.running) + len(self.buffer) < self.limit
+
+    @property
+    def claim_batch(self) -> int:
+        """The room that makes a claim worth its round trip while nothing would idle."""
+        return max(1, (self.prefetch + 1) // 2)
 
     def start_now(self) -> int:
         """How many claimed messages would start at once (free running slots)."""
@@ -138,7 +158,10 @@ class QueueState:
         with self.lock:
             self.running.discard(key)
             self.in_flight.discard(key)
-        self.wake()
+            self.freed = True
+            sleeping = self.waiting
+        if sleeping:  # a busy consumer looks at ``freed`` before it sleeps: no pipe write
+            self.wake()
 
     def release(self, keys: Iterable[tuple[str, int]]) -> None:
         """Settled (or given back): the claims no longer count against the queue."""
@@ -147,6 +170,24 @@ class QueueState:
                 self.in_flight.discard(key)
                 self.running.discard(key)
         self.wake()
+
+    def going_to_sleep(self) -> bool:
+        """The consumer is about to wait: False (and not waiting) if a job ended since it
+        last looked, so it looks again instead; otherwise every later end wakes it."""
+        with self.lock:
+            if self.freed:
+                self.freed = False
+                return False
+            self.waiting = True
+            return True
+
+    def awake(self) -> None:
+        with self.lock:
+            self.waiting = False
+
+    def clear_freed(self) -> None:
+        with self.lock:
+            self.freed = False
 
     def wake(self) -> None:
         try:
@@ -752,7 +793,7 @@ class StandmeetConsumer(Consumer):
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
-        if self.broker.claiming and self.state.free() > 0 and self._due():
+        if self.broker.claiming and self._due() and self.state.should_claim():
             if self.claim_once(conn):
                 return self._hand_out()
         self._wait(conn)
@@ -828,14 +869,21 @@ class StandmeetConsumer(Consumer):
         timeout = self.timeout_s
         if not self.broker.claiming:
             timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop
-        elif self.state.free() > 0 and self.next_due_s is not None:
+        elif self.next_due_s is not None and self.state.should_claim():
             # a due time matters only with room to claim; when full, a finishing job wakes us
             timeout = min(timeout, max(0.0, self.next_due_s - time.monotonic()))
         if self._heard(conn):
             return
-        readable, _, _ = select.select([conn.fileno(), self.state.wake_fd], [], [], timeout)
+        if not self.state.going_to_sleep():
+            self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())  # a slot freed
+            return
+        try:
+            readable, _, _ = select.select([conn.fileno(), self.state.wake_fd], [], [], timeout)
+        finally:
+            self.state.awake()
         if self.state.wake_fd in readable:
             self.state.drain_wake()
+            self.state.clear_freed()  # the pipe said it
             self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())
         if readable:
             self._heard(conn)
