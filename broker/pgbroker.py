@@ -43,6 +43,7 @@ import psycopg
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
+from dramatiq.middleware import Middleware, MiddlewareError
 
 from broker import app, detach, sql
 from broker.backoff import Backoff
@@ -382,6 +383,8 @@ class StandmeetBroker(dramatiq.Broker):
         self._app_pool: Any = None
         self.relay: Any = None
         self._waiters: Any = None
+        self._hooks_of: tuple[Any, ...] = ()
+        self._hook_cache: dict[str, list[Any]] = {}
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
         # Queues are declared by the actors that name them (and by declare_queue): a
@@ -478,11 +481,45 @@ class StandmeetBroker(dramatiq.Broker):
             self.emit_after("enqueue", message, delay)
         return batch
 
+    # -- signals ----------------------------------------------------------------------
+
+    def _hooks(self, name: str) -> list[Any]:
+        """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
+        order: Dramatiq calls all of them, most the base class's no-ops, several times
+        per message. Recomputed whenever the middleware list changes."""
+        snapshot = tuple(self.middleware)
+        if self._hooks_of != snapshot:
+            self._hooks_of, self._hook_cache = snapshot, {}
+        hooks = self._hook_cache.get(name)
+        if hooks is None:
+            base = getattr(Middleware, name, None)
+            hooks = [(m, getattr(m, name)) for m in snapshot
+                     if getattr(type(m), name, None) is not base or name in vars(m)]
+            self._hook_cache[name] = hooks
+        return hooks
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
+        for middleware, hook in self._hooks("before_" + signal):
+            try:
+                hook(self, *args, **kwargs)
+            except MiddlewareError:
+                raise
+            except Exception:
+                self.logger.critical("Unexpected failure in before_%s of %r.", signal, middleware, exc_info=True)
+
+    def _emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        for middleware, hook in reversed(self._hooks("after_" + signal)):
+            try:
+                hook(self, *args, **kwargs)
+            except Exception:
+                self.logger.critical("Unexpected failure in after_%s of %r.", signal, middleware, exc_info=True)
+
     # -- the settle path ------------------------------------------------------------
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal not in ("process_message", "skip_message"):
-            super().emit_after(signal, *args, **kwargs)
+            self._emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
         exception = kwargs.get("exception")
@@ -498,13 +535,11 @@ class StandmeetBroker(dramatiq.Broker):
             context.returned = True
         if context is not None and signal == "skip_message":
             context.skipped = True  # acked without running, unless a middleware requeues it
-        for middleware in self.middleware:  # the time limit never fires in the settle path
-            disarm = getattr(middleware, "disarm", None)
-            if disarm is not None:
-                disarm()
+        for _, disarm in self._hooks("disarm"):  # the time limit never fires in the settle path
+            disarm()
         _local.settling = context
         try:
-            super().emit_after(signal, *args, **kwargs)
+            self._emit_after(signal, *args, **kwargs)
         finally:
             _local.settling = None
 
