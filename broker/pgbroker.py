@@ -103,16 +103,26 @@ class QueueState:
         self.buffer: deque[Claim] = deque()
         #: the consumer sleeps on the wake pipe (set and read under ``lock``)
         self.waiting = False
-        #: a running job ended since the consumer last looked
+        #: a running job ended (or outcomes were written) since the consumer last looked
         self.freed = False
+        #: runs that ended whose outcome the settler has not written yet: their rows
+        #: are still ``consumed`` in the database, so they count against the claims
+        #: beyond a slack of one more ``limit``
+        self.unsettled = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
+    def _free(self) -> int:
+        return (self.limit + self.prefetch - len(self.in_flight)
+                - max(0, self.unsettled - self.limit))
+
     def free(self) -> int:
-        """How many more messages this process may claim now."""
+        """How many more messages this process may claim now: its rows ``consumed`` in the
+        database never exceed ``2 × limit + prefetch`` (finished ones included), however
+        far the settler is behind."""
         with self.lock:
-            return self.limit + self.prefetch - len(self.in_flight)
+            return self._free()
 
     def should_claim(self) -> bool:
         """Worth a claim now: a running slot would otherwise stay idle, or enough room for a
@@ -120,7 +130,7 @@ class QueueState:
         waiting for a batch's worth of room costs nothing while the buffer still holds
         messages to start."""
         with self.lock:
-            free = self.limit + self.prefetch - len(self.in_flight)
+            free = self._free()
             if free <= 0:
                 return False
             return free >= self.claim_batch or len(self.running) + len(self.buffer) < self.limit
@@ -162,8 +172,18 @@ class QueueState:
             self.running.discard(key)
             self.in_flight.discard(key)
             self.freed = True
+            self.unsettled += 1
             sleeping = self.waiting
         if sleeping:  # a busy consumer looks at ``freed`` before it sleeps: no pipe write
+            self.wake()
+
+    def settled(self, count: int) -> None:
+        """The settler wrote ``count`` outcomes of this queue: room to claim again."""
+        with self.lock:
+            self.unsettled = max(0, self.unsettled - count)
+            self.freed = True  # a consumer about to sleep looks again instead
+            sleeping = self.waiting
+        if sleeping:
             self.wake()
 
     def release(self, keys: Iterable[tuple[str, int]]) -> None:
@@ -335,6 +355,13 @@ class Settler:
                 conn.execute(sql.SETTLE, settle_params(outcomes, app.awaited_queues()))
         self.broker.outage.ok()
         self.written += len(outcomes)
+        per_queue: dict[str, int] = {}
+        for o in outcomes:
+            per_queue[o.queue_name] = per_queue.get(o.queue_name, 0) + 1
+        for queue_name, count in per_queue.items():
+            state = self.broker.queue_states.get(queue_name)
+            if state is not None:
+                state.settled(count)
         return len(outcomes)
 
     def close(self) -> None:
