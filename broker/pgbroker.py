@@ -5,7 +5,10 @@ What it guarantees:
 * **Claims are bounded per queue.** A consumer claims due messages with one
   ``UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)`` statement (lower
   ``priority`` first, then oldest due), never more than its queue's limit running plus
-  a small prefetch. It wakes on NOTIFY, or the moment one of its jobs finishes. No
+  a small prefetch; it claims again when a batch's worth of room is free or a running
+  slot would idle. Runs that finished but whose outcome is not written yet count too,
+  beyond one limit of slack: a process never holds more than ``2 × limit + prefetch``
+  rows ``consumed``. It wakes on NOTIFY, or the moment one of its jobs finishes. No
   advisory lock outlives the statement, so the locks held stay bounded at any backlog.
 * **One settle path.** Every outcome of a run — done, retry with back-off, snooze,
   reject — is one statement bound to the claim it settles (``message_id`` *and* claim
