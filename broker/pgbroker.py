@@ -5,7 +5,10 @@ What it guarantees:
 * **Claims are bounded per queue.** A consumer claims due messages with one
   ``UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)`` statement (lower
   ``priority`` first, then oldest due), never more than its queue's limit running plus
-  a small prefetch. It wakes on NOTIFY, or the moment one of its jobs finishes. No
+  a small prefetch; it claims again when a batch's worth of room is free or a running
+  slot would idle. Runs that finished but whose outcome is not written yet count too,
+  beyond one limit of slack: a process never holds more than ``2 × limit + prefetch``
+  rows ``consumed``. It wakes on NOTIFY, or the moment one of its jobs finishes. No
   advisory lock outlives the statement, so the locks held stay bounded at any backlog.
 * **One settle path.** Every outcome of a run — done, retry with back-off, snooze,
   reject — is one statement bound to the claim it settles (``message_id`` *and* claim
@@ -26,6 +29,8 @@ What it guarantees:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import select
@@ -43,6 +48,7 @@ import psycopg
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
+from dramatiq.middleware import Middleware, MiddlewareError
 
 from broker import app, detach, sql
 from broker.backoff import Backoff
@@ -100,14 +106,44 @@ class QueueState:
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
+        #: the consumer sleeps on the wake pipe (set and read under ``lock``)
+        self.waiting = False
+        #: a running job ended (or outcomes were written) since the consumer last looked
+        self.freed = False
+        #: runs that ended whose outcome the settler has not written yet: their rows
+        #: are still ``consumed`` in the database, so they count against the claims
+        #: beyond a slack of one more ``limit``
+        self.unsettled = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
+    def _free(self) -> int:
+        return (self.limit + self.prefetch - len(self.in_flight)
+                - max(0, self.unsettled - self.limit))
+
     def free(self) -> int:
-        """How many more messages this process may claim now."""
+        """How many more messages this process may claim now: its rows ``consumed`` in the
+        database never exceed ``2 × limit + prefetch`` (finished ones included), however
+        far the settler is behind."""
         with self.lock:
-            return self.limit + self.prefetch - len(self.in_flight)
+            return self._free()
+
+    def should_claim(self) -> bool:
+        """Worth a claim now: a running slot would otherwise stay idle, or enough room for a
+        batch. Claiming one message each time one finishes costs a round trip per job;
+        waiting for a batch's worth of room costs nothing while the buffer still holds
+        messages to start."""
+        with self.lock:
+            free = self._free()
+            if free <= 0:
+                return False
+            return free >= self.claim_batch or len(self.running) + len(self.buffer) < self.limit
+
+    @property
+    def claim_batch(self) -> int:
+        """The room that makes a claim worth its round trip while nothing would idle."""
+        return max(1, (self.prefetch + 1) // 2)
 
     def start_now(self) -> int:
         """How many claimed messages would start at once (free running slots)."""
@@ -140,7 +176,20 @@ class QueueState:
         with self.lock:
             self.running.discard(key)
             self.in_flight.discard(key)
-        self.wake()
+            self.freed = True
+            self.unsettled += 1
+            sleeping = self.waiting
+        if sleeping:  # a busy consumer looks at ``freed`` before it sleeps: no pipe write
+            self.wake()
+
+    def settled(self, count: int) -> None:
+        """The settler wrote ``count`` outcomes of this queue: room to claim again."""
+        with self.lock:
+            self.unsettled = max(0, self.unsettled - count)
+            self.freed = True  # a consumer about to sleep looks again instead
+            sleeping = self.waiting
+        if sleeping:
+            self.wake()
 
     def release(self, keys: Iterable[tuple[str, int]]) -> None:
         """Settled (or given back): the claims no longer count against the queue."""
@@ -149,6 +198,24 @@ class QueueState:
                 self.in_flight.discard(key)
                 self.running.discard(key)
         self.wake()
+
+    def going_to_sleep(self) -> bool:
+        """The consumer is about to wait: False (and not waiting) if a job ended since it
+        last looked, so it looks again instead; otherwise every later end wakes it."""
+        with self.lock:
+            if self.freed:
+                self.freed = False
+                return False
+            self.waiting = True
+            return True
+
+    def awake(self) -> None:
+        with self.lock:
+            self.waiting = False
+
+    def clear_freed(self) -> None:
+        with self.lock:
+            self.freed = False
 
     def wake(self) -> None:
         try:
@@ -293,6 +360,13 @@ class Settler:
                 conn.execute(sql.SETTLE, settle_params(outcomes, app.awaited_queues()))
         self.broker.outage.ok()
         self.written += len(outcomes)
+        per_queue: dict[str, int] = {}
+        for o in outcomes:
+            per_queue[o.queue_name] = per_queue.get(o.queue_name, 0) + 1
+        for queue_name, count in per_queue.items():
+            state = self.broker.queue_states.get(queue_name)
+            if state is not None:
+                state.settled(count)
         return len(outcomes)
 
     def close(self) -> None:
@@ -343,6 +417,8 @@ class StandmeetBroker(dramatiq.Broker):
         self._close_hooks: list[Callable[[], None]] = []
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
+        self._hooks_of: tuple[Any, ...] = ()
+        self._hook_cache: dict[str, list[Any]] = {}
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
         # Queues are declared by the actors that name them (and by declare_queue): a
@@ -439,11 +515,45 @@ class StandmeetBroker(dramatiq.Broker):
             self.emit_after("enqueue", message, delay)
         return batch
 
+    # -- signals ----------------------------------------------------------------------
+
+    def _hooks(self, name: str) -> list[Any]:
+        """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
+        order: Dramatiq calls all of them, most the base class's no-ops, several times
+        per message. Recomputed whenever the middleware list changes."""
+        snapshot = tuple(self.middleware)
+        if self._hooks_of != snapshot:
+            self._hooks_of, self._hook_cache = snapshot, {}
+        hooks = self._hook_cache.get(name)
+        if hooks is None:
+            base = getattr(Middleware, name, None)
+            hooks = [(m, getattr(m, name)) for m in snapshot
+                     if getattr(type(m), name, None) is not base or name in vars(m)]
+            self._hook_cache[name] = hooks
+        return hooks
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
+        for middleware, hook in self._hooks("before_" + signal):
+            try:
+                hook(self, *args, **kwargs)
+            except MiddlewareError:
+                raise
+            except Exception:
+                self.logger.critical("Unexpected failure in before_%s of %r.", signal, middleware, exc_info=True)
+
+    def _emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        for middleware, hook in reversed(self._hooks("after_" + signal)):
+            try:
+                hook(self, *args, **kwargs)
+            except Exception:
+                self.logger.critical("Unexpected failure in after_%s of %r.", signal, middleware, exc_info=True)
+
     # -- the settle path ------------------------------------------------------------
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal not in ("process_message", "skip_message"):
-            super().emit_after(signal, *args, **kwargs)
+            self._emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
         exception = kwargs.get("exception")
@@ -459,13 +569,11 @@ class StandmeetBroker(dramatiq.Broker):
             context.returned = True
         if context is not None and signal == "skip_message":
             context.skipped = True  # acked without running, unless a middleware requeues it
-        for middleware in self.middleware:  # the time limit never fires in the settle path
-            disarm = getattr(middleware, "disarm", None)
-            if disarm is not None:
-                disarm()
+        for _, disarm in self._hooks("disarm"):  # the time limit never fires in the settle path
+            disarm()
         _local.settling = context
         try:
-            super().emit_after(signal, *args, **kwargs)
+            self._emit_after(signal, *args, **kwargs)
         finally:
             _local.settling = None
 
@@ -717,7 +825,7 @@ class StandmeetConsumer(Consumer):
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
-        if self.broker.claiming and self.state.free() > 0 and self._due():
+        if self.broker.claiming and self._due() and self.state.should_claim():
             if self.claim_once(conn):
                 return self._hand_out()
         self._wait(conn)
@@ -793,14 +901,21 @@ class StandmeetConsumer(Consumer):
         timeout = self.timeout_s
         if not self.broker.claiming:
             timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop
-        elif self.state.free() > 0 and self.next_due_s is not None:
+        elif self.next_due_s is not None and self.state.should_claim():
             # a due time matters only with room to claim; when full, a finishing job wakes us
             timeout = min(timeout, max(0.0, self.next_due_s - time.monotonic()))
         if self._heard(conn):
             return
-        readable, _, _ = select.select([conn.fileno(), self.state.wake_fd], [], [], timeout)
+        if not self.state.going_to_sleep():
+            self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())  # a slot freed
+            return
+        try:
+            readable, _, _ = select.select([conn.fileno(), self.state.wake_fd], [], [], timeout)
+        finally:
+            self.state.awake()
         if self.state.wake_fd in readable:
             self.state.drain_wake()
+            self.state.clear_freed()  # the pipe said it
             self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())
         if readable:
             self._heard(conn)
@@ -866,9 +981,19 @@ def as_message(message: Message | MessageProxy) -> Message:
     return message._message if isinstance(message, MessageProxy) else message  # type: ignore[attr-defined]
 
 
+#: Dramatiq's JSONEncoder writes ``json.dumps(fields, separators=(",", ":"))``: the same
+#: encoder made once (json.dumps makes a new one per call with these separators).
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
+_MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
+
+
 def message_json(message: Message | MessageProxy) -> str:
     """The message as JSON text, as Dramatiq encodes it."""
-    return as_message(message).encode().decode("utf-8")
+    plain = as_message(message)
+    if type(plain) is Message and type(dramatiq.get_encoder()) is dramatiq.JSONEncoder:
+        # the same text as ``plain.encode().decode()``, without the bytes in between
+        return _compact_json({name: getattr(plain, name) for name in _MESSAGE_FIELDS})
+    return plain.encode().decode("utf-8")
 
 
 def message_priority(message: Message | MessageProxy) -> int:

@@ -62,3 +62,35 @@ def test_back_off_doubles_up_to_its_cap_with_jitter_and_resets():
 def test_back_off_refuses_bounds_that_make_no_sense():
     with pytest.raises(ValueError):
         Backoff(start_s=1.0, cap_s=0.5)
+
+
+def test_a_queue_claims_again_for_an_idle_slot_or_a_batch_not_for_each_finished_job():
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=4))
+    assert state.claim_batch == 2 and state.should_claim()  # empty: claim
+    for i in range(6):
+        state.hold(_claim(i))
+    running = [state.next_buffered(), state.next_buffered()]
+    assert not state.should_claim()  # full
+    state.finished(running[0].key)
+    state.next_buffered()
+    # one slot of room, and a buffer that still feeds every running slot: not yet
+    assert state.free() == 1 and not state.should_claim()
+    state.finished(running[1].key)
+    assert state.free() == 2 and state.should_claim()  # a batch's worth of room
+    state.take_buffer()
+    assert state.should_claim()  # nothing buffered, a slot would idle
+
+
+def test_finished_runs_not_yet_settled_count_against_claims_beyond_one_limit_of_slack():
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=2))
+    for round_ in range(3):  # three rounds of two runs end; the settler writes none
+        for i in range(2):
+            state.hold(_claim(10 * round_ + i))
+        for _ in range(2):
+            claim = state.next_buffered()
+            state.finished(claim.key)
+    assert state.unsettled == 6
+    # rows consumed in the database: 6 unsettled; at most 2 x limit + prefetch = 6 held
+    assert state.free() == 0 and not state.should_claim()
+    state.settled(4)
+    assert state.free() == 4 and state.should_claim()

@@ -1,0 +1,16 @@
+"""The broker writes each message as exactly the JSON text Dramatiq's encoder would."""
+
+from __future__ import annotations
+
+import dramatiq
+from dramatiq.broker import MessageProxy
+
+from broker.pgbroker import message_json
+
+
+def test_a_message_is_written_as_dramatiqs_own_json_text():
+    message = dramatiq.Message(queue_name="q", actor_name="a", args=(1, 'é"x', 2.5, None),
+                               kwargs={"k": [1, {"z": 1}]}, options={"eta": 5, "x": "\u2603"})
+    expected = message.encode().decode("utf-8")
+    assert message_json(message) == expected
+    assert message_json(MessageProxy(message)) == expected
