@@ -884,7 +884,9 @@ class StandmeetConsumer(Consumer):
 
     def _reject_malformed(self, conn: psycopg.Connection[Any], row_id: str, error: str) -> None:
         logger.error("queue %r: rejecting message %s: %s", self.state.name, row_id, error)
-        conn.execute(sql.REJECT_MALFORMED, {"message_id": row_id, "error": error})
+        # On the send pool, committed synchronously like every outcome: lost in a server crash,
+        # the row would stay consumed under this live process, rescued by nobody.
+        self.broker.execute(sql.REJECT_MALFORMED, {"message_id": row_id, "error": error})
 
     def _bounce_unknown_actor(self, conn: psycopg.Connection[Any], message: Message) -> None:
         settings = self.broker.settings
@@ -893,7 +895,7 @@ class StandmeetConsumer(Consumer):
                  f"{settings.unknown_actor_delay_s:g} s, rejected after {settings.unknown_actor_max_claims} claims")
         logger.warning("queue %r: message %s is for an unknown actor %r; giving it back for %.0f s",
                        self.state.name, message.message_id, message.actor_name, settings.unknown_actor_delay_s)
-        conn.execute(sql.UNKNOWN_ACTOR, {"message_id": message.message_id, "error": error,
+        self.broker.execute(sql.UNKNOWN_ACTOR, {"message_id": message.message_id, "error": error,  # synchronous
                                          "delay_s": settings.unknown_actor_delay_s,
                                          "max_claims": settings.unknown_actor_max_claims})
 
