@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,15 +53,34 @@ def test_settings(**overrides: object) -> Settings:
     return replace(Settings.from_env(), **{**TEST_OVERRIDES, **overrides})  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def broker(database_url: str) -> Iterator[dramatiq.Broker]:
-    """Our broker, bound to this module's database, with the test actors declared."""
+def slow_polls(poll_s: float, *queues: str) -> dict[str, object]:
+    """Settings overrides: ``queues`` fall back to polling only every ``poll_s`` seconds.
+
+    A test named for a wake-up (a NOTIFY, a finished job) sets this far above the
+    latency it asserts, so that only the wake-up can pass it.
+    """
+    base = Settings.from_env().queues
+    return {"queues": {**base, **{q: replace(base[q], poll_s=poll_s) for q in queues}}}
+
+
+@contextmanager
+def configured_broker(database_url: str, **overrides: object) -> Iterator[dramatiq.Broker]:
+    """Our broker, bound to ``database_url``, with the test actors declared."""
     import broker as infra
     import tests.support.jobs  # noqa: F401  (declares the test actors)
 
-    configured = infra.configure(test_settings(database_url=database_url), url=database_url)
-    yield configured
-    configured.close()
+    configured = infra.configure(test_settings(database_url=database_url, **overrides), url=database_url)
+    try:
+        yield configured
+    finally:
+        configured.close()
+
+
+@pytest.fixture(scope="module")
+def broker(database_url: str) -> Iterator[dramatiq.Broker]:
+    """Our broker, bound to this module's database, with the test actors declared."""
+    with configured_broker(database_url) as configured:
+        yield configured
 
 
 @pytest.fixture
