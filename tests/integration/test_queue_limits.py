@@ -57,8 +57,10 @@ def broker(database_url):
 def _waiting_in_select(thread: threading.Thread) -> bool:
     """The thread is blocked in the consumer's wait (its select), not about to look again."""
     frame = sys._current_frames().get(thread.ident or -1)
-    return (frame is not None and frame.f_code.co_name == "_wait"
-            and "select.select(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+    if frame is None:
+        return False
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    return "select.select([conn.fileno(), self.state.wake_fd]" in line
 
 
 def _finish(broker, consumer, proxy) -> None:
