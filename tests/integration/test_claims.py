@@ -147,3 +147,18 @@ def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(b
                                 (message.message_id,))[0]
     assert (state, later) == ("queued", True)  # kept, for a worker that has the actor
     assert "no actor 'newer.release.actor'" in error
+
+
+def test_settles_commit_synchronously_and_claims_asynchronously(broker, database_url):
+    # Given the broker's settler and a consumer, connected as they run
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    consumer.__next__()
+    settler_conn = broker.settler._connection()
+    # Then a settle is durable once written (the settler forgets it then: a settle lost in
+    # a server crash would leave its message consumed by a live worker, rescued by nobody),
+    # while a lost claim only makes its message run again
+    assert settler_conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    assert consumer.conn is not None
+    assert consumer.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    consumer.close()
