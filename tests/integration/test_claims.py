@@ -162,3 +162,40 @@ def test_settles_commit_synchronously_and_claims_asynchronously(broker, database
     assert consumer.conn is not None
     assert consumer.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
     consumer.close()
+
+
+#: The server ends the settler's session (as a failover or an administrator would).
+KILL_SETTLER = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'standmeet-settler'
+"""
+
+
+def test_a_settle_that_meets_a_broken_connection_is_kept_and_written_after_reconnecting(
+    broker, database_url, caplog
+):
+    import logging
+
+    from tests.support.db import scalar
+
+    # Given a claimed job, and the settler's session ended by the server
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    message = mark.send("settled-through-an-outage")
+    proxy = consumer.__next__()
+    assert proxy is not None and proxy.message_id == message.message_id
+    assert broker.settler.flush(5)
+    broker.settler._connection()
+    assert scalar(database_url, KILL_SETTLER) == 1
+    # When the job finishes
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        broker.emit_after("process_message", proxy, result=None)
+        consumer.ack(proxy)
+        # Then its settle is kept through the failure and written after reconnecting
+        assert broker.settler.flush(10), "the settle was not written"
+    assert _state(database_url, message.message_id) == [("done", 1)]
+    assert broker.queue_states["index"].in_flight == set()
+    # and the outage was reported once, naming the settle
+    lines = [r.getMessage() for r in caplog.records if "database unreachable" in r.getMessage()]
+    assert len(lines) == 1 and "settle" in lines[0], lines
+    consumer.close()
