@@ -64,6 +64,8 @@ def test_a_delayed_message_waits_in_the_database_and_starts_when_due(broker, dat
         """SELECT r.label, EXTRACT(EPOCH FROM r.started_at - q.eta)::float8
            FROM test_runs r JOIN dramatiq.queue q USING (message_id) WHERE r.label LIKE 'delayed-%%'""",
     ))
-    assert 0 <= lateness["delayed-index"] < 0.1, lateness  # awaited queue: within 100 ms
+    # never before its eta; on time (the consumer sleeps until the next eta, not a whole
+    # 1 s poll): within half the poll, room for a loaded machine
+    assert 0 <= lateness["delayed-index"] < 0.5, lateness
     assert 0 <= lateness["delayed-webhook"] < 1.0, lateness
     assert webhook_message.message_id
