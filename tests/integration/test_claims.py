@@ -79,6 +79,9 @@ def test_messages_handed_out_but_not_started_go_back_to_the_queue_and_wake_consu
     assert woken == ["dramatiq.index.enqueue"]
     assert broker.queue_states["index"].in_flight == set()
     consumer.close()
+    # (they would be the next messages any other test's consumer claims)
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+          ([m.message_id for m in messages],))
 
 
 def test_a_malformed_message_is_rejected_with_the_reason_and_the_others_run(broker, database_url, start_worker):
@@ -147,20 +150,20 @@ def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(b
                                 (message.message_id,))[0]
     assert (state, later) == ("queued", True)  # kept, for a worker that has the actor
     assert "no actor 'newer.release.actor'" in error
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
 
 
 def test_settles_commit_synchronously_and_claims_asynchronously(broker, database_url):
     # Given the broker's settler and a consumer, connected as they run
     broker.claiming = True
     consumer = broker.consume("index", timeout=100)
-    consumer.__next__()
+    consumer_conn = consumer._connection()
     settler_conn = broker.settler._connection()
     # Then a settle is durable once written (the settler forgets it then: a settle lost in
     # a server crash would leave its message consumed by a live worker, rescued by nobody),
     # while a lost claim only makes its message run again
     assert settler_conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-    assert consumer.conn is not None
-    assert consumer.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    assert consumer_conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
     consumer.close()
 
 
