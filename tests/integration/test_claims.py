@@ -202,3 +202,43 @@ def test_a_settle_that_meets_a_broken_connection_is_kept_and_written_after_recon
     lines = [r.getMessage() for r in caplog.records if "database unreachable" in r.getMessage()]
     assert len(lines) == 1 and "settle" in lines[0], lines
     consumer.close()
+
+
+HELD = "SELECT state::text, worker_id, crashes FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
+CONSUMED = "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) AND state = 'consumed'"
+
+
+def test_when_shutdown_starts_prefetched_messages_go_back_at_once_and_nothing_more_is_claimed(
+    broker, database_url
+):
+    from tests.support.db import scalar
+    from tests.support.jobs import SLEEP
+
+    # Given the fetch queue's consumer running its limit (3), one more prefetched, and
+    # more messages due
+    state = broker.queue_states["fetch"]
+    ids = [SLEEP["fetch"].send(0, "shutdown").message_id for _ in range(6)]
+    broker.claiming = True
+    consumer = broker.consume("fetch", timeout=50)
+    running = [p for p in (consumer.__next__() for _ in range(10)) if p is not None]
+    assert len(running) == 3
+    prefetched = [c.message.message_id for c in state.buffer]
+    assert len(prefetched) == 1
+    # When shutdown starts
+    broker.stop_claiming()
+    try:
+        # Then the prefetched message is back in its queue at once, for anyone, unblamed
+        assert query(database_url, HELD, (prefetched,)) == [("queued", None, 0)]
+        assert list(state.buffer) == []
+        assert state.in_flight == {(p.message_id, p.standmeet_claim) for p in running}
+        # and the consumer claims nothing more, though messages are due
+        assert [consumer.__next__() for _ in range(5)] == [None] * 5
+        assert scalar(database_url, CONSUMED, (ids,)) == 3
+    finally:
+        broker.claiming = True
+    for proxy in running:
+        broker.emit_after("process_message", proxy, result=None)
+        consumer.ack(proxy)
+    assert broker.settler.flush(5)
+    consumer.close()
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))
