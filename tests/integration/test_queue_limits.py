@@ -46,6 +46,7 @@ SELECT count(*) FROM dramatiq.queue
 WHERE message_id = ANY(%s::uuid[]) AND state = 'consumed' AND started_at IS NOT NULL
 """
 FORGET = "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
+STARTED_ROW = "SELECT state::text, started_at IS NOT NULL FROM dramatiq.queue WHERE message_id = %s"
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,10 @@ def test_a_queue_at_its_limit_starts_its_next_job_the_moment_one_finishes(broker
         assert second.message_id == second_message.message_id
         assert scalar(database_url, STATE, (first.message_id,)) == "consumed"
         print(f"hand-off: the next job started {1000 * (started - ended):.1f} ms after one finished")
+    # And once the settler gets through, the second is recorded as started (a prefetched
+    # message that started can be blamed if its process dies)
+    assert broker.settler.flush(10)
+    assert query(database_url, STARTED_ROW, (second.message_id,)) == [("consumed", True)]
     _finish(broker, consumer, second)
     assert broker.settler.flush(10)
     assert [scalar(database_url, STATE, (m.message_id,)) for m in (first, second)] == ["done", "done"]
