@@ -344,7 +344,9 @@ class Settler:
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = connect(self.broker.url, application_name="standmeet-settler", async_commit=True)
+            # Synchronous: once written, an outcome is forgotten here; a settle lost in a server
+            # crash would leave its message consumed by this live process, rescued by nobody.
+            self._conn = connect(self.broker.url, application_name="standmeet-settler")
             self.broker.prove_alive(self._conn)
         return self._conn
 

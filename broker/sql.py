@@ -37,10 +37,11 @@ SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
 FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 """
 
-#: The settings of the broker's own connections (each consumer's, the settler's): claims
-#: and settles commit asynchronously (no WAL flush wait). Losing one in a server crash only
-#: means a message runs again (at least once), never that one is lost; enqueues, on the
-#: broker's pool and on callers' connections, stay synchronous.
+#: The settings of each consumer's connection: claims commit asynchronously (no WAL flush
+#: wait). Losing one in a server crash only means a message runs again (at least once),
+#: never that one is lost. Settles, enqueues (on the broker's pool and on callers'
+#: connections) stay synchronous: a settle the settler counts as written is forgotten by
+#: its process, so losing one would leave its message consumed by a live worker.
 ASYNC_COMMIT_OPTIONS = "-c synchronous_commit=off"
 
 #: Claim up to ``n`` due messages of a queue for this worker process, lower priority

@@ -75,7 +75,7 @@ FORBIDDEN_METHODS: dict[str, str] = {
     "start_new_thread": "a thread",
 }
 
-SKIP_DIRS = {"__pycache__", "node_modules", "build", "dist", "site-packages"}
+SKIP_DIRS = {"__pycache__", "node_modules", "build", "dist", "site-packages", "mutants"}  # mutants: mutmut's copies
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dramatiq
@@ -75,15 +76,37 @@ def _fresh_application_settings() -> Iterator[None]:
         loaded.use(None)
 
 
-@pytest.fixture(scope="module")
-def broker(database_url: str) -> Iterator[dramatiq.Broker]:
-    """Our broker, bound to this module's database, with the test actors declared."""
+def slow_polls(poll_s: float, *queues: str) -> dict[str, object]:
+    """Settings overrides: ``queues`` fall back to polling only every ``poll_s`` seconds.
+
+    A test named for a wake-up (a NOTIFY, a finished job) sets this far above the
+    latency it asserts, so that only the wake-up can pass it.
+    """
+    from broker.settings import queue_variable_name
+
+    base = Settings.from_env().queue_env
+    slow = {f"STANDMEET_QUEUE_{queue_variable_name(q)}_POLL_S": str(poll_s) for q in queues}
+    return {"queue_env": {**base, **slow}}
+
+
+@contextmanager
+def configured_broker(database_url: str, **overrides: object) -> Iterator[dramatiq.Broker]:
+    """Our broker, bound to ``database_url``, with the test actors declared."""
     import broker as infra
     import tests.support.jobs  # noqa: F401  (declares the test actors)
 
-    configured = infra.configure(test_settings(database_url=database_url), url=database_url)
-    yield configured
-    configured.close()
+    configured = infra.configure(test_settings(database_url=database_url, **overrides), url=database_url)
+    try:
+        yield configured
+    finally:
+        configured.close()
+
+
+@pytest.fixture(scope="module")
+def broker(database_url: str) -> Iterator[dramatiq.Broker]:
+    """Our broker, bound to this module's database, with the test actors declared."""
+    with configured_broker(database_url) as configured:
+        yield configured
 
 
 @pytest.fixture

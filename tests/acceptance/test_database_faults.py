@@ -25,8 +25,9 @@ def test_every_backend_terminated_three_times_and_all_jobs_still_complete(
 ):
     # Given 1,000 queued jobs and a worker draining them
     total = 1_000
+    messages = [mark.message("fault") for _ in range(total)]
     with psycopg.connect(database_url) as conn, conn.cursor() as cur:
-        cur.execute(sql.ENQUEUE, enqueue_params([mark.message("fault") for _ in range(total)]))
+        cur.execute(sql.ENQUEUE, enqueue_params(messages))
     log = tmp_path / "worker.log"
     with running(worker_cmd("--queues", "index"), subprocess_env, log=log) as worker:
         # When every backend of the worker is terminated three times during the drain
@@ -37,7 +38,9 @@ def test_every_backend_terminated_three_times_and_all_jobs_still_complete(
         # Then the worker stays up and every job completes
         wait_for(lambda: _marked(database_url) == total, timeout_s=90, what="all 1,000 jobs done")
         assert worker.poll() is None, log.read_text()
-        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state <> 'done'") == 0,
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state <> 'done'"
+                                              " AND message_id = ANY(%s::uuid[])",
+                                ([m.message_id for m in messages],)) == 0,
                  timeout_s=30, what="every ack to be written")
         # the end of the last outage is logged at the next successful claim (≤ 1 s poll)
         wait_for(lambda: log.read_text().count("database unreachable") == log.read_text().count("reachable again"),
@@ -61,8 +64,9 @@ def test_a_message_whose_worker_died_too_often_is_rejected_with_the_reason(broke
         )
     # When crash rescue runs
     result = broker.rescue_once()
-    # Then it is rejected, with the reason, instead of crashing workers forever
-    assert result == {"index": (0, 1)}
+    # Then it is rejected, with the reason, instead of crashing workers forever (the
+    # counts are of every rescued row in the database; the row itself is what we judge)
+    assert result.get("index", (0, 0))[1] >= 1
     state, error = query(database_url, "SELECT state::text, error FROM dramatiq.queue WHERE message_id = %s",
                          (message.message_id,))[0]
     assert state == "rejected"

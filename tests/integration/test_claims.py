@@ -79,6 +79,9 @@ def test_messages_handed_out_but_not_started_go_back_to_the_queue_and_wake_consu
     assert woken == ["dramatiq.index.enqueue"]
     assert broker.queue_states["index"].in_flight == set()
     consumer.close()
+    # (they would be the next messages any other test's consumer claims)
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+          ([m.message_id for m in messages],))
 
 
 def test_a_malformed_message_is_rejected_with_the_reason_and_the_others_run(broker, database_url, start_worker):
@@ -147,3 +150,95 @@ def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(b
                                 (message.message_id,))[0]
     assert (state, later) == ("queued", True)  # kept, for a worker that has the actor
     assert "no actor 'newer.release.actor'" in error
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
+
+
+def test_settles_commit_synchronously_and_claims_asynchronously(broker, database_url):
+    # Given the broker's settler and a consumer, connected as they run
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    consumer_conn = consumer._connection()
+    settler_conn = broker.settler._connection()
+    # Then a settle is durable once written (the settler forgets it then: a settle lost in
+    # a server crash would leave its message consumed by a live worker, rescued by nobody),
+    # while a lost claim only makes its message run again
+    assert settler_conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+    assert consumer_conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    consumer.close()
+
+
+#: The server ends the settler's session (as a failover or an administrator would).
+KILL_SETTLER = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'standmeet-settler'
+"""
+
+
+def test_a_settle_that_meets_a_broken_connection_is_kept_and_written_after_reconnecting(
+    broker, database_url, caplog
+):
+    import logging
+
+    from tests.support.db import scalar
+
+    # Given a claimed job, and the settler's session ended by the server
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    message = mark.send("settled-through-an-outage")
+    proxy = consumer.__next__()
+    assert proxy is not None and proxy.message_id == message.message_id
+    assert broker.settler.flush(5)
+    broker.settler._connection()
+    assert scalar(database_url, KILL_SETTLER) == 1
+    # When the job finishes
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        broker.emit_after("process_message", proxy, result=None)
+        consumer.ack(proxy)
+        # Then its settle is kept through the failure and written after reconnecting
+        assert broker.settler.flush(10), "the settle was not written"
+    assert _state(database_url, message.message_id) == [("done", 1)]
+    assert broker.queue_states["index"].in_flight == set()
+    # and the outage was reported once, naming the settle
+    lines = [r.getMessage() for r in caplog.records if "database unreachable" in r.getMessage()]
+    assert len(lines) == 1 and "settle" in lines[0], lines
+    consumer.close()
+
+
+HELD = "SELECT state::text, worker_id, crashes FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
+CONSUMED = "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) AND state = 'consumed'"
+
+
+def test_when_shutdown_starts_prefetched_messages_go_back_at_once_and_nothing_more_is_claimed(
+    broker, database_url
+):
+    from tests.support.db import scalar
+    from tests.support.jobs import SLEEP
+
+    # Given the fetch queue's consumer running its limit (3), one more prefetched, and
+    # more messages due
+    state = broker.queue_states["fetch"]
+    ids = [SLEEP["fetch"].send(0, "shutdown").message_id for _ in range(6)]
+    broker.claiming = True
+    consumer = broker.consume("fetch", timeout=50)
+    running = [p for p in (consumer.__next__() for _ in range(10)) if p is not None]
+    assert len(running) == 3
+    prefetched = [c.message.message_id for c in state.buffer]
+    assert len(prefetched) == 1
+    # When shutdown starts
+    broker.stop_claiming()
+    try:
+        # Then the prefetched message is back in its queue at once, for anyone, unblamed
+        assert query(database_url, HELD, (prefetched,)) == [("queued", None, 0)]
+        assert list(state.buffer) == []
+        assert state.in_flight == {(p.message_id, p.standmeet_claim) for p in running}
+        # and the consumer claims nothing more, though messages are due
+        assert [consumer.__next__() for _ in range(5)] == [None] * 5
+        assert scalar(database_url, CONSUMED, (ids,)) == 3
+    finally:
+        broker.claiming = True
+    for proxy in running:
+        broker.emit_after("process_message", proxy, result=None)
+        consumer.ack(proxy)
+    assert broker.settler.flush(5)
+    consumer.close()
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))

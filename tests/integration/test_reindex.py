@@ -16,19 +16,23 @@ def test_a_rebuild_cut_by_its_deadline_resumes_without_redoing_batches_and_tells
         "INSERT INTO standmeet.documents (title, body) SELECT 'doc ' || g, 'reindexword' || g"
         " FROM generate_series(1, 60) g RETURNING id")]
     start_worker(queues=["index"], threads=4)  # the worker runs the relay too (for the subscribers)
+    before = scalar(database_url, "SELECT coalesce(max(id), 0) FROM standmeet.reindex_runs")  # runs are ours after it
     job = corpus.reindex.send_with_options(kwargs={"batch_size": 10, "margin_s": 1.0}, time_limit=1000)
     # When it runs to the end
-    wait_for(lambda: scalar(database_url, "SELECT announced_at IS NOT NULL FROM standmeet.reindex_runs ORDER BY id DESC LIMIT 1"),
+    wait_for(lambda: scalar(database_url, "SELECT announced_at IS NOT NULL FROM standmeet.reindex_runs WHERE id > %s"
+                                          " ORDER BY id DESC LIMIT 1", (before,)),
              timeout_s=30, what="the rebuild to finish and its subscriber to run")
     # Then it took several runs of the same job (snoozes, not retries) ...
     options = scalar(database_url, "SELECT message->'options' FROM dramatiq.queue WHERE message_id = %s", (job.message_id,))
     assert options.get("snoozes", 0) == 6, options  # six batches, then the run that finds none left
     assert options.get("retries", 0) == 0
     # ... and each batch was indexed once: consecutive, disjoint, covering every document
-    batches = query(database_url, "SELECT first_id, last_id, documents FROM standmeet.reindex_batches ORDER BY first_id")
+    batches = query(database_url, "SELECT first_id, last_id, documents FROM standmeet.reindex_batches WHERE run_id > %s"
+                                  " ORDER BY first_id", (before,))
     assert sum(b[2] for b in batches) == 60
     assert [b[0] for b in batches] == sorted(ids)[::10]
     assert all(prev[1] < nxt[0] for prev, nxt in zip(batches, batches[1:], strict=False))
-    (indexed, finished) = query(database_url, "SELECT indexed, finished_at IS NOT NULL FROM standmeet.reindex_runs")[0]
+    (indexed, finished) = query(database_url, "SELECT indexed, finished_at IS NOT NULL FROM standmeet.reindex_runs"
+                                              " WHERE id > %s", (before,))[0]
     assert (indexed, finished) == (60, True)
     assert len(search_index().search("reindexword37")) == 1

@@ -145,3 +145,35 @@ def test_a_live_workers_claims_are_never_taken_back(broker, database_url):
     consumer.ack(proxy)
     assert broker.settler.flush(5)
     consumer.close()
+
+
+#: The server ends the sessions of this process's pool (heartbeats and rescue run on it).
+KILL_POOL = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'standmeet-broker'
+"""
+
+
+def test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window(broker, database_url):
+    import time
+
+    from tests.support.db import scalar, wait_for
+
+    # Given this process cut off from the database (the server ended its sessions)
+    broker.prove_alive()
+    before = broker.outage.ended_at
+    assert scalar(database_url, KILL_POOL) >= 1
+    wait_for(lambda: broker.heartbeat_once() == {} and broker.outage.down, timeout_s=10, what="the outage")
+    # and meanwhile a dead worker's started job, which rescue would requeue at once
+    ids = _held_by_dead_worker(database_url, [(True, None, 0)])
+    # When this process gets the database back
+    wait_for(lambda: broker.heartbeat_once() == {} and broker.outage.ended_at != before,
+             timeout_s=10, what="the outage to end")
+    back = broker.outage.ended_at
+    # Then its rescue judges nobody at first: the others may still be proving they live
+    assert _rows(database_url, ids)[0][0] == "consumed"
+    # and rescues the dead worker's job once it has been back for a whole rescue window
+    window = broker.settings.rescue_after_s
+    wait_for(lambda: broker.heartbeat_once() is not None and _rows(database_url, ids)[0][0] == "queued",
+             timeout_s=3 * window, interval_s=0.1, what="the job to be rescued")
+    assert time.monotonic() - back >= window

@@ -1,4 +1,4 @@
-"""The search index: Meilisearch's documented HTTP API, and the Postgres default."""
+"""The search index: Meilisearch (an imitation of its documented HTTP API: no installable package ships the server), and the Postgres default."""
 
 from __future__ import annotations
 

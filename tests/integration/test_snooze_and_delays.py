@@ -29,7 +29,8 @@ def test_a_job_snoozed_three_times_ends_done_with_no_retry_and_three_snoozes(bro
     # it ran four times: three snoozes and the success
     assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'snooze-3'") == 4
     # no failure callback fired, nothing was logged as an error
-    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE actor = 'test.on_failure'") == 0
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE actor = 'test.on_failure' AND label = %s",
+                  (message.message_id,)) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
@@ -50,7 +51,9 @@ def test_a_delayed_message_waits_in_the_database_and_starts_when_due(broker, dat
     # While not due, both stay queued in Postgres: no worker has claimed them
     state, _, eta, _ = _row(database_url, index_message.message_id)
     assert state == "queued"
-    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state = 'consumed'") == 0
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state = 'consumed'"
+                                " AND message_id = ANY(%s::uuid[])",
+                  ([index_message.message_id, webhook_message.message_id],)) == 0
     wait_for(
         lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'delayed-%%'") == 2,
         timeout_s=10,
@@ -61,6 +64,8 @@ def test_a_delayed_message_waits_in_the_database_and_starts_when_due(broker, dat
         """SELECT r.label, EXTRACT(EPOCH FROM r.started_at - q.eta)::float8
            FROM test_runs r JOIN dramatiq.queue q USING (message_id) WHERE r.label LIKE 'delayed-%%'""",
     ))
-    assert 0 <= lateness["delayed-index"] < 0.1, lateness  # awaited queue: within 100 ms
+    # never before its eta; on time (the consumer sleeps until the next eta, not a whole
+    # 1 s poll): within half the poll, room for a loaded machine
+    assert 0 <= lateness["delayed-index"] < 0.5, lateness
     assert 0 <= lateness["delayed-webhook"] < 1.0, lateness
     assert webhook_message.message_id

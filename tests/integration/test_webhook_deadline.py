@@ -57,8 +57,9 @@ def test_a_trickling_endpoint_is_cut_at_the_total_deadline(broker):
     finally:
         app_settings.use(original)
     # each byte arrives well within a per-phase read timeout, yet the whole is cut at 1 s
+    # (uncut, it would trickle for 10 s; twice the deadline leaves room for a loaded machine)
     assert outcome.outcome == "timeout", outcome
-    assert 0.9 <= took < 1.6, took
+    assert 0.9 <= took < 2 * 1.0, took
 
 
 @pytest.mark.parametrize("header, expected", [("120", 120.0), ("0", 1.0), ("999999", 36000.0), ("soon", None)])

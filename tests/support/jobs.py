@@ -172,3 +172,5 @@ from broker.outbox import route  # noqa: E402
 
 #: test.ping events run test.noop with the event's label (index queue: awaited).
 route("test.ping", "test.noop", _ping)
+#: test.crash events run test.mark with the event's label (retried through an outage).
+route("test.crash", "test.mark", _ping)
