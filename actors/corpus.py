@@ -10,7 +10,7 @@ from actors.reasons import keeps_reason
 from actors.search import Document, IndexRefused, search_index
 from broker import db, deadline
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 READ_DOCUMENT = "SELECT id, title, body FROM standmeet.documents WHERE id = %(id)s"
 

@@ -33,7 +33,7 @@ from broker import app, db
 from broker.enqueue import build_message, enqueue_message
 from broker.errors import StandmeetError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: The largest feed read; a bigger one is an error on its source.
 MAX_FEED_BYTES = 5 * 1024 * 1024

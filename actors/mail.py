@@ -33,7 +33,7 @@ from actors.reasons import keeps_reason
 from broker import deadline
 from broker.errors import StandmeetError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 TEMPLATES = ("owner_notify", "approval", "confirmation", "test")
 

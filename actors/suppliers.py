@@ -28,7 +28,7 @@ from broker import db
 from broker.enqueue import enqueue
 from broker.errors import StandmeetError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: Total time for one call: connect, send and read together (< the 30 s job limit).
 SUPPLIER_TIMEOUT_S = 10.0

@@ -46,7 +46,7 @@ from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
 from middleware.keyed_lease import Lease, lease_of
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: Delay before each retry, in seconds (then the delivery fails): 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h.
 SCHEDULE = (5, 300, 1800, 7200, 18000, 36000, 36000)

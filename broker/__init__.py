@@ -38,7 +38,7 @@ __all__ = [
     "enqueue_many",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 
 def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connection[Any] | None = None,

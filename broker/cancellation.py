@@ -13,7 +13,7 @@ from collections import Counter
 
 from broker import db, deadline, detach
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: How often a process looks for cancelled running jobs (only while some run).
 DEFAULT_POLL_S = 1.0

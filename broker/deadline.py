@@ -144,7 +144,7 @@ class _Watchdog:
                 try:
                     alarm.callback()
                 except Exception:  # a failing callback never stops the watchdog
-                    logging.getLogger(__name__).exception("watchdog callback failed")
+                    logging.getLogger(f"standmeet.{__name__}").exception("watchdog callback failed")
 
 
 _WATCHDOG = _Watchdog()

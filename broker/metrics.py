@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from broker import detach, ops
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 LABELS = ("queue_name", "actor_name")
 

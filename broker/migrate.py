@@ -15,7 +15,7 @@ import psycopg
 
 from broker.errors import DatabaseUnavailable, MigrationError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: Key of the advisory lock that serialises migrations (any constant bigint).
 MIGRATION_LOCK_KEY = 727_274_001

@@ -28,12 +28,13 @@ from typing import Any
 import psycopg
 
 from broker import detach, sql, tracing
+from broker.backoff import Backoff
 from broker.enqueue import build_message, enqueue_messages
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.pgbroker import current_broker
 from broker.pgpool import Outage, close_quietly
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: Namespace of the message ids derived from (outbox id, route): a relayed event's
 #: messages have stable ids, so they can be traced back to it.
@@ -231,12 +232,12 @@ class Relay:
                 return total
 
     def run(self, stop: threading.Event) -> None:
-        backoff = 0.1
+        backoff = Backoff(start_s=0.1, cap_s=5.0)
         while not stop.is_set():
             try:
                 self.relayed += self.drain_once()
                 self.outage.ok()
-                backoff = 0.1
+                backoff.reset()
                 conn = self._connection()
                 # Wait for a NOTIFY (or the poll interval); notifies are drained after.
                 for _ in conn.notifies(timeout=self.poll_s, stop_after=1):
@@ -244,8 +245,7 @@ class Relay:
             except psycopg.OperationalError as exc:
                 self.outage.failed("relay", exc)
                 self.close()
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                stop.wait(backoff.next_s())
 
     def start(self) -> Relay:
 

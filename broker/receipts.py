@@ -27,9 +27,10 @@ from typing import Any
 import psycopg
 
 from broker import detach, metrics
+from broker.backoff import Backoff
 from broker.pgpool import Outage, close_quietly
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: Waiters a channel holds at most; one more is answered False at once.
 DEFAULT_MAX_WAITERS = 64
@@ -153,18 +154,17 @@ class Listener:
             self.dispatch(message_id, state)
 
     def run(self, stop: threading.Event) -> None:
-        backoff = 0.05
+        backoff = Backoff(start_s=0.05, cap_s=2.0)
         while not stop.is_set():
             try:
                 self.listen_once(stop)
                 self.outage.ok()
-                backoff = 0.05
+                backoff.reset()
             except psycopg.OperationalError as exc:
                 self.outage.failed("listen", exc)
                 self._connected.clear()
                 self._close()
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                stop.wait(backoff.next_s())
 
     def start(self, *, ready_timeout_s: float = 5.0) -> Listener:
         self._thread = detach.go(f"receipts-{self.channel}", self.run)

@@ -46,7 +46,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from broker import detach
 from broker.errors import ConfigError, DatabaseError, DatabaseUnavailable
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: The NOTIFY channel a stored result is announced on; the payload is the message key.
 RESULTS_CHANNEL = "standmeet_results"

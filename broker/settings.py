@@ -40,7 +40,7 @@ from pydantic_settings import (
 from broker import app
 from broker.errors import ConfigError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 PREFIX = "STANDMEET_"
 #: A queue no module declares limits for: one job at a time, Dramatiq's default time limit.

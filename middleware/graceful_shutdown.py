@@ -22,7 +22,7 @@ from dramatiq import Middleware
 
 from broker import services
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 
 #: How often idle worker threads look for a shutdown (Dramatiq's default is 1 s).

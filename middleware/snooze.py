@@ -19,7 +19,7 @@ from dramatiq.middleware import SkipMessage
 
 from broker.errors import Deferred
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: A message snoozed more often than this fails (endless snoozes are a bug).
 DEFAULT_MAX_SNOOZES = 1000

@@ -171,7 +171,7 @@ def test_an_undeclared_variable_is_named_with_the_nearest_declared_one():
 
 def test_an_undeclared_variable_is_logged_once_per_process(caplog):
     env = {"STANDMEET_RETENTION_DAY": "3"}
-    with caplog.at_level(logging.WARNING, logger="broker.settings"):
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker.settings"):
         assert warn_undeclared(env) == warn_undeclared(env)
     logged = [r.getMessage() for r in caplog.records if "STANDMEET_RETENTION_DAY=" in r.getMessage()]
     assert logged == ["STANDMEET_RETENTION_DAY=3 is not a setting; did you mean STANDMEET_RETENTION_DAYS?"]
