@@ -69,3 +69,20 @@ def test_a_delayed_message_waits_in_the_database_and_starts_when_due(broker, dat
     assert 0 <= lateness["delayed-index"] < 0.5, lateness
     assert 0 <= lateness["delayed-webhook"] < 1.0, lateness
     assert webhook_message.message_id
+
+
+def test_a_retried_job_waits_for_its_back_off_before_it_runs_again(broker, database_url, start_worker):
+    from tests.support.jobs import raise_once_backoff
+
+    # Given a job that fails once, with a back-off of at least 1 s (1 to 2 s with jitter)
+    start_worker(queues=["index"], threads=4)
+    message = raise_once_backoff.send("backoff-1s")
+    # When it has run twice
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'backoff-1s'") == 2,
+             timeout_s=15, what="the retry")
+    # Then the retry started no sooner than the back-off after the failed run, by the database's clock
+    gap = scalar(database_url, "SELECT extract(epoch FROM max(started_at) - min(started_at)) FROM test_runs"
+                               " WHERE label = 'backoff-1s'")
+    assert gap >= 1.0, gap
+    wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                            (message.message_id,)) == "done", timeout_s=10, what="the retry to be done")

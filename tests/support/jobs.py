@@ -94,6 +94,15 @@ def raise_once(key: str) -> None:
     record_finish(run)
 
 
+@dramatiq.actor(actor_name="test.raise_once_backoff", queue_name="index", min_backoff=1000, max_backoff=4000)
+def raise_once_backoff(key: str) -> None:
+    """Raises on its first run; its retry is due after 1 to 2 s of back-off."""
+    run = record_start("test.raise_once_backoff", "index", key)
+    if bump(key) == 1:
+        raise RuntimeError(f"boom on the first run of {key}")
+    record_finish(run)
+
+
 @dramatiq.actor(
     actor_name="test.overrun_once", queue_name="index", time_limit=1000, min_backoff=10, max_backoff=50
 )
