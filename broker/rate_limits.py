@@ -40,8 +40,7 @@ from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
 from broker.results import (
-    Database,
-    NotificationListener,
+    connect_backend,
     fetch_one,
     prune_expired,
     translated_errors,
@@ -185,19 +184,9 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         reconnect_delay_ms: int = 1_000,
         application_name: str = "standmeet-rate-limits",
     ) -> None:
-        self.database = Database(
-            url=url,
-            pool=pool,
-            pool_max_size=pool_max_size,
-            checkout_timeout_ms=checkout_timeout_ms,
-            application_name=application_name,
-        )
-        self.listener = NotificationListener(
-            url=self.database.url,
-            channel=RATE_LIMITS_CHANNEL,
-            thread_name=f"{application_name}-listen",
-            application_name=f"{application_name}-listen",
-            reconnect_delay_ms=reconnect_delay_ms,
+        self.database, self.listener = connect_backend(
+            url=url, pool=pool, pool_max_size=pool_max_size, checkout_timeout_ms=checkout_timeout_ms,
+            application_name=application_name, channel=RATE_LIMITS_CHANNEL, reconnect_delay_ms=reconnect_delay_ms,
         )
 
     def add(self, key: str, value: int, ttl: int) -> bool:

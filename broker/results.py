@@ -315,6 +315,18 @@ class NotificationListener:
             stop.wait(self._reconnect_delay_s)
 
 
+def connect_backend(*, url: str | None, pool: ConnectionPool[Any] | None, pool_max_size: int, checkout_timeout_ms: int,
+                    application_name: str, channel: str, reconnect_delay_ms: int
+                    ) -> tuple[Database, NotificationListener]:
+    """A backend's database access and its one LISTEN connection (opened on first wait)."""
+    database = Database(url=url, pool=pool, pool_max_size=pool_max_size,
+                        checkout_timeout_ms=checkout_timeout_ms, application_name=application_name)
+    listener = NotificationListener(url=database.url, channel=channel, thread_name=f"{application_name}-listen",
+                                    application_name=f"{application_name}-listen",
+                                    reconnect_delay_ms=reconnect_delay_ms)
+    return database, listener
+
+
 class PostgresResultBackend(ResultBackend):
     """Dramatiq results in ``standmeet.results``; blocking reads wait for a NOTIFY.
 
@@ -340,19 +352,9 @@ class PostgresResultBackend(ResultBackend):
         super().__init__(
             namespace=namespace, encoder=encoder, use_namespace_prefix_keys=use_namespace_prefix_keys
         )
-        self.database = Database(
-            url=url,
-            pool=pool,
-            pool_max_size=pool_max_size,
-            checkout_timeout_ms=checkout_timeout_ms,
-            application_name=application_name,
-        )
-        self.listener = NotificationListener(
-            url=self.database.url,
-            channel=RESULTS_CHANNEL,
-            thread_name=f"{application_name}-listen",
-            application_name=f"{application_name}-listen",
-            reconnect_delay_ms=reconnect_delay_ms,
+        self.database, self.listener = connect_backend(
+            url=url, pool=pool, pool_max_size=pool_max_size, checkout_timeout_ms=checkout_timeout_ms,
+            application_name=application_name, channel=RESULTS_CHANNEL, reconnect_delay_ms=reconnect_delay_ms,
         )
 
     def get_result(self, message: Message[Any], *, block: bool = False, timeout: int | None = None) -> Result:

@@ -19,7 +19,7 @@ import psycopg
 from dramatiq.message import Message
 from psycopg.rows import class_row
 
-from broker import sql
+from broker import ops, sql
 from broker.pgbroker import enqueue_params
 
 DELIVER_ACTOR = "webhook.deliver"
@@ -143,15 +143,6 @@ SELECT ev.payload FROM standmeet.webhook_deliveries d
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id WHERE d.id = %(delivery_id)s
 """
 
-SET_ENABLED = """
-UPDATE standmeet.webhook_endpoints
-SET enabled = %(enabled)s,
-    disabled_reason = CASE WHEN %(enabled)s THEN NULL ELSE %(reason)s END,
-    failing_since = CASE WHEN %(enabled)s THEN NULL ELSE failing_since END
-WHERE id = %(endpoint_id)s
-RETURNING id
-"""
-
 MAKE_PENDING = """
 UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now()
 WHERE id = %(delivery_id)s RETURNING id
@@ -216,8 +207,7 @@ def payload(conn: psycopg.Connection[Any], delivery_id: int) -> Any:
 
 def set_enabled(conn: psycopg.Connection[Any], endpoint_id: int, enabled: bool, *, reason: str) -> bool:
     """Turn an endpoint on (its failure streak forgotten) or off (with ``reason``)."""
-    row = conn.execute(SET_ENABLED, {"endpoint_id": endpoint_id, "enabled": enabled, "reason": reason}).fetchone()
-    return row is not None
+    return ops.set_endpoint_enabled(conn, endpoint_id, enabled, reason=reason)
 
 
 def replay(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
