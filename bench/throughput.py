@@ -19,7 +19,6 @@ import argparse
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -79,12 +78,13 @@ class LockSampler:
 def _ours_broker(admin_url: str, threads: int):  # type: ignore[no-untyped-def]
     import broker as infra
     from broker.settings import Settings
+    from broker.settings import replace as replace_settings
 
     url = fresh_database(admin_url, "bench_ours", ours=True)
     base = Settings.from_env()
-    queues = dict(base.queues)
-    queues["index"] = replace(queues["index"], max_workers=threads, time_limit_s=600)
-    return url, infra.configure(replace(base, queues=queues, database_url=url), url=url)
+    index = {"STANDMEET_QUEUE_INDEX_MAX_WORKERS": str(threads), "STANDMEET_QUEUE_INDEX_TIME_LIMIT_S": "600"}
+    settings = replace_settings(base, queue_env={**base.queue_env, **index}, database_url=url)
+    return url, infra.configure(settings, url=url)
 
 
 def ours(admin_url: str, n: int, threads: int, fn_name: str, *, locks: bool = False) -> tuple[float, int]:
