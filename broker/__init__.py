@@ -51,11 +51,18 @@ def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connecti
     return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 
 
+_logged_databases: set[str] = set()
+
+
 def log_database(settings: Settings, url: str) -> None:
-    """Say which database this process uses (password masked), and where an embedded one lives."""
+    """Say which database this process uses (password masked), and where an embedded one
+    lives: once per process and database, however many parts of it ask."""
     from broker.embedded import is_embedded
     from broker.settings import masked_url
 
+    if url in _logged_databases:
+        return
+    _logged_databases.add(url)
     if not is_embedded(settings, url):
         logger.info("database: %s (DATABASE_URL)", masked_url(url))
     else:
