@@ -456,7 +456,7 @@ RETRY_JOBS = (
     "    WHERE q.message_id = picked.message_id\n"
     "    RETURNING q.queue_name\n"
     "), woken AS (\n"
-    "    SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')\n"
+    "    SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')\n"
     "    FROM (SELECT DISTINCT queue_name FROM retried) AS queues\n"
     ")\n"
     "SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM woken)\n"
@@ -485,7 +485,7 @@ CANCEL_JOBS = (
     "    WHERE q.message_id = picked.message_id\n"
     "    RETURNING q.queue_name, q.message_id, q.\"state\"\n"
     "), receipts AS (\n"
-    "    SELECT pg_notify('standmeet_receipts_' || queue_name, message_id::text || ':rejected')\n"
+    "    SELECT pg_notify(standmeet.receipt_channel(queue_name), message_id::text || ':rejected')\n"
     "    FROM cancelled WHERE \"state\" = 'rejected'\n"
     ")\n"
     "SELECT (SELECT count(*) FROM cancelled), (SELECT count(*) FROM receipts)\n"
@@ -535,7 +535,7 @@ WITH paused AS (
     ON CONFLICT (queue_name) DO NOTHING
     RETURNING queue_name
 )
-SELECT count(*), pg_notify('dramatiq.' || %(queue)s || '.enqueue', '') FROM paused
+SELECT count(*), pg_notify(standmeet.enqueue_channel(%(queue)s), '') FROM paused
 """
 
 #: Resume a queue and wake its consumers at once (not at their next poll).
@@ -543,7 +543,7 @@ RESUME_QUEUE = """
 WITH resumed AS (
     DELETE FROM standmeet.queue_pauses WHERE queue_name = %(queue)s RETURNING queue_name
 )
-SELECT count(*), pg_notify('dramatiq.' || %(queue)s || '.enqueue', '') FROM resumed
+SELECT count(*), pg_notify(standmeet.enqueue_channel(%(queue)s), '') FROM resumed
 """
 
 PAUSED_QUEUES = "SELECT queue_name, paused_at, paused_by FROM standmeet.queue_pauses ORDER BY queue_name"

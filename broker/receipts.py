@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from broker import detach, metrics
+from broker import detach, metrics, sql
 from broker.backoff import Backoff
 from broker.pgpool import Outage, close_quietly
 
@@ -37,8 +37,6 @@ DEFAULT_MAX_WAITERS = 64
 #: How long a request waits for its receipts by default.
 DEFAULT_WAIT_S = 2.0
 
-RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
-
 #: Finished messages among some ids (the listener's re-check after a reconnect).
 FINISHED = """
 SELECT message_id::text, "state"::text FROM dramatiq.queue
@@ -47,7 +45,7 @@ WHERE message_id = ANY(%(ids)s::uuid[]) AND "state" IN ('done', 'rejected')
 
 
 def channel_for(queue: str) -> str:
-    return RECEIPT_CHANNEL.format(queue=queue)
+    return sql.RECEIPT_CHANNEL.format(queue=queue)
 
 
 @dataclass

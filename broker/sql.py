@@ -4,8 +4,10 @@ Placeholders are ``%(name)s`` (psycopg 3); arrays of strings are sent in binary,
 ``%(name)b``: psycopg escapes every element of a text array literal in Python (a regular
 expression per quote of a JSON message), which cost more than the rest of a bulk enqueue.
 Numeric arrays stay ``%(name)s`` (binary refuses a list mixing ints and floats).
-Channel and table names are spelt here and
-nowhere else in the broker.
+Channel and table names are spelt here and nowhere else in the broker's Python; in SQL,
+every statement names a channel through ``standmeet.enqueue_channel(queue)``,
+``standmeet.receipt_channel(queue)`` or ``standmeet.outbox_channel()`` (migration 0012),
+which a test binds to the constants below.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ WITH enqueued AS (
     WHERE q."state" = 'queued'
     RETURNING q.queue_name
 )
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 """
 
@@ -136,13 +138,13 @@ WITH outcome AS (
     ON CONFLICT (message_id) DO NOTHING
     RETURNING q.queue_name
 )
-SELECT pg_notify('standmeet_receipts_' || queue_name, string_agg(message_id::text || ':' || state, ','))
+SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':' || state, ','))
 FROM (SELECT queue_name, message_id, state,
              (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
       FROM settled WHERE state IN ('done', 'rejected') AND queue_name = ANY(%(awaited)b::text[])) AS receipts
 GROUP BY queue_name, chunk
 UNION ALL
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT queue_name FROM settled WHERE state = 'queued'
       UNION SELECT queue_name FROM followed) AS woken
 """
@@ -185,7 +187,7 @@ WITH requeued AS (
       AND q.worker_id = %(worker_id)s
     RETURNING q.queue_name
 )
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
 #: Register this process, or prove it alive: a heartbeat by the database's clock. A
@@ -208,7 +210,7 @@ WITH stopped AS (
     WHERE worker_id = %(worker_id)s AND "state" = 'consumed'
     RETURNING queue_name
 )
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
@@ -265,7 +267,7 @@ SELECT queue_name,
        count(*) FILTER (WHERE "state" = 'queued') AS requeued,
        count(*) FILTER (WHERE "state" = 'rejected') AS rejected,
        count(*) FILTER (WHERE verdict = 'suspect') AS suspects,
-       pg_notify('dramatiq.' || queue_name || '.enqueue', '')
+       pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM rescued
 GROUP BY queue_name
 """
@@ -315,7 +317,7 @@ WITH inserted AS (
     INSERT INTO standmeet.outbox (topic, payload) VALUES (%(topic)s, %(payload)s::jsonb)
     RETURNING id
 )
-SELECT id, pg_notify('standmeet_outbox', '') FROM inserted
+SELECT id, pg_notify(standmeet.outbox_channel(), '') FROM inserted
 """
 
 #: One relay pass: up to ``limit`` pending rows, rows not a cursor; concurrent relays

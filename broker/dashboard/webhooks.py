@@ -169,7 +169,7 @@ WITH again AS (
     WHERE message_id = %(message_id)s::uuid AND "state" IN ('done', 'rejected')
     RETURNING queue_name
 )
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM again
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM again
 """
 
 MAKE_DUE = """
@@ -178,7 +178,7 @@ WITH due AS (
     WHERE message_id = %(message_id)s::uuid AND "state" = 'queued'
     RETURNING queue_name
 )
-SELECT pg_notify('dramatiq.' || queue_name || '.enqueue', '') FROM due
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM due
 """
 
 
