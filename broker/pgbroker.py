@@ -296,6 +296,16 @@ class Settler:
             self._cond.notify()
         self.start()
 
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the thread once what it holds is written (or abandoned); True if it has stopped."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.stop_event.set()
+        with self._cond:  # it may be waiting for work: wake it now, not at its next tick
+            self._cond.notify_all()
+        return thread.join(timeout_s)
+
     def pending(self) -> int:
         with self._cond:
             return len(self._pending) + len(self._started) + (1 if self._busy else 0)
@@ -767,8 +777,7 @@ class StandmeetBroker(dramatiq.Broker):
             logger.warning("%d outcome(s) not written before exit: their messages run again",
                            self.settler.pending())
         self.abandon_settles = True
-        if self.settler._thread is not None:
-            self.settler._thread.stop(timeout_s=1)
+        self.settler.stop(timeout_s=1)
         self.settler.close()
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tests.conftest import configured_broker
 from tests.support.db import query
 from tests.support.jobs import mark
 
@@ -242,3 +243,12 @@ def test_when_shutdown_starts_prefetched_messages_go_back_at_once_and_nothing_mo
     assert broker.settler.flush(5)
     consumer.close()
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))
+
+
+def test_an_idle_settler_stops_as_soon_as_it_is_asked_not_at_its_next_tick(database_url):
+    # Given a broker whose settler thread is running, with nothing to write
+    with configured_broker(database_url) as own:
+        own.settler.start()
+        assert own.settler.flush(5)
+        # When it is asked to stop, Then it has stopped well within its idle wait (0.5 s)
+        assert own.settler.stop(timeout_s=0.2)
