@@ -412,6 +412,7 @@ def test_hidden_arguments_are_never_shown_nor_searched(broker, database_url, das
     assert message.message_id in search  # the text filter is ignored, not applied
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_healthz_answers_ok_and_every_page_503_without_the_database(broker, database_url, dashboard):
     with dashboard() as client:
         assert client.get("/healthz").json() == {"status": "ok", "database": "ok"}

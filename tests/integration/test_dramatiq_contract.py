@@ -68,6 +68,7 @@ def test_join_waits_until_the_queue_has_nothing_queued_delayed_or_running(broker
     assert states == [("done",)]
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_join_raises_queue_join_timeout_past_its_timeout(broker, start_worker):
     start_worker(queues=["fetch"], threads=3)
     slow.send(2_000)

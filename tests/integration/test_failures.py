@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import dramatiq
+import pytest
 
 from tests.support.db import query, wait_for
 from tests.support.jobs import noop, overrun_once, raise_once, slow_query_once
@@ -21,6 +22,7 @@ def _final(database_url: str, message_id: str, timeout_s: float = 15) -> tuple[s
     return state, message if isinstance(message, dict) else json.loads(message)
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_job_past_its_time_limit_is_cancelled_retried_and_the_worker_goes_on(broker, database_url, start_worker):
     start_worker(queues=["index"], threads=4)
     message = overrun_once.send("overrun")
@@ -36,6 +38,7 @@ def test_a_job_past_its_time_limit_is_cancelled_retried_and_the_worker_goes_on(b
     assert _final(database_url, after.message_id)[0] == "done"
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_sql_statement_past_the_time_limit_is_stopped_by_postgres(broker, database_url, start_worker):
     start_worker(queues=["index"], threads=4)
     message = slow_query_once.send("slow-sql")

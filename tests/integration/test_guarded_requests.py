@@ -21,6 +21,7 @@ from tests.support.webserver import Reply, web_server
 LOOPBACK = ("127.0.0.0/8",)
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_response_trickling_its_headers_is_cut_at_the_total_deadline():
     with trickling_headers_server(every_s=0.1) as url:
         start = time.monotonic()

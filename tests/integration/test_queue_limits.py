@@ -70,6 +70,7 @@ def _finish(broker, consumer, proxy) -> None:
     consumer.ack(proxy)
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_each_queue_runs_at_most_its_limit_and_reaches_it(broker, database_url, start_worker):
     # Given 20 slow jobs on each of the five queues
     jobs_per_queue = 20
@@ -163,6 +164,7 @@ def test_a_consumer_hands_out_no_more_than_its_queues_limit_at_once(broker, data
     query(database_url, FORGET, (ids,))
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_the_middleware_holds_a_queue_to_its_limit_when_its_consumer_hands_out_more(
     broker, database_url, start_worker
 ):

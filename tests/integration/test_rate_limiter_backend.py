@@ -167,6 +167,7 @@ def test_a_window_limiter_admits_exactly_its_limit_across_two_processes(
         assert not acquired
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_window_limiter_admits_again_once_the_window_has_slid_past(
     backend: PostgresRateLimiterBackend,
 ) -> None:

@@ -7,6 +7,8 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from actors.documents import write_document
 from actors.search import search_index
 from broker import services
@@ -28,6 +30,7 @@ def test_64_concurrent_writes_are_all_indexed(broker, database_url, start_worker
     assert hits == [results[17]["id"], results[17]["wiki_id"]]  # the document and its wiki page
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_with_64_waiters_parked_a_65th_is_answered_false_at_once_and_connections_do_not_grow(broker, database_url):
     waiters = services.current().waiters
     waiters.listener(INDEX)  # the one LISTEN connection of this process for the channel
@@ -57,6 +60,7 @@ def test_with_64_waiters_parked_a_65th_is_answered_false_at_once_and_connections
     assert parked == [False] * 64
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_with_the_index_queue_stopped_a_write_says_false_after_2_s_and_is_indexed_later(broker, database_url, start_worker):
     # Given no worker for the index queue
     start = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 import psycopg
+import pytest
 
 from broker import sql
 from broker.pgbroker import enqueue_params
@@ -154,6 +155,7 @@ WHERE datname = current_database() AND application_name = 'standmeet-broker'
 """
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window(broker, database_url):
     import time
 

@@ -204,6 +204,7 @@ def test_a_process_blocked_on_get_result_is_woken_by_a_result_an_actor_stored_in
     assert report["woke_at"] - sent_at < 2.0
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_blocked_reader_does_not_poll_it_sleeps_until_a_notification(db_url: str) -> None:
     # Given another process blocked on a result, asleep on its LISTEN connection
     message = a_message("silent")
@@ -230,6 +231,7 @@ def test_a_blocked_reader_does_not_poll_it_sleeps_until_a_notification(db_url: s
     assert report["waited_s"] < 25
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_result_stored_while_the_readers_listen_connection_was_down_still_wakes_it(
     db_url: str, backend: PostgresResultBackend
 ) -> None:

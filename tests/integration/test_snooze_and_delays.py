@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
+
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP, on_failure, snooze_n
 
@@ -71,6 +73,7 @@ def test_a_delayed_message_waits_in_the_database_and_starts_when_due(broker, dat
     assert webhook_message.message_id
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_retried_job_waits_for_its_back_off_before_it_runs_again(broker, database_url, start_worker):
     from tests.support.jobs import raise_once_backoff
 

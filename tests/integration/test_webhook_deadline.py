@@ -46,6 +46,7 @@ def trickling_server() -> Iterator[str]:
         server.server_close()
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_trickling_endpoint_is_cut_at_the_total_deadline(broker):
     original = app_settings.current()
     app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",)))
@@ -75,6 +76,7 @@ def test_an_http_date_retry_after_counts_from_now():
     assert value is not None and 85 <= value <= 90
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_an_endpoint_trickling_its_headers_is_cut_at_the_total_deadline(broker):
     from tests.support.trickle import trickling_headers_server
 

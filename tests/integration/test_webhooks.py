@@ -103,6 +103,7 @@ def test_each_failure_gives_its_recorded_outcome_and_the_other_endpoints_keep_re
     assert len(good.received) == 1
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_busy_endpoint_makes_deliveries_snooze_without_using_attempts(
     broker, database_url, start_worker, webhook_settings
 ):
@@ -124,6 +125,7 @@ def test_a_busy_endpoint_makes_deliveries_snooze_without_using_attempts(
     assert len(server.received) == 1
 
 
+@pytest.mark.slow  # waits out a real timer of a second or more
 def test_an_endpoint_that_never_answers_times_out_at_10_s_and_no_transaction_is_held_meanwhile(
     broker, database_url, start_worker, webhook_settings
 ):
