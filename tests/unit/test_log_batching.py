@@ -1,0 +1,83 @@
+"""The worker's log handler: INFO lines written in batches by one writer, in order;
+warnings and errors at once, after every line logged before them."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+from broker.logging_setup import BatchedStreamHandler
+from tests.support.db import wait_for
+
+
+def _logger(stream: io.StringIO, name: str, *, linger_s: float = 0.02) -> tuple[logging.Logger, BatchedStreamHandler]:
+    handler = BatchedStreamHandler(stream, linger_s=linger_s)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log = logging.getLogger(f"standmeet.test.{name}")
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    return log, handler
+
+
+def test_info_lines_from_many_threads_are_all_written_in_each_threads_order():
+    stream = io.StringIO()
+    log, handler = _logger(stream, "threads")
+
+    def job_lines(thread: int) -> None:
+        for n in range(500):
+            log.info("job done %d %d", thread, n)
+
+    threads = [threading.Thread(target=job_lines, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = wait_for(lambda: (ls := stream.getvalue().splitlines()) and len(ls) == 4000 and ls,
+                     timeout_s=5, what="4,000 lines written by the writer thread")
+    for thread in range(8):
+        ns = [int(line.split()[-1]) for line in lines if line.split()[-2] == str(thread)]
+        assert ns == list(range(500))
+    handler.close()
+
+
+def test_a_warning_is_written_at_once_after_the_info_lines_before_it():
+    stream = io.StringIO()
+    # A linger far longer than the test: only the warning's own flush can write the lines.
+    log, handler = _logger(stream, "warning", linger_s=60)
+    log.info("first")
+    log.info("second")
+    log.warning("trouble")
+    assert stream.getvalue().splitlines() == ["INFO first", "INFO second", "WARNING trouble"]
+    handler.close()
+
+
+def test_an_info_line_waits_at_most_its_linger_and_flush_writes_it_at_once():
+    stream = io.StringIO()
+    log, handler = _logger(stream, "flush", linger_s=60)
+    log.info("pending")
+    assert stream.getvalue() == ""
+    handler.flush()
+    assert stream.getvalue() == "INFO pending\n"
+    handler.close()
+
+
+def test_lines_still_pending_at_exit_are_written_by_logging_shutdown():
+    # Given a process that logs one INFO line with a long linger and exits at once
+    code = (
+        "import logging, sys\n"
+        "from broker.logging_setup import BatchedStreamHandler\n"
+        "h = BatchedStreamHandler(sys.stdout, linger_s=60)\n"
+        "logging.getLogger().addHandler(h); logging.getLogger().setLevel(logging.INFO)\n"
+        "logging.info('last words')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": root})
+    # Then the line was written on the way out
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "last words\n"
