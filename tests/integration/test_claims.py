@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+
+import psycopg
+
+from broker import sql
+from broker.pgbroker import enqueue_params
 from tests.conftest import configured_broker
 from tests.support.db import query
 from tests.support.jobs import mark
@@ -252,3 +258,30 @@ def test_an_idle_settler_stops_as_soon_as_it_is_asked_not_at_its_next_tick(datab
         assert own.settler.flush(5)
         # When it is asked to stop, Then it has stopped well within its idle wait (0.5 s)
         assert own.settler.stop(timeout_s=0.2)
+
+
+def _rows_read(plan: dict) -> int:
+    """Rows a plan's scans returned or filtered out, over the whole tree."""
+    own = 0
+    if "Scan" in plan.get("Node Type", "") and "CTE" not in plan["Node Type"]:
+        own = (plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)) * plan.get("Actual Loops", 1)
+    return own + sum(_rows_read(child) for child in plan.get("Plans", []))
+
+
+def test_a_claim_reads_about_as_many_rows_as_it_claims_whatever_the_backlog(database_url):
+    # Given a backlog of 3,000 queued messages, none of them a suspect of a crash
+    messages = [mark.message(f"backlog-{i}") for i in range(3000)]
+    queue = messages[0].queue_name
+    with psycopg.connect(database_url) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params(messages))
+        # When one claim of 6 runs (rolled back: nothing is taken)
+        [(plan,)] = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.CLAIM,
+            {"queue": queue, "n": 6, "n_start": 6, "worker_id": str(uuid.uuid4())},
+        ).fetchall()
+        conn.rollback()
+        conn.execute("DELETE FROM dramatiq.queue WHERE queue_name = %s", (queue,))
+        conn.commit()
+    # Then it read a few dozen rows at most, not the backlog (looking for suspects once
+    # walked every queued message of the queue)
+    assert _rows_read(plan[0]["Plan"]) <= 60
