@@ -130,7 +130,15 @@ class BatchedStreamHandler(logging.Handler):
 
 
 def configure_logging(fmt: str = "text", *, level: int = logging.INFO) -> None:
-    """Replace the root logger's handlers with one on stderr, in ``fmt`` (text or json)."""
+    """Replace the root logger's handlers with one on stderr, in ``fmt`` (text or json).
+
+    Neither format shows where a call was made from, nor the thread: the logging module
+    is told not to look them up for every record (its documented optimisations), which
+    a worker logging a line per job pays for on each one.
+    """
+    logging._srcfile = None  # type: ignore[attr-defined]  # no caller lookup (file, line, function)
+    logging.logThreads = False
+    logging.logMultiprocessing = False
     handler = BatchedStreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()

@@ -37,11 +37,11 @@ class Metrics(Middleware):
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         labels = (message.queue_name, message.actor_name)
-        metrics.IN_PROGRESS.labels(*labels).inc()
+        metrics.child(metrics.IN_PROGRESS, *labels).inc()
         now = time.time()
         claimed_at = getattr(message, "standmeet_claimed_at", None)
         if claimed_at is not None:
-            metrics.CLAIM_TO_START.labels(message.queue_name).observe(max(0.0, now - float(claimed_at)))
+            metrics.child(metrics.CLAIM_TO_START, message.queue_name).observe(max(0.0, now - float(claimed_at)))
         message.standmeet_metrics_start = time.monotonic()
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
@@ -49,27 +49,27 @@ class Metrics(Middleware):
         labels = (message.queue_name, message.actor_name)
         self._ended(message, labels)
         if exception is not None:
-            metrics.ERRORS.labels(*labels).inc()
+            metrics.child(metrics.ERRORS, *labels).inc()
             if not getattr(message, "failed", False):
-                metrics.RETRIES.labels(*labels).inc()
+                metrics.child(metrics.RETRIES, *labels).inc()
 
     def after_skip_message(self, broker: Any, message: Any) -> None:
         labels = (message.queue_name, message.actor_name)
         self._ended(message, labels)
         snooze = getattr(message, "_exception", None)
         if isinstance(snooze, Snooze) and not getattr(message, "failed", False):
-            metrics.SNOOZES.labels(*labels).inc()
+            metrics.child(metrics.SNOOZES, *labels).inc()
             if message.actor_name == DELIVER_ACTOR and snooze.reason.endswith("is busy"):
-                metrics.LEASE_BUSY.labels(*labels).inc()
+                metrics.child(metrics.LEASE_BUSY, *labels).inc()
 
     def after_nack(self, broker: Any, message: Any) -> None:
-        metrics.REJECTS.labels(message.queue_name, message.actor_name).inc()
+        metrics.child(metrics.REJECTS, message.queue_name, message.actor_name).inc()
 
     def _ended(self, message: Any, labels: tuple[str, str]) -> None:
         started = getattr(message, "standmeet_metrics_start", None)
         message.standmeet_metrics_start = None
         if started is None:
             return  # its before-hook never ran (skipped by an earlier middleware)
-        metrics.IN_PROGRESS.labels(*labels).dec()
-        metrics.DURATION.labels(*labels).observe((time.monotonic() - started) * 1000)
-        metrics.MESSAGES.labels(*labels).inc()
+        metrics.child(metrics.IN_PROGRESS, *labels).dec()
+        metrics.child(metrics.DURATION, *labels).observe((time.monotonic() - started) * 1000)
+        metrics.child(metrics.MESSAGES, *labels).inc()
