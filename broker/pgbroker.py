@@ -405,6 +405,56 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str]) -> dict[s
     }
 
 
+class MiddlewareList(list):  # type: ignore[type-arg]
+    """The broker's middleware list, with a count of its changes: the hooks cache is
+    rebuilt when it moves, not checked against a copy of the list on every signal."""
+
+    version = 0
+
+
+def _counting(name: str) -> Callable[..., Any]:
+    original = getattr(list, name)
+
+    def mutate(self: MiddlewareList, *args: Any, **kwargs: Any) -> Any:
+        self.version += 1
+        return original(self, *args, **kwargs)
+
+    mutate.__name__ = name
+    return mutate
+
+
+for _mutator in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
+                 "pop", "remove", "clear", "sort", "reverse"):
+    setattr(MiddlewareList, _mutator, _counting(_mutator))
+
+
+class ClaimedMessage(MessageProxy):
+    """A claimed message as the worker sees it. The message's fields and this run's
+    bookkeeping are plain attributes: Dramatiq's proxy forwards each read through
+    ``__getattr__`` (about sixty a job, a failed lookup first for each), and an absent
+    attribute read with a default costs an exception."""
+
+    def __init__(self, message: Message, *, claim: int, claimed_at: float) -> None:
+        super().__init__(message)
+        self.queue_name = message.queue_name
+        self.actor_name = message.actor_name
+        self.args = message.args
+        self.kwargs = message.kwargs
+        self.options = message.options  # the same dict: what middleware write is the message's
+        self.message_id = message.message_id
+        self.message_timestamp = message.message_timestamp
+        #: travels with it to its settle
+        self.standmeet_claim = claim
+        #: for the claim-to-start metric
+        self.standmeet_claimed_at = claimed_at
+        self.standmeet_settle: SettleContext | None = None
+        self.standmeet_lease: Any = None
+        self.standmeet_span: Any = None
+        self.standmeet_metrics_start: float | None = None
+        self.standmeet_log_start: tuple[float, int] | None = None
+        self.standmeet_cancel_watched = False
+
+
 class StandmeetBroker(dramatiq.Broker):
     """A Dramatiq broker on Postgres: per-queue limits, database delays, one settle path."""
 
@@ -429,10 +479,11 @@ class StandmeetBroker(dramatiq.Broker):
         self._close_hooks: list[Callable[[], None]] = []
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
-        self._hooks_of: tuple[Any, ...] = ()
+        self._hooks_of: tuple[int, int] = (0, -1)
         self._hook_cache: dict[str, list[Any]] = {}
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
+        self.middleware: list[Any] = MiddlewareList(self.middleware)
         # Queues are declared by the actors that name them (and by declare_queue): a
         # process serves the queues of the modules it loads, no others.
 
@@ -533,13 +584,16 @@ class StandmeetBroker(dramatiq.Broker):
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
         order: Dramatiq calls all of them, most the base class's no-ops, several times
         per message. Recomputed whenever the middleware list changes."""
-        snapshot = tuple(self.middleware)
-        if self._hooks_of != snapshot:
-            self._hooks_of, self._hook_cache = snapshot, {}
+        middleware = self.middleware
+        if not isinstance(middleware, MiddlewareList):  # a plain list was assigned
+            middleware = self.middleware = MiddlewareList(middleware)
+        version = (id(middleware), middleware.version)
+        if self._hooks_of != version:
+            self._hooks_of, self._hook_cache = version, {}
         hooks = self._hook_cache.get(name)
         if hooks is None:
             base = getattr(Middleware, name, None)
-            hooks = [(m, getattr(m, name)) for m in snapshot
+            hooks = [(m, getattr(m, name)) for m in middleware
                      if getattr(type(m), name, None) is not base or name in vars(m)]
             self._hook_cache[name] = hooks
         return hooks
@@ -829,10 +883,7 @@ class StandmeetConsumer(Consumer):
             return None
         if not claim.started:
             self.broker.settler.mark_started(claim.key)
-        proxy = MessageProxy(claim.message)
-        proxy.standmeet_claim = claim.number  # type: ignore[attr-defined]  # travels with it to its settle
-        proxy.standmeet_claimed_at = claim.claimed_at  # type: ignore[attr-defined]  # claim-to-start metric
-        return proxy
+        return ClaimedMessage(claim.message, claim=claim.number, claimed_at=claim.claimed_at)
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()

@@ -137,3 +137,46 @@ def test_an_encoder_that_does_not_write_json_is_refused_with_a_clear_error(broke
             work.send("pickled")
     finally:
         dramatiq.set_encoder(previous)
+
+
+class _Seen(dramatiq.Middleware):
+    """Records the messages whose before-enqueue hook it saw."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def before_enqueue(self, broker, message, delay):
+        self.seen.append(message.message_id)
+
+
+def test_middleware_added_replaced_or_removed_after_messages_were_sent_sees_exactly_the_later_ones(broker):
+    # Given a broker that has already dispatched signals (its hooks are cached)
+    add.send(1, 1)
+    first, second = _Seen(), _Seen()
+    try:
+        # When one middleware is added, then swapped in place for another, then removed
+        broker.add_middleware(first)
+        one = add.send(1, 2)
+        broker.middleware[broker.middleware.index(first)] = second
+        two = add.send(1, 3)
+        broker.middleware.remove(second)
+        add.send(1, 4)
+    finally:
+        broker.middleware[:] = [m for m in broker.middleware if m not in (first, second)]
+    # Then each saw exactly the messages sent while it was in the list
+    assert first.seen == [one.message_id]
+    assert second.seen == [two.message_id]
+
+
+def test_a_claimed_message_reads_as_the_message_it_carries(broker):
+    from broker.pgbroker import ClaimedMessage
+
+    message = add.message(2, 3)
+    claimed = ClaimedMessage(message, claim=1, claimed_at=0.0)
+    claimed.options["retries"] = 1  # what the Retries middleware writes is the message's own
+    assert (claimed.queue_name, claimed.actor_name, claimed.args, claimed.kwargs, claimed.message_id,
+            claimed.message_timestamp) == (message.queue_name, message.actor_name, message.args,
+                                           message.kwargs, message.message_id, message.message_timestamp)
+    assert message.options["retries"] == 1
+    assert claimed.asdict() == message.asdict()
+    assert claimed == message
