@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import deque
 from datetime import datetime, timezone
 from typing import Any, TextIO
@@ -23,6 +24,22 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
 TEXT_FORMAT = "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"
+
+
+class TextFormatter(logging.Formatter):
+    """The text format, with the date part of each timestamp made once a second (the
+    stock formatter calls localtime and strftime for every line)."""
+
+    _second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        cached = self._second
+        if cached[0] != second:
+            cached = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
+        return (self.default_msec_format or "%s,%03d") % (cached[1], record.msecs)
 
 
 class JsonFormatter(logging.Formatter):
@@ -140,7 +157,7 @@ def configure_logging(fmt: str = "text", *, level: int = logging.INFO) -> None:
     logging.logThreads = False
     logging.logMultiprocessing = False
     handler = BatchedStreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -81,3 +81,13 @@ def test_lines_still_pending_at_exit_are_written_by_logging_shutdown():
     # Then the line was written on the way out
     assert done.returncode == 0, done.stderr
     assert done.stdout == "last words\n"
+
+
+def test_the_text_format_stamps_each_line_as_the_stock_formatter_does():
+    from broker.logging_setup import TEXT_FORMAT, TextFormatter
+
+    ours, stock = TextFormatter(TEXT_FORMAT), logging.Formatter(TEXT_FORMAT)
+    for created in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.5, 1_700_000_000.25):
+        record = logging.LogRecord("standmeet.jobs", logging.INFO, __file__, 1, "job done", None, None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert ours.format(record) == stock.format(record)
