@@ -243,7 +243,8 @@ class Outcome:
     claim: int
     queue_name: str
     outcome: str  # done | rejected | queued
-    message_json: str
+    #: the message as it is now; None when a run that returned left it as claimed
+    message_json: str | None
     delay_s: float = 0.0
     error: str | None = None
     followups: list[tuple[Message, float]] = field(default_factory=list)
@@ -365,11 +366,17 @@ class Settler:
         conn = self._connection()
         settling = {(o.message_id, o.claim) for o in outcomes}
         started = [key for key in started if key not in settling]  # one update per row and statement
+        plain = [o for o in outcomes if o.message_json is None and not o.followups]
+        other = [o for o in outcomes if o.message_json is not None or o.followups] if plain else outcomes
+        awaited = app.awaited_queues()
         with conn.pipeline():
             if started:
                 conn.execute(sql.MARK_STARTED, {"ids": [k[0] for k in started], "claims": [k[1] for k in started]})
-            if outcomes:
-                conn.execute(sql.SETTLE, settle_params(outcomes, app.awaited_queues()))
+            if plain:
+                conn.execute(sql.SETTLE_DONE, {"ids": [o.message_id for o in plain],
+                                               "claims": [o.claim for o in plain], "awaited": list(awaited)})
+            if other:
+                conn.execute(sql.SETTLE, settle_params(other, awaited))
         self.broker.outage.ok()
         self.written += len(outcomes)
         per_queue: dict[str, int] = {}
@@ -392,7 +399,7 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str]) -> dict[s
         "ids": [o.message_id for o in outcomes],
         "claims": [o.claim for o in outcomes],
         "outcomes": [o.outcome for o in outcomes],
-        "messages": [o.message_json for o in outcomes],
+        "messages": [o.message_json for o in outcomes],  # None: left as it is
         "delays": [o.delay_s for o in outcomes],
         "errors": [o.error for o in outcomes],
         "f_parents": [parent for parent, _, _ in followups],
@@ -441,6 +448,9 @@ class ClaimedMessage(MessageProxy):
         self.args = message.args
         self.kwargs = message.kwargs
         self.options = message.options  # the same dict: what middleware write is the message's
+        #: the options as claimed: a run that returned and left them so settles without
+        #: writing the message back
+        self.standmeet_claimed_options = dict(message.options)
         self.message_id = message.message_id
         self.message_timestamp = message.message_timestamp
         #: travels with it to its settle
@@ -663,8 +673,9 @@ class StandmeetBroker(dramatiq.Broker):
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", message_json(proxy),
                               delay_s=context.requeue_delay_ms / 1000.0, followups=followups)
         elif context is not None and (context.returned or context.skipped):
-            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done", message_json(proxy),
-                              followups=followups)
+            unchanged = getattr(proxy, "standmeet_claimed_options", None) == proxy.options
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done",
+                              None if unchanged else message_json(proxy), followups=followups)
         else:
             # Neither returned, nor retried, nor rejected: a middleware failed in the
             # middle of the after-hooks. Never record it as done: run it again.

@@ -115,7 +115,7 @@ WITH outcome AS (
     UPDATE dramatiq.queue q
     SET "state" = (CASE WHEN o.outcome = 'queued' AND q.cancelled_at IS NOT NULL THEN 'rejected'
                         ELSE o.outcome END)::dramatiq.state,
-        message = o.message,
+        message = coalesce(o.message, q.message),
         eta = CASE WHEN o.outcome = 'queued' THEN now() + make_interval(secs => o.delay_s) ELSE q.eta END,
         error = CASE WHEN o.outcome = 'rejected' THEN o.error
                      WHEN o.outcome = 'queued' AND q.cancelled_at IS NOT NULL
@@ -147,6 +147,24 @@ UNION ALL
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT queue_name FROM settled WHERE state = 'queued'
       UNION SELECT queue_name FROM followed) AS woken
+"""
+
+#: The common settle, many at once: runs that returned, sent nothing from their
+#: after-hooks and left their message as it was claimed. Only the state changes (the
+#: message text is not sent, parsed or rewritten); receipts as in SETTLE. Each only if it
+#: is still the claim it names.
+SETTLE_DONE = """
+WITH settled AS (
+    UPDATE dramatiq.queue q
+    SET "state" = 'done', error = NULL, worker_id = NULL, started_at = NULL, mtime = now()
+    FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS o(message_id, claims)
+    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
+    RETURNING q.queue_name, q.message_id
+)
+SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':done', ','))
+FROM (SELECT queue_name, message_id, (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
+      FROM settled WHERE queue_name = ANY(%(awaited)b::text[])) AS receipts
+GROUP BY queue_name, chunk
 """
 
 #: Record that prefetched claims have started running (they can now be blamed for a

@@ -8,7 +8,6 @@ import psycopg
 
 from broker import sql
 from broker.pgbroker import enqueue_params
-from tests.conftest import configured_broker
 from tests.support.db import query
 from tests.support.jobs import mark
 
@@ -252,12 +251,18 @@ def test_when_shutdown_starts_prefetched_messages_go_back_at_once_and_nothing_mo
 
 
 def test_an_idle_settler_stops_as_soon_as_it_is_asked_not_at_its_next_tick(database_url):
-    # Given a broker whose settler thread is running, with nothing to write
-    with configured_broker(database_url) as own:
+    from broker.pgbroker import StandmeetBroker
+    from tests.conftest import test_settings
+
+    # Given a broker of its own (not the process's) whose settler thread runs, with nothing to write
+    own = StandmeetBroker(settings=test_settings(database_url=database_url), url=database_url)
+    try:
         own.settler.start()
         assert own.settler.flush(5)
         # When it is asked to stop, Then it has stopped well within its idle wait (0.5 s)
         assert own.settler.stop(timeout_s=0.2)
+    finally:
+        own.close()
 
 
 def _rows_read(plan: dict) -> int:
@@ -285,3 +290,32 @@ def test_a_claim_reads_about_as_many_rows_as_it_claims_whatever_the_backlog(data
     # Then it read a few dozen rows at most, not the backlog (looking for suspects once
     # walked every queued message of the queue)
     assert _rows_read(plan[0]["Plan"]) <= 60
+
+
+def test_a_run_that_returned_is_done_and_options_its_middleware_changed_are_kept(broker, database_url):
+    # Given two claimed messages, one whose after-hooks change its options
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    sent = [mark.send("plain"), mark.send("changed")]
+    claimed = {}
+    for _ in range(20):
+        proxy = consumer.__next__()
+        if proxy is not None:
+            claimed[proxy.message_id] = proxy
+        if len(claimed) == 2:
+            break
+    plain, changed = claimed[sent[0].message_id], claimed[sent[1].message_id]
+    changed.options["note"] = "written by a middleware"
+    # When both return and are settled
+    for proxy in (plain, changed):
+        broker.emit_after("process_message", proxy, result=None)
+        consumer.ack(proxy)
+    assert broker.settler.flush(5)
+    consumer.close()
+    # Then both are done; the changed options were written, the other message is as sent
+    rows = dict(query(database_url, "SELECT message_id::text, state::text || ' ' || (message->'options')::text "
+                                    "FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+                      ([m.message_id for m in sent],)))
+    assert rows[plain.message_id].startswith("done ")
+    assert "note" not in rows[plain.message_id]
+    assert rows[changed.message_id].startswith("done ") and '"note": "written by a middleware"' in rows[changed.message_id]
