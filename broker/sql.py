@@ -88,11 +88,26 @@ RETURNING q.message::text, q.claims, picked.rn, q.message_id::text, q.queue_name
 
 #: Seconds until the next queued message of a queue is due (None when there is none, or
 #: when the queue is paused: its consumers then wait for a NOTIFY or their poll).
+#: The claim index is ordered by priority, then due time: the earliest due time is the
+#: least of each priority's first, found by skipping from one priority to the next (a
+#: handful of index probes, where min(eta) read every queued message: 22 ms at 30,000).
 NEXT_DUE = """
-SELECT EXTRACT(EPOCH FROM min(eta) - now())::float8
-FROM dramatiq.queue
-WHERE queue_name = %(queue)s AND "state" = 'queued'
-  AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
+WITH RECURSIVE priorities AS (
+    (SELECT priority FROM dramatiq.queue
+     WHERE queue_name = %(queue)s AND "state" = 'queued' ORDER BY priority LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.priority FROM dramatiq.queue q
+            WHERE q.queue_name = %(queue)s AND q."state" = 'queued' AND q.priority > p.priority
+            ORDER BY q.priority LIMIT 1)
+    FROM priorities p WHERE p.priority IS NOT NULL
+)
+SELECT EXTRACT(EPOCH FROM min(
+           (SELECT q.eta FROM dramatiq.queue q
+            WHERE q.queue_name = %(queue)s AND q."state" = 'queued' AND q.priority = p.priority
+            ORDER BY q.eta LIMIT 1)) - now())::float8
+FROM priorities p
+WHERE p.priority IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses qp WHERE qp.queue_name = %(queue)s)
 """
 
 #: Settle finished claims, many at once, each only if it is still the claim it names

@@ -319,3 +319,20 @@ def test_a_run_that_returned_is_done_and_options_its_middleware_changed_are_kept
     assert rows[plain.message_id].startswith("done ")
     assert "note" not in rows[plain.message_id]
     assert rows[changed.message_id].startswith("done ") and '"note": "written by a middleware"' in rows[changed.message_id]
+
+
+def test_the_next_due_time_is_the_earliest_of_any_priority_and_reads_a_few_rows_of_a_large_backlog(database_url):
+    # Given 3,000 messages due in an hour at priority 0, and one due in 60 s at priority 5
+    later = [mark.message(f"later-{i}") for i in range(3000)]
+    queue = later[0].queue_name
+    soon = mark.message_with_options(args=("soon",), priority=5)
+    with psycopg.connect(database_url) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params(later, delay=3_600_000))
+        conn.execute(sql.ENQUEUE, enqueue_params([soon], delay=60_000))
+        # When the consumer asks when to look again
+        [(seconds,)] = conn.execute(sql.NEXT_DUE, {"queue": queue}).fetchall()
+        [(plan,)] = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql.NEXT_DUE, {"queue": queue}).fetchall()
+        conn.rollback()
+    # Then it is the priority-5 message's time, found without reading the backlog
+    assert 55 < seconds <= 60
+    assert _rows_read(plan[0]["Plan"]) <= 30
