@@ -336,3 +336,9 @@ def test_the_next_due_time_is_the_earliest_of_any_priority_and_reads_a_few_rows_
     # Then it is the priority-5 message's time, found without reading the backlog
     assert 55 < seconds <= 60
     assert _rows_read(plan[0]["Plan"]) <= 30
+
+
+def test_the_queue_table_is_vacuumed_after_one_percent_of_it_changed_not_twenty(database_url):
+    [(options,)] = query(database_url, "SELECT reloptions FROM pg_class WHERE oid = 'dramatiq.queue'::regclass")
+    assert "autovacuum_vacuum_scale_factor=0.01" in options
+    assert "autovacuum_vacuum_threshold=2000" in options
