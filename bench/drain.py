@@ -30,8 +30,19 @@ ACTOR = "bench.noop"
 #: Enqueued per statement when a backlog is built.
 ENQUEUE_CHUNK = 10_000
 
-OUTSTANDING = "SELECT count(*) FROM dramatiq.queue WHERE queue_name = %s AND state IN ('queued', 'consumed')"
-BACKENDS = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+#: Whether anything is still queued or running, and whether anything was claimed yet. Index
+#: probes, not counts: counting a million rows every 50 ms made the sampler itself the
+#: busiest backend of the run (and its parallel workers were counted as the drain's CPU).
+OUTSTANDING = """
+SELECT EXISTS (SELECT 1 FROM dramatiq.queue WHERE queue_name = %s AND state = 'queued'),
+       EXISTS (SELECT 1 FROM dramatiq.queue WHERE state = 'consumed')
+"""
+DONE = "SELECT count(*) FROM dramatiq.queue WHERE queue_name = %s AND state = 'done'"
+BACKENDS = """
+SELECT pid FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND (leader_pid IS NULL OR leader_pid <> pg_backend_pid())
+"""
 LOCKS = """
 SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
 WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
@@ -190,11 +201,12 @@ def timed_drain(url: str, n: int, *, processes: int = 1, limit: int = 8, threads
     worker_end = dict(worker_start)
     try:
         with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("SET max_parallel_workers_per_gather = 0")  # the sampler stays one backend
             t0 = None
             deadline = time.monotonic() + timeout_s
             result.rss_start_mb = 0.0
             while True:
-                (left,) = conn.execute(OUTSTANDING, (QUEUE,)).fetchone()  # type: ignore[misc]
+                queued, running = conn.execute(OUTSTANDING, (QUEUE,)).fetchone()  # type: ignore[misc]
                 now = time.monotonic()
                 for (pid,) in conn.execute(BACKENDS).fetchall():
                     value = cpu_ms(pid)
@@ -210,22 +222,25 @@ def timed_drain(url: str, n: int, *, processes: int = 1, limit: int = 8, threads
                         if t0 is None:
                             worker_start[p.pid] = value  # not the start-up's imports
                         worker_end[p.pid] = value
-                if t0 is None and left < n:
+                if t0 is None and running:
                     t0 = now
                     result.rss_start_mb = sum(rss_mb(p.pid) for p in procs)
                 if t0 is not None:
                     result.max_locks = max(result.max_locks, conn.execute(LOCKS).fetchone()[0])  # type: ignore[index]
                     held = [row[0] for row in conn.execute(HELD).fetchall()]
                     result.max_held = max([result.max_held, *held])
-                if left == 0:
+                if not queued and not running:
                     result.seconds = now - (t0 or now)
                     result.rss_end_mb = sum(rss_mb(p.pid) for p in procs)
+                    (done,) = conn.execute(DONE, (QUEUE,)).fetchone()  # type: ignore[misc]
+                    if done != n:
+                        raise RuntimeError(f"the queue drained with {done} of {n} jobs done")
                     break
                 for p in procs:
                     if p.poll() is not None:
                         raise RuntimeError(f"worker {p.pid} exited with {p.returncode}; log in {stats_dir}")
                 if now > deadline:
-                    raise TimeoutError(f"{left} of {n} still outstanding after {timeout_s} s")
+                    raise TimeoutError(f"jobs still outstanding after {timeout_s} s")
                 time.sleep(0.05 if t0 is not None else 0.01)
     finally:
         for p in procs:
