@@ -41,10 +41,10 @@ from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from broker import app, db, deadline, tracing
-from broker.enqueue import enqueue
+from broker.enqueue import build_message, enqueue, enqueue_messages
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
-from middleware.keyed_lease import Lease, lease_of
+from middleware.keyed_lease import Lease, given_back, lease_of
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -225,9 +225,9 @@ def fanout(event_id: int) -> None:
             return
         ping_endpoint = (event[1] or {}).get("endpoint_id") if event[0] == "webhook.ping" else None
         rows = conn.execute(FANOUT, {"event": event_id, "ping_endpoint": ping_endpoint}).fetchall()
-        for delivery_id, state in rows:
-            if state == "pending":
-                enqueue(conn, "webhook.deliver", int(delivery_id))
+        # every deliver job in one statement, in the same transaction as the deliveries
+        enqueue_messages(conn, [build_message("webhook.deliver", (int(delivery_id),))
+                                for delivery_id, state in rows if state == "pending"])
 
 
 # -- delivery -----------------------------------------------------------------------------
@@ -239,22 +239,34 @@ JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id
 WHERE d.id = %s
 """
-RECORD_ATTEMPT = """
-INSERT INTO standmeet.webhook_attempts
-    (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error, response_body, truncated)
-VALUES (%(delivery)s, %(attempt)s, %(started)s, %(ms)s, %(code)s, %(outcome)s, %(error)s, %(body)s, %(truncated)s)
+#: Everything that records an attempt, in one statement (one round trip, atomic): the
+#: attempt, the delivery's new state, the endpoint's health (410 disables it), and the
+#: endpoint's lease given back when the token is still ours (NULL token: no lease held).
+SETTLE_ATTEMPT = """
+WITH attempt AS (
+    INSERT INTO standmeet.webhook_attempts
+        (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error, response_body, truncated)
+    VALUES (%(delivery)s, %(attempt)s, %(started)s, %(ms)s, %(code)s, %(outcome)s, %(error)s, %(body)s,
+            %(truncated)s)
+), delivery AS (
+    UPDATE standmeet.webhook_deliveries
+    SET attempts = %(attempt)s, state = %(state)s, last_outcome = %(outcome)s,
+        next_attempt_at = %(next)s, updated_at = now()
+    WHERE id = %(delivery)s
+)
+UPDATE standmeet.webhook_endpoints
+SET failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
+    enabled = enabled AND %(disabled_reason)s::text IS NULL,
+    disabled_reason = coalesce(%(disabled_reason)s, disabled_reason),
+    busy_until = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE busy_until END,
+    lease_token = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE lease_token END
+WHERE id = %(endpoint)s
 """
 SETTLE_DELIVERY = """
 UPDATE standmeet.webhook_deliveries
 SET attempts = %(attempt)s, state = %(state)s, last_outcome = %(outcome)s,
     next_attempt_at = %(next)s, updated_at = now()
 WHERE id = %(delivery)s
-"""
-ENDPOINT_OK = "UPDATE standmeet.webhook_endpoints SET failing_since = NULL WHERE id = %s"
-ENDPOINT_FAILING = "UPDATE standmeet.webhook_endpoints SET failing_since = coalesce(failing_since, now()) WHERE id = %s"
-ENDPOINT_GONE = """
-UPDATE standmeet.webhook_endpoints SET enabled = false, disabled_reason = %s, failing_since = coalesce(failing_since, now())
-WHERE id = %s
 """
 
 
@@ -330,15 +342,30 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
 
 #: The endpoint lease: at most one delivery in flight per endpoint, across processes and
 #: hosts, by a row lease on the endpoint with a token; it outlives the job's limit.
-ENDPOINT_OF = """
-SELECT d.endpoint_id FROM standmeet.webhook_deliveries d
-JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id WHERE d.id = %s AND e.enabled
-"""
+#: One statement finds the delivery's endpoint, takes its lease, and reads what the POST
+#: needs (the delivery, the endpoint's URL and secrets, the event). Its rows:
+#:   (token, endpoint, state, attempts, url, secrets, event id, type, payload, created_at)
+#:       the lease is ours;
+#:   no row: the endpoint is busy (the message snoozes);
+#:   (NULL, …): the delivery or its endpoint is gone or disabled: no lease is needed, the
+#:       actor reads and records that.
 TAKE_ENDPOINT = """
-UPDATE standmeet.webhook_endpoints
-SET busy_until = now() + make_interval(secs => %(lease_s)s), lease_token = gen_random_uuid()
-WHERE id = %(key)s AND enabled AND (busy_until IS NULL OR busy_until < now())
-RETURNING lease_token::text
+WITH target AS (
+    SELECT d.endpoint_id FROM standmeet.webhook_deliveries d
+    JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
+    WHERE d.id = %(key)s AND e.enabled
+), taken AS (
+    UPDATE standmeet.webhook_endpoints
+    SET busy_until = now() + make_interval(secs => %(lease_s)s), lease_token = gen_random_uuid()
+    WHERE id = (SELECT endpoint_id FROM target) AND enabled AND (busy_until IS NULL OR busy_until < now())
+    RETURNING id, lease_token, url, secrets
+)
+SELECT t.lease_token::text, t.id, d.state, d.attempts, t.url, t.secrets, ev.id, ev.type, ev.payload, ev.created_at
+FROM taken t
+JOIN standmeet.webhook_deliveries d ON d.id = %(key)s
+JOIN standmeet.webhook_events ev ON ev.id = d.event_id
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL WHERE NOT EXISTS (SELECT FROM target)
 """
 RELEASE_ENDPOINT = """
 UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
@@ -346,18 +373,14 @@ WHERE id = %(key)s AND lease_token = %(token)s::uuid
 """
 
 
-def _endpoint_of(message: Any) -> int | None:
-    """The delivery's endpoint; None when the delivery or its endpoint is gone or disabled
-    (the actor records the delivery as such, no lease needed)."""
-    if not message.args:
-        return None
-    with db.connection() as conn:
-        row = conn.execute(ENDPOINT_OF, (int(message.args[0]),)).fetchone()
-    return int(row[0]) if row is not None else None
+def _delivery_of(message: Any) -> int | None:
+    """The lease's key as the message names it: its delivery (TAKE_ENDPOINT resolves it to
+    the endpoint); None for a message without one."""
+    return int(message.args[0]) if message.args else None
 
 
 ENDPOINT_LEASE = Lease(
-    key=_endpoint_of, take=TAKE_ENDPOINT, release=RELEASE_ENDPOINT,
+    key=_delivery_of, take=TAKE_ENDPOINT, release=RELEASE_ENDPOINT,
     lease_s=lambda: app_settings.current().webhook_lease_s,
     busy_snooze_s=lambda: app_settings.current().webhook_busy_snooze_s,
 )
@@ -367,13 +390,22 @@ ENDPOINT_LEASE = Lease(
                 lease=ENDPOINT_LEASE)
 def deliver(delivery_id: int) -> None:
     settings = app_settings.current()
-    # 1. the lease is already ours (middleware); 2. short reads, connection returned at once
-    with db.connection() as conn:
-        row = conn.execute(READ, (delivery_id,)).fetchone()
-    if row is None:
-        logger.warning("webhook delivery %s no longer exists", delivery_id)
-        return
-    state, attempts, endpoint_id, url, secrets, enabled, event_id, event_type, payload, created_at = row
+    message = CurrentMessage.get_current_message()
+    held = lease_of(message) if message is not None else None
+    if held is not None and held.row:
+        # 1. the lease is ours, and its statement read the delivery (middleware)
+        state, attempts, url, secrets, event_id, event_type, payload, created_at = held.row
+        endpoint_id, enabled, token = int(held.key), True, held.token
+    else:
+        # no lease taken (the delivery or its endpoint is gone or disabled, or no worker
+        # runs this): a short read, the connection returned at once
+        with db.connection() as conn:
+            row = conn.execute(READ, (delivery_id,)).fetchone()
+        if row is None:
+            logger.warning("webhook delivery %s no longer exists", delivery_id)
+            return
+        state, attempts, endpoint_id, url, secrets, enabled, event_id, event_type, payload, created_at = row
+        token = None
     if state != "pending":
         return
     if not enabled:
@@ -381,11 +413,10 @@ def deliver(delivery_id: int) -> None:
             conn.execute(SETTLE_DELIVERY, {"delivery": delivery_id, "attempt": attempts, "state": "skipped",
                                            "outcome": "endpoint disabled", "next": None})
         return
-    message = CurrentMessage.get_current_message()
-    if message is not None and lease_of(message) is None:
+    if message is not None and held is None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
     body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
-    # 3. POST holding no database connection, within the total deadline, ending early
+    # 2. POST holding no database connection, within the total deadline, ending early
     #    enough before the job's own limit that the attempt is always recorded
     timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
     started = datetime.now(timezone.utc)
@@ -395,21 +426,24 @@ def deliver(delivery_id: int) -> None:
     except (TimeLimitExceeded, DeadlineExceeded) as exc:
         # the job's own limit fired during the request: still an attempt, a timeout
         deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
-        _settle(delivery_id, attempts, endpoint_id, started, t0,
+        _settle(message, delivery_id, attempts, endpoint_id, token, started, t0,
                 Outcome("timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})"))
         raise
     except Exception as exc:
-        _settle(delivery_id, attempts, endpoint_id, started, t0, Outcome("error", error=f"{type(exc).__name__}: {exc}"))
+        _settle(message, delivery_id, attempts, endpoint_id, token, started, t0,
+                Outcome("error", error=f"{type(exc).__name__}: {exc}"))
         raise
-    retry_in = _settle(delivery_id, attempts, endpoint_id, started, t0, outcome)
+    # 3. record the attempt and give the lease back, in one statement
+    retry_in = _settle(message, delivery_id, attempts, endpoint_id, token, started, t0, outcome)
     if retry_in is not None:
         raise Retry(f"delivery {delivery_id}: {outcome.outcome} {outcome.status_code or ''}".strip(),
                     delay=int(retry_in * 1000))
 
 
-def _settle(delivery_id: int, attempts: int, endpoint_id: int, started: datetime, t0: float,
-            outcome: Outcome) -> float | None:
-    """Record the attempt, the endpoint's health and the next try; the retry delay, if any."""
+def _settle(message: Any, delivery_id: int, attempts: int, endpoint_id: int, token: str | None,
+            started: datetime, t0: float, outcome: Outcome) -> float | None:
+    """Record the attempt, the endpoint's health and the next try, and give the lease back
+    (one statement); the retry delay, if any."""
     ms = int((time.monotonic() - t0) * 1000)
     attempt = attempts + 1
     retry_in: float | None = None
@@ -421,19 +455,16 @@ def _settle(delivery_id: int, attempts: int, endpoint_id: int, started: datetime
         new_state = "pending"
         base = SCHEDULE[attempt - 1]
         retry_in = outcome.retry_after_s or base * (1 + random.uniform(-0.1, 0.1))
-    with db.connection() as conn, conn.transaction():
-        conn.execute(RECORD_ATTEMPT, {"delivery": delivery_id, "attempt": attempt, "started": started, "ms": ms,
-                                      "code": outcome.status_code, "outcome": outcome.outcome, "error": outcome.error,
-                                      "body": outcome.body, "truncated": outcome.truncated})
-        conn.execute(SETTLE_DELIVERY, {
-            "delivery": delivery_id, "attempt": attempt, "state": new_state, "outcome": outcome.outcome,
-            "next": None if retry_in is None else datetime.fromtimestamp(time.time() + retry_in, timezone.utc)})
-        if outcome.ok:
-            conn.execute(ENDPOINT_OK, (endpoint_id,))
-        elif outcome.outcome == "gone":
-            conn.execute(ENDPOINT_GONE, ("the endpoint answered 410 Gone", endpoint_id))
-        else:
-            conn.execute(ENDPOINT_FAILING, (endpoint_id,))
+    with db.connection() as conn:
+        conn.execute(SETTLE_ATTEMPT, {
+            "delivery": delivery_id, "attempt": attempt, "started": started, "ms": ms,
+            "code": outcome.status_code, "outcome": outcome.outcome, "error": outcome.error,
+            "body": outcome.body, "truncated": outcome.truncated, "state": new_state,
+            "next": None if retry_in is None else datetime.fromtimestamp(time.time() + retry_in, timezone.utc),
+            "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
+            "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None})
+    if token is not None and message is not None:
+        given_back(message)  # released by that statement: the middleware need not
     return retry_in
 
 

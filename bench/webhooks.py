@@ -1,7 +1,13 @@
 """Webhooks: deliveries/s to 20 fast local endpoints, and index latency while slow endpoints
 fill the webhook queue, against an idle run in the same invocation.
 
-    python bench/webhooks.py [--events 25] [--writes 200]
+    python bench/webhooks.py [--events 25] [--writes 200] [--runs 1] [--endpoints-in-process]
+
+The fast endpoints run in a process of their own (``bench/endpoints.py``: HTTP/1.1,
+keep-alive), so the rate and the CPU per delivery are the worker process's own; a
+delivery counts once its outcome is recorded. ``--endpoints-in-process`` measures the
+earlier way: the test suite's threaded HTTP/1.0 servers inside the worker process,
+counted as they receive.
 
 With the per-endpoint lease one slow endpoint holds at most one webhook worker (its
 other deliveries snooze), so the saturated run uses 8 slow endpoints (the queue's
@@ -11,6 +17,9 @@ limit) that hold every request open. Prints ``ratio: N.NN`` (index p50 saturated
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -27,26 +36,75 @@ from bench.common import fresh_database, pct, quiet, run_worker  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 
-def deliveries_per_s(url: str, events: int) -> float:
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's live threads, by name (numbers stripped)."""
+    import re
+    import threading
+
+    names = {t.native_id: type(t).__name__ + ":" + re.sub(r"[-_ ]?[0-9a-f]*\d[0-9a-f]*$", "", t.name)
+             for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "?")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tuple[float, float]:
+    """(deliveries/s, the worker process's CPU ms per delivery) for ``events`` events to 20
+    fast endpoints, from the worker's start to the last delivery."""
     from actors import webhooks
     from tests.support.http import http_server
 
     with ExitStack() as stack:
-        servers = [stack.enter_context(http_server()) for _ in range(20)]
-        for endpoint_url, _ in servers:
+        if in_process:
+            servers = [stack.enter_context(http_server()) for _ in range(20)]
+            urls = [u for u, _ in servers]
+        else:
+            endpoints = stack.enter_context(subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "endpoints.py"), "20"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            assert endpoints.stdout is not None and endpoints.stdin is not None
+            stack.callback(endpoints.stdin.close)
+            urls = []
+            while (line := endpoints.stdout.readline().strip()) != "ready":
+                if not line:
+                    raise RuntimeError("the endpoint process did not start")
+                urls.append(line)
+        for endpoint_url in urls:
             webhooks.add_endpoint(endpoint_url, ["bench.fast"])
         with psycopg.connect(url) as conn, conn.transaction():
             for i in range(events):
                 webhooks.emit_event(conn, "bench.fast", {"i": i})
-        total = events * len(servers)
-        start = time.monotonic()
+        total = events * len(urls)
+
+        def done() -> int:
+            if in_process:
+                return sum(len(s.received) for _, s in servers)
+            return int(testdb.scalar(url, "SELECT count(*) FROM standmeet.webhook_deliveries"
+                                          " WHERE state = 'succeeded'"))
+
+        threads0 = _thread_cpu()
+        cpu0, start = os.times(), time.monotonic()
         stop = run_worker(__import__("broker").current_broker(), threads=16, queues=["webhook"])
         try:
-            while sum(len(s.received) for _, s in servers) < total:
+            while done() < total:
                 if time.monotonic() - start > 300:
                     raise TimeoutError("deliveries did not finish")
                 time.sleep(0.01)
-            return total / (time.monotonic() - start)
+            elapsed, cpu1 = time.monotonic() - start, os.times()
+            cpu_ms = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) * 1000 / total
+            if os.environ.get("BENCH_VERBOSE"):
+                threads1 = _thread_cpu()
+                per = {k: (v - threads0.get(k, 0.0)) * 1000 / total for k, v in threads1.items()}
+                print("  per thread, ms per delivery:", {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:8]})
+                print(f"  user {(cpu1.user - cpu0.user) * 1000 / total:.2f} ms, system"
+                      f" {(cpu1.system - cpu0.system) * 1000 / total:.2f} ms per delivery")
+            return total / elapsed, cpu_ms
         finally:
             stop()
 
@@ -89,6 +147,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=25, help="events, each delivered to 20 endpoints")
     parser.add_argument("--writes", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=1, help="delivery runs (the median is printed)")
+    parser.add_argument("--endpoints-in-process", action="store_true",
+                        help="serve the fast endpoints from threads of the worker process (the earlier way)")
     args = parser.parse_args()
     quiet()
     import actors  # noqa: F401  (configures a broker first; ours replaces it below)
@@ -107,8 +168,18 @@ def main() -> int:
     app_settings.use(replace(mine, allowed_networks=("127.0.0.0/8",), secret_key=key))
     infra.configure(Settings.from_env(), url=url)
     try:
-        rate = deliveries_per_s(url, args.events)
-        print(f"deliveries: {args.events * 20} to 20 fast endpoints at {rate:,.0f} deliveries/s", flush=True)
+        where = "in the worker process" if args.endpoints_in_process else "in their own process"
+        rates, cpus = [], []
+        for run in range(1, args.runs + 1):
+            testdb.query(url, "TRUNCATE standmeet.webhook_endpoints, standmeet.webhook_events CASCADE")
+            rate, cpu_ms = deliveries_per_s(url, args.events, in_process=args.endpoints_in_process)
+            rates.append(rate)
+            cpus.append(cpu_ms)
+            print(f"run {run}: deliveries: {args.events * 20} to 20 fast endpoints ({where}) at {rate:,.0f}"
+                  f" deliveries/s, worker CPU {cpu_ms:.2f} ms per delivery", flush=True)
+        print(f"median deliveries/s: {statistics.median(rates):,.0f} (range {min(rates):,.0f}-{max(rates):,.0f}),"
+              f" worker CPU {statistics.median(cpus):.2f} ms per delivery", flush=True)
+        testdb.query(url, "TRUNCATE standmeet.webhook_endpoints, standmeet.webhook_events CASCADE")
         idle = index_latencies(args.writes, slow_endpoints=0)
         busy = index_latencies(args.writes, slow_endpoints=8)
     finally:

@@ -10,26 +10,32 @@ An application writes its domain rows and the events they cause in one transacti
 event leaves the caller's transaction usable. At commit, a NOTIFY wakes the relay.
 
 The relay runs in every worker process and in the scheduler (no leader): each pass
-(:func:`relay_once`) claims at most 200 pending rows with ``FOR UPDATE SKIP LOCKED``
-(rows, not a cursor: concurrent relays skip each other's rows), writes the messages
-their routes call for, and marks them relayed, all in one short transaction.
+(:func:`relay_once`) takes at most 200 pending rows with ``FOR UPDATE SKIP LOCKED``
+(rows, not a cursor: concurrent relays skip each other's rows) and marks them relayed
+in one statement, then writes the messages their routes call for in another, all in
+one short transaction.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import dramatiq
 import psycopg
+from dramatiq.message import Message
+from psycopg.types.json import Jsonb
 
 from broker import detach, sql, tracing
 from broker.backoff import Backoff
-from broker.enqueue import build_message, enqueue_messages
+from broker.enqueue import enqueue_messages
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.pgbroker import current_broker
 from broker.pgpool import Outage, close_quietly
@@ -161,38 +167,55 @@ class RelayResult:
     failed: int = 0
 
 
-def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
-    """Relay at most ``limit`` pending events in one transaction on ``conn``."""
+def message_id_of(event_id: int, index: int) -> str:
+    """The id of the message an event's ``index``-th route makes: ``uuid5(MESSAGE_NAMESPACE,
+    "<event id>/<index>")``, spelt out (``uuid.uuid5`` and ``str`` cost more than the rest of
+    building the message). A re-relayed event makes the same ids."""
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + f"{event_id}/{index}".encode()).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
+
+_NAMESPACE_BYTES = MESSAGE_NAMESPACE.bytes
+
+
+def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
+    """Relay at most ``limit`` pending events in one transaction on ``conn``: one statement
+    takes and marks them, one writes their messages (in event order)."""
+
+    counts = {topic: len(routes) for topic, routes in ROUTES.items()}
     with conn.transaction():
-        rows = conn.execute(sql.RELAY_CLAIM, {"limit": limit}).fetchall()
+        rows = conn.execute(sql.RELAY_CLAIM, {"limit": limit, "counts": Jsonb(counts)}).fetchall()
         if not rows:
             return RelayResult(0, 0)
-        ids: list[int] = []
-        counts: list[int] = []
-        pending: list[Any] = []
+        rows.sort(key=lambda row: row[0])
+        broker = current_broker()
+        actors: dict[str, dramatiq.Actor[Any, Any]] = {}
+        now_ms = int(time.time() * 1000)
+        pending: list[Message[Any]] = []
         failed = 0
         for event_id, topic, payload in rows:
             try:
-                built = []
+                built: list[Message[Any]] = []
                 carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
-                options = {tracing.OPTION: carrier} if carrier else {}
                 for index, r in enumerate(routes_for(topic)):
                     args, kwargs = r.args(event_id, payload)
-                    message = build_message(r.actor, args, kwargs, options)
-                    message = message.copy(message_id=str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/{index}")))
-                    built.append(message)
+                    actor = actors.get(r.actor)
+                    if actor is None:
+                        actor = actors[r.actor] = broker.get_actor(r.actor)
+                    # as actor.message_with_options builds it, with the event's own id
+                    built.append(Message(queue_name=actor.queue_name, actor_name=actor.actor_name, args=tuple(args),
+                                         kwargs=kwargs or {}, options={tracing.OPTION: carrier} if carrier else {},
+                                         message_id=message_id_of(event_id, index), message_timestamp=now_ms))
             except Exception as exc:  # keep the event, say why, go on with the rest
                 logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
                 conn.execute(sql.RELAY_FAIL, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
                 failed += 1
                 continue
             pending.extend(built)
-            ids.append(event_id)
-            counts.append(len(built))
         enqueue_messages(conn, pending)
-        if ids:
-            conn.execute(sql.RELAY_MARK, {"ids": ids, "counts": counts})
     return RelayResult(len(rows), len(pending), failed)
 
 

@@ -353,25 +353,28 @@ WITH inserted AS (
 SELECT id, pg_notify(standmeet.outbox_channel(), '') FROM inserted
 """
 
-#: One relay pass: up to ``limit`` pending rows, rows not a cursor; concurrent relays
-#: skip each other's rows.
+#: One relay pass takes up to ``limit`` pending rows, oldest first, and marks them relayed
+#: in the same statement (rows, not a cursor: concurrent relays skip each other's rows),
+#: each with the number of messages its topic's routes make (``counts``: topic -> n).
+#: The pass's transaction then writes their messages; an event that cannot be relayed is
+#: put back as failed (RELAY_FAIL) before it commits, so nothing is marked that was not
+#: written. Rows come back in no particular order: the relay sorts them by id.
 RELAY_CLAIM = """
-SELECT id, topic, payload
-FROM standmeet.outbox
-WHERE relayed_at IS NULL AND error IS NULL
-ORDER BY id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED
-"""
-
-RELAY_MARK = """
 UPDATE standmeet.outbox AS o
-SET relayed_at = now(), relay_txid = txid_current(), messages = m.n
-FROM unnest(%(ids)s::bigint[], %(counts)s::int[]) AS m(id, n)
-WHERE o.id = m.id
+SET relayed_at = now(), relay_txid = txid_current(), messages = (%(counts)s::jsonb ->> o.topic)::int
+FROM (SELECT id FROM standmeet.outbox
+      WHERE relayed_at IS NULL AND error IS NULL
+      ORDER BY id
+      LIMIT %(limit)s
+      FOR UPDATE SKIP LOCKED) AS pending
+WHERE o.id = pending.id
+RETURNING o.id, o.topic, o.payload
 """
 
-RELAY_FAIL = "UPDATE standmeet.outbox SET error = %(error)s WHERE id = %(id)s"
+RELAY_FAIL = """
+UPDATE standmeet.outbox SET error = %(error)s, relayed_at = NULL, relay_txid = NULL, messages = NULL
+WHERE id = %(id)s
+"""
 
 PRUNE_OUTBOX = """
 DELETE FROM standmeet.outbox

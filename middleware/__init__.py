@@ -45,7 +45,7 @@ from middleware.cancellation import Cancellation
 from middleware.connection_budget import ConnectionBudget
 from middleware.graceful_shutdown import GracefulShutdown
 from middleware.job_log import JobLog
-from middleware.keyed_lease import KeyedLease, Lease, lease_of
+from middleware.keyed_lease import Held, KeyedLease, Lease, given_back, lease_of
 from middleware.metrics import Metrics
 from middleware.queue_concurrency import QueueConcurrency
 from middleware.results import Results
@@ -54,7 +54,7 @@ from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
 from middleware.time_limit import TimeLimit
 from middleware.tracing import Tracing
 
-__all__ = ["Lease", "Snooze", "default_middleware", "lease_of", "snooze_before_start"]
+__all__ = ["Held", "Lease", "Snooze", "default_middleware", "given_back", "lease_of", "snooze_before_start"]
 
 
 def default_middleware(

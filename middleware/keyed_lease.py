@@ -14,9 +14,15 @@ actor's work: each statement commits alone.
                                 lease_s=lambda: 20.0, busy_snooze_s=lambda: 2.0))
     def deliver(delivery_id): ...
 
-``take`` receives ``%(key)s`` and ``%(lease_s)s`` and returns the token when the lease
-was free; ``release`` receives ``%(key)s`` and ``%(token)s``. ``key(message)`` may read
-the database (short reads); it returns None when the message needs no lease.
+``take`` receives ``%(key)s`` and ``%(lease_s)s`` and returns one row when the lease
+was free: the token first; then, optionally, the key it leased (when the statement
+resolves the message's key to another, e.g. a delivery to its endpoint: ``release``
+gets that one) and any columns the actor needs, read in the same statement
+(:attr:`Held.row`: no second round trip). A row whose token is NULL means the message
+needs no lease (the actor records why); no row means busy. ``release`` receives
+``%(key)s`` and ``%(token)s``. ``key(message)`` returns None when the message needs no
+lease. An actor that gives the lease back itself, in the statement that records its
+outcome, says so with :func:`given_back`: the middleware then skips its own release.
 """
 
 from __future__ import annotations
@@ -49,10 +55,26 @@ class Lease:
     busy_snooze_s: Seconds
 
 
-def lease_of(message: Any) -> tuple[Any, str] | None:
-    """The (key, token) this run holds, if the middleware took a lease for it."""
-    held = getattr(message, "standmeet_lease", None)
-    return (held[1], held[2]) if held is not None else None
+@dataclass(frozen=True)
+class Held:
+    """A lease this run holds: the key leased, its token, and what ``take`` read beside it."""
+
+    lease: Lease
+    key: Any
+    token: str
+    row: tuple[Any, ...] = ()
+
+
+def lease_of(message: Any) -> Held | None:
+    """The lease this run holds, if the middleware took one for it (and it was not given back)."""
+    held: Held | None = getattr(message, "standmeet_lease", None)
+    return held
+
+
+def given_back(message: Any) -> None:
+    """The actor released the lease itself (its outcome's statement did): the middleware
+    does not release it again. Call it only once that statement has committed."""
+    message.standmeet_lease = None
 
 
 class KeyedLease(Middleware):
@@ -72,19 +94,21 @@ class KeyedLease(Middleware):
         if taken is None:
             wait = lease.busy_snooze_s() * (1 + random.random() / 2)
             snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy")
-        message.standmeet_lease = (lease, key, str(taken[0]))  # type: ignore[attr-defined]
+        if taken[0] is None:
+            return  # the statement found nothing to lease (the actor records why)
+        leased = taken[1] if len(taken) > 1 and taken[1] is not None else key
+        message.standmeet_lease = Held(lease, leased, str(taken[0]), tuple(taken[2:]))  # type: ignore[attr-defined]
 
     def _release(self, message: MessageProxy) -> None:
-        held = getattr(message, "standmeet_lease", None)
+        held: Held | None = getattr(message, "standmeet_lease", None)
         if held is None:
             return
         message.standmeet_lease = None  # type: ignore[attr-defined]
-        lease, key, token = held
         try:
             with db.connection() as conn:
-                conn.execute(lease.release, {"key": key, "token": token})
+                conn.execute(held.lease.release, {"key": held.key, "token": held.token})
         except Exception as exc:  # the lease then expires by itself
-            logger.warning("could not give back the lease of key %s: %s", key, exc)
+            logger.warning("could not give back the lease of key %s: %s", held.key, exc)
 
     def after_process_message(self, broker: Any, message: MessageProxy, *, result: Any = None,
                               exception: BaseException | None = None) -> None:

@@ -154,3 +154,49 @@ def test_an_endpoint_that_never_answers_times_out_at_10_s_and_no_transaction_is_
     assert options is not None
     assert "TimeLimitExceeded" not in (options.get("traceback") or "")
     assert "Retry" in (options.get("traceback") or "") or delivery(database_url, event, endpoint)[1] == "pending"
+
+
+def test_a_delivery_makes_two_round_trips_of_its_own_beside_the_ones_that_set_its_deadline(
+    broker, database_url, start_worker, webhook_settings, monkeypatch
+):
+    """One statement takes the endpoint's lease and reads what the POST needs; one records
+    the attempt and gives the lease back. (Each borrowed connection also gets its
+    statement_timeout: two more.) Counted on the worker threads that run the delivery,
+    against the real database."""
+    import threading
+
+    from dramatiq.worker import WorkerThread
+
+    counted: list[str] = []
+    real_execute, real_transaction = psycopg.Connection.execute, psycopg.Connection.transaction
+
+    def execute(self, query, *args, **kwargs):  # a spy: the statement still runs
+        if isinstance(threading.current_thread(), WorkerThread) and getattr(current, "deliver", False):
+            counted.append(str(query).split()[0])
+        return real_execute(self, query, *args, **kwargs)
+
+    def transaction(self, *args, **kwargs):  # BEGIN and COMMIT: two round trips
+        if isinstance(threading.current_thread(), WorkerThread) and getattr(current, "deliver", False):
+            counted.extend(["BEGIN", "COMMIT"])
+        return real_transaction(self, *args, **kwargs)
+
+    current = threading.local()  # per worker thread: is it running a delivery?
+    real_emit_before = broker.emit_before
+
+    def emit_before(signal, *args, **kwargs):
+        if signal == "process_message":
+            current.deliver = args[0].actor_name == "webhook.deliver"
+        return real_emit_before(signal, *args, **kwargs)
+
+    with http_server() as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["trips"])
+        event = emit(database_url, "trips", {})
+        monkeypatch.setattr(psycopg.Connection, "execute", execute)
+        monkeypatch.setattr(psycopg.Connection, "transaction", transaction)
+        monkeypatch.setattr(broker, "emit_before", emit_before)
+        start_worker(queues=["webhook"], threads=2)
+        settled(database_url, event, endpoint, "succeeded")
+        wait_for(lambda: scalar(database_url, "SELECT busy_until IS NULL FROM standmeet.webhook_endpoints WHERE id = %s",
+                                (endpoint,)), timeout_s=5, what="the lease given back")
+    assert len(server.received) == 1
+    assert len(counted) == 4, counted  # set_config + take-and-read, set_config + record-and-release
