@@ -14,7 +14,6 @@ import dramatiq
 import psycopg
 from dramatiq.middleware import default_middleware as dramatiq_default_middleware
 from dramatiq.middleware.prometheus import Prometheus
-from dramatiq_pg import PostgresBroker
 
 from tests.support import db as testdb
 
@@ -57,7 +56,11 @@ def fresh_database(admin_url: str, prefix: str, *, ours: bool) -> str:
     return url
 
 
-def vanilla_broker(url: str) -> PostgresBroker:
+def vanilla_broker(url: str) -> Any:
+    """dramatiq-pg's broker, for the side-by-side throughput script only (install
+    dramatiq-pg to run it; the other scripts do not need it)."""
+    from dramatiq_pg import PostgresBroker
+
     middleware = [m() for m in dramatiq_default_middleware if m is not Prometheus]
     return PostgresBroker(url=url, results=False, middleware=middleware)
 
