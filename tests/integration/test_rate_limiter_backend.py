@@ -134,10 +134,10 @@ def test_a_concurrent_limiter_of_two_never_lets_three_in_across_two_worker_proce
     inside, peak = query(db_url, PROBE, (key,))[0]
     assert peak == 2
     assert inside == 0
-    # and both processes got slots while others were refused: there was contention
-    assert all(report["acquired"] >= 1 for report in reports)
+    # and every message of both processes got a slot in the end, while others were
+    # refused meanwhile: there was contention across the two processes
+    assert [report["acquired"] for report in reports] == [30, 30]
     assert sum(report["refused"] for report in reports) >= 1
-    assert sum(report["acquired"] + report["refused"] for report in reports) == 60
     entries = dict(query(db_url, ENTRIES_BY_PROCESS, (key,)))
     assert len(entries) == 2
     assert sum(entries.values()) == sum(report["acquired"] for report in reports)
