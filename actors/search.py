@@ -86,10 +86,15 @@ class PostgresSearchIndex:
 
     def upsert(self, documents: list[Document], *, wait: bool = False) -> None:
         try:
-            with db.connection() as conn, conn.transaction():
-                for doc in documents:
-                    title, body = indexed_text(doc)
-                    conn.execute(UPSERT, {"id": doc.id, "title": title, "body": body})
+            with db.connection() as conn:
+                if len(documents) == 1:  # one statement is atomic alone: no BEGIN/COMMIT round trips
+                    title, body = indexed_text(documents[0])
+                    conn.execute(UPSERT, {"id": documents[0].id, "title": title, "body": body})
+                    return
+                with conn.transaction():
+                    for doc in documents:
+                        title, body = indexed_text(doc)
+                        conn.execute(UPSERT, {"id": doc.id, "title": title, "body": body})
         except psycopg.errors.ProgramLimitExceeded as exc:
             ids = ", ".join(str(d.id) for d in documents[:10])
             raise IndexRefused(f"Postgres refused to index document(s) {ids}: "
