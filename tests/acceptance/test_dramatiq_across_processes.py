@@ -16,13 +16,23 @@ from tests.support.procs import running, worker_cmd
 pytestmark = pytest.mark.slow
 
 WORKER = worker_cmd("--queues", "index", module="tests.support.contract_jobs")
+#: Worker processes among some pids that registered as consuming the index queue (each
+#: does so before its first claim): a process still starting could let the other run
+#: every member.
+CONSUMING = """
+SELECT count(*) FROM standmeet.worker_processes
+WHERE pid = ANY(%s) AND stopped_at IS NULL AND 'index' = ANY(queues)
+"""
 
 
 def test_a_groups_callback_runs_once_after_members_that_ran_in_two_processes(
     broker, database_url, subprocess_env, tmp_path
 ):
-    # Given two worker processes
-    with running(WORKER, subprocess_env, log=tmp_path / "a.log"), running(WORKER, subprocess_env, log=tmp_path / "b.log"):
+    # Given two worker processes, both consuming the index queue
+    with running(WORKER, subprocess_env, log=tmp_path / "a.log") as a, \
+            running(WORKER, subprocess_env, log=tmp_path / "b.log") as b:
+        wait_for(lambda: scalar(database_url, CONSUMING, ([a.pid, b.pid],)) == 2, timeout_s=30,
+                 what="both workers registered as consuming the index queue")
         # When a group of 20 members with a completion callback runs on them
         group = dramatiq.group([work.message(f"xgroup-{i}", 100) for i in range(20)])
         group.add_completion_callback(group_done.message("xgroup-finished"))
