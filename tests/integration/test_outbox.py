@@ -9,7 +9,7 @@ import uuid
 import psycopg
 import pytest
 
-from broker import emit, enqueue
+from broker import emit, enqueue, sql
 from broker.errors import PayloadTooLarge, UnknownTopic
 from broker.outbox import MESSAGE_NAMESPACE, relay_once
 from tests.conftest import configured_broker, slow_polls
@@ -22,10 +22,13 @@ LONG_POLL_S = 30.0
 WAKE_S = 5.0
 #: The index consumer has made its first claim and gone idle (its last statement asks
 #: when the next message is due).
-CONSUMER_IDLE = """
+#: The consumer's last statement before it sleeps is the next-due lookup.
+NEXT_DUE_MARK = "WITH RECURSIVE priorities"
+assert NEXT_DUE_MARK in sql.NEXT_DUE
+CONSUMER_IDLE = f"""
 SELECT count(*) FROM pg_stat_activity
 WHERE datname = current_database() AND application_name = 'standmeet-consumer-index'
-  AND state = 'idle' AND query LIKE '%min(eta)%'
+  AND state = 'idle' AND query LIKE '%{NEXT_DUE_MARK}%'
 """
 RELAY_IDLE = """
 SELECT count(*) FROM pg_stat_activity
