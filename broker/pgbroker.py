@@ -557,9 +557,10 @@ class StandmeetBroker(dramatiq.Broker):
             self.emit_after("enqueue", message, delay)
             return message
         self.emit_before("enqueue", message, delay)
-        params = enqueue_params([message], delay)
+        params = {"queue": message.queue_name, "message_id": message.message_id, "message": message_json(message),
+                  "delay_s": (delay or 0) / 1000.0, "priority": message_priority(message)}
         try:
-            self.execute(sql.ENQUEUE, params)
+            self.execute(sql.ENQUEUE_ONE, params)
         except DISCONNECTS as exc:
             raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
         self.emit_after("enqueue", message, delay)

@@ -39,6 +39,22 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 """
 
+#: ENQUEUE for one message, with plain parameters: a single send dumps no arrays and
+#: unnests nothing (the same rules: an existing id is never resurrected).
+ENQUEUE_ONE = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    VALUES (%(queue)s, %(message_id)s::uuid, 'queued', %(message)s::jsonb,
+            now() + make_interval(secs => %(delay_s)s::float8), now(), now(), %(priority)s::int)
+    ON CONFLICT (message_id) DO UPDATE SET
+        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
+    WHERE q."state" = 'queued'
+    RETURNING q.queue_name
+)
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
+"""
+
 #: The settings of each consumer's connection: claims commit asynchronously (no WAL flush
 #: wait). Losing one in a server crash only means a message runs again (at least once),
 #: never that one is lost. Settles, enqueues (on the broker's pool and on callers'
