@@ -241,10 +241,14 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM (SELECT DISTINC
 
 #: Register this process, or prove it alive: a heartbeat by the database's clock. A
 #: process proves it is alive this way before it claims again after an outage.
+#: A process's queues only grow while it lives; each consumer registers the ones known when
+#: it connects, and two of them may commit out of order: the row keeps their union, so a
+#: late commit of an older list never hides a queue the process serves.
 HEARTBEAT = """
-INSERT INTO standmeet.worker_processes (id, hostname, pid, queues)
+INSERT INTO standmeet.worker_processes AS w (id, hostname, pid, queues)
 VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, queues = EXCLUDED.queues
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL,
+    queues = ARRAY(SELECT DISTINCT q FROM unnest(w.queues || EXCLUDED.queues) AS q ORDER BY q)
 """
 REGISTER_WORKER = HEARTBEAT
 

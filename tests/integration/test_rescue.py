@@ -179,3 +179,18 @@ def test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window(b
     wait_for(lambda: broker.heartbeat_once() is not None and _rows(database_url, ids)[0][0] == "queued",
              timeout_s=3 * window, interval_s=0.1, what="the job to be rescued")
     assert time.monotonic() - back >= window
+
+
+def test_a_registration_committed_late_with_an_older_queue_list_hides_no_queue(database_url):
+    # Given a process whose two consumers registered the queues known when each connected,
+    # the longer list committed first
+    worker = str(uuid.uuid4())
+    row = {"worker_id": worker, "hostname": "here", "pid": 1}
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.HEARTBEAT, {**row, "queues": ["index", "mail", "notify"]})
+        # When the shorter, older one commits after it
+        conn.execute(sql.HEARTBEAT, {**row, "queues": ["index"]})
+        [(queues,)] = conn.execute("SELECT queues FROM standmeet.worker_processes WHERE id = %s", (worker,)).fetchall()
+        conn.execute("DELETE FROM standmeet.worker_processes WHERE id = %s", (worker,))
+    # Then the process is still recorded as serving every queue
+    assert queues == ["index", "mail", "notify"]
