@@ -183,9 +183,15 @@ FROM (SELECT queue_name FROM settled WHERE state = 'queued'
 #: The common settle, many at once: runs that returned, sent nothing from their
 #: after-hooks and left their message as it was claimed. Only the state changes (the
 #: message text is not sent, parsed or rewritten); receipts as in SETTLE. Each only if it
-#: is still the claim it names.
+#: is still the claim it names. The start marks of other claims (MARK_STARTED's, never a
+#: claim settled here) ride along in the same statement: one round trip, no pipeline.
 SETTLE_DONE = """
-WITH settled AS (
+WITH marked AS (
+    UPDATE dramatiq.queue q SET started_at = now()
+    FROM unnest(%(s_ids)b::uuid[], %(s_claims)s::int[]) AS s(message_id, claims)
+    WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed'
+      AND q.started_at IS NULL
+), settled AS (
     UPDATE dramatiq.queue q
     SET "state" = 'done', error = NULL, worker_id = NULL, started_at = NULL, mtime = now()
     FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS o(message_id, claims)
