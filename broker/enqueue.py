@@ -18,7 +18,7 @@ import psycopg
 from dramatiq.message import Message
 
 from broker import sql
-from broker.pgbroker import current_broker, enqueue_params
+from broker.pgbroker import current_broker, enqueue_one_params, enqueue_params
 
 
 def build_message(actor: dramatiq.Actor | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
@@ -34,7 +34,7 @@ def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms
     if message.queue_name not in broker.queues:
         raise dramatiq.errors.QueueNotFound(message.queue_name)
     broker.emit_before("enqueue", message, delay_ms)
-    conn.execute(sql.ENQUEUE, enqueue_params([message], delay_ms))
+    conn.execute(sql.ENQUEUE_ONE, enqueue_one_params(message, delay_ms))
     broker.emit_after("enqueue", message, delay_ms)
     return message
 

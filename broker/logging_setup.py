@@ -20,6 +20,8 @@ from typing import Any, TextIO
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from broker import detach  # a process of ours owns its threads through detach
+
 #: Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
@@ -131,8 +133,6 @@ class BatchedStreamHandler(logging.Handler):
     def _ensure_writer(self) -> None:
         if self._writer is not None and self._writer_pid == os.getpid():
             return
-        from broker import detach  # a process of ours owns its threads through detach
-
         with self._write_lock:
             if self._writer is None or self._writer_pid != os.getpid():
                 self._writer_pid = os.getpid()

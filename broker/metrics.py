@@ -26,18 +26,14 @@ logger = logging.getLogger(f"standmeet.{__name__}")
 
 LABELS = ("queue_name", "actor_name")
 
-# -- Dramatiq's names and labels, so existing Dramatiq dashboards work ----------------------
+@functools.lru_cache(maxsize=4096)
 def child(metric: Any, *labels: str) -> Any:
     """``metric.labels(*labels)``, looked up once per label set: ``labels()`` validates and
     locks on every call, and the per-job metrics call it five times a job."""
-    return _child(metric, labels)
-
-
-@functools.lru_cache(maxsize=4096)
-def _child(metric: Any, labels: tuple[str, ...]) -> Any:
     return metric.labels(*labels)
 
 
+# -- Dramatiq's names and labels, so existing Dramatiq dashboards work ----------------------
 MESSAGES = Counter("dramatiq_messages_total", "The total number of messages processed.", LABELS)
 ERRORS = Counter("dramatiq_message_errors_total", "The total number of errored messages.", LABELS)
 RETRIES = Counter("dramatiq_message_retries_total", "The total number of retried messages.", LABELS)

@@ -366,8 +366,10 @@ class Settler:
         conn = self._connection()
         settling = {(o.message_id, o.claim) for o in outcomes}
         started = [key for key in started if key not in settling]  # one update per row and statement
-        plain = [o for o in outcomes if o.message_json is None and not o.followups]
-        other = [o for o in outcomes if o.message_json is not None or o.followups] if plain else outcomes
+        plain: list[Outcome] = []
+        other: list[Outcome] = []
+        for o in outcomes:
+            (plain if o.message_json is None and not o.followups else other).append(o)
         awaited = app.awaited_queues()
         # No pipeline mode: psycopg's pipeline loop spun on the always-writable socket while
         # waiting (a tenth of the process's interpreter time in a drain). The start marks go
@@ -560,10 +562,8 @@ class StandmeetBroker(dramatiq.Broker):
             self.emit_after("enqueue", message, delay)
             return message
         self.emit_before("enqueue", message, delay)
-        params = {"queue": message.queue_name, "message_id": message.message_id, "message": message_json(message),
-                  "delay_s": (delay or 0) / 1000.0, "priority": message_priority(message)}
         try:
-            self.execute(sql.ENQUEUE_ONE, params)
+            self.execute(sql.ENQUEUE_ONE, enqueue_one_params(message, delay))
         except DISCONNECTS as exc:
             raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
         self.emit_after("enqueue", message, delay)
@@ -1108,6 +1108,12 @@ def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None
         "delays": [(delay or 0) / 1000.0] * len(batch),
         "priorities": [message_priority(m) for m in batch],
     }
+
+
+def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.sql.ENQUEUE_ONE` for ``message``, due after ``delay`` ms."""
+    return {"queue": message.queue_name, "message_id": message.message_id, "message": message_json(message),
+            "delay_s": (delay or 0) / 1000.0, "priority": message_priority(message)}
 
 
 def refuse_non_json_encoder() -> None:
