@@ -935,7 +935,10 @@ class StandmeetConsumer(Consumer):
             if seconds is None or seconds[0] is None:
                 self.next_due_s = now + poll_s
             else:
-                self.next_due_s = now + min(max(MIN_WAIT_S, float(seconds[0])), poll_s)
+                # due later: wake exactly then; due now yet not claimed (locked by another
+                # claimer): look again shortly, not in a busy loop
+                wait_s = float(seconds[0])
+                self.next_due_s = now + min(wait_s if wait_s > 0 else MIN_WAIT_S, poll_s)
         else:
             self.next_due_s = 0.0  # there may be more: claim again when a slot frees
         self.broker.outage.ok()

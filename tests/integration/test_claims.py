@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import psycopg
@@ -342,3 +343,29 @@ def test_the_queue_table_is_vacuumed_after_one_percent_of_it_changed_not_twenty(
     [(options,)] = query(database_url, "SELECT reloptions FROM pg_class WHERE oid = 'dramatiq.queue'::regclass")
     assert "autovacuum_vacuum_scale_factor=0.01" in options
     assert "autovacuum_vacuum_threshold=2000" in options
+
+
+def test_a_consumer_looks_again_when_the_next_message_is_due_not_at_the_retry_floor(
+        broker, database_url, monkeypatch):
+    # Given a retry floor far longer than the wait (the floor is for due rows another claimer holds)
+    from broker import pgbroker
+
+    monkeypatch.setattr(pgbroker, "MIN_WAIT_S", 0.5)
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    message = mark.send_with_options(args=("due-soon",), delay=150)
+    # When the consumer claims before it is due
+    consumer.next_due_s = 0.0
+    assert consumer.claim_once(consumer._connection()) == 0
+    # Then it looks again at the message's due time, not after the floor
+    assert consumer.next_due_s is not None
+    assert consumer.next_due_s - time.monotonic() <= 0.15
+    # And a due message that another claimer holds locked is looked at again after the floor
+    query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = %s", (message.message_id,))
+    with psycopg.connect(database_url) as holder:
+        holder.execute("SELECT 1 FROM dramatiq.queue WHERE message_id = %s FOR UPDATE", (message.message_id,))
+        assert consumer.claim_once(consumer._connection()) == 0
+        assert 0.3 < consumer.next_due_s - time.monotonic() <= 0.5
+        holder.rollback()
+    consumer.close()
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
