@@ -929,8 +929,8 @@ class StandmeetConsumer(Consumer):
                 continue
             self.state.hold(Claim(message, int(number), started=rank <= start_now))
         if len(rows) < want:
+            now = time.monotonic()  # the statement's now(): its seconds count from before the round trip
             seconds = conn.execute(sql.NEXT_DUE, {"queue": self.state.name}).fetchone()
-            now = time.monotonic()
             poll_s = self.state.settings.poll_s
             if seconds is None or seconds[0] is None:
                 self.next_due_s = now + poll_s
