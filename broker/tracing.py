@@ -75,8 +75,22 @@ class Consumed:
         otel_context.detach(self.token)
 
 
+def recording() -> bool:
+    """Whether spans are recorded: a provider set here, or an SDK's installed as
+    OpenTelemetry's global one (the API alone hands out non-recording spans)."""
+    if trace is None:
+        return False
+    if _provider is not None:
+        return True
+    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 def consumed(name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> Consumed | None:
-    return None if trace is None else Consumed(name, carrier, attributes)
+    """The run's consumer span; None when there is nothing to record and no context to pass
+    on (no SDK, and a message that carries no trace context): a run then costs no span."""
+    if trace is None or (not carrier and not recording()):
+        return None
+    return Consumed(name, carrier, attributes)
 
 
 def inject_headers(headers: dict[str, str]) -> dict[str, str]:
