@@ -31,8 +31,11 @@ class Tracing(Middleware):
             message.options[tracing.OPTION] = carrier
 
     def before_process_message(self, broker: Any, message: Any) -> None:
-        message.standmeet_span = tracing.consumed(
-            f"{message.actor_name} process", message.options.get(tracing.OPTION), _attributes(message))
+        carrier = message.options.get(tracing.OPTION)
+        if not carrier and not tracing.recording():
+            message.standmeet_span = None  # nothing to record, no context to pass on
+            return
+        message.standmeet_span = tracing.consumed(f"{message.actor_name} process", carrier, _attributes(message))
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
                               exception: BaseException | None = None) -> None:
