@@ -170,17 +170,38 @@ class QueueState:
             self.buffer.clear()
             return taken
 
-    def finished(self, key: tuple[str, int]) -> None:
+    def finished(self, key: tuple[str, int], *, hand_off: bool = False) -> Claim | None:
         """A running job has ended: its slot is free, and another may be claimed at once
-        (its settle is on its way; until written, the row stays ``consumed``)."""
+        (its settle is on its way; until written, the row stays ``consumed``).
+
+        With ``hand_off``, the next buffered claim takes the slot and is returned, for the
+        thread that ran the job to start it: no consumer wake-up between two jobs. The
+        consumer is then woken only for what it alone does: claiming, when there is room
+        for a batch or a slot would idle."""
         with self.lock:
             self.running.discard(key)
             self.in_flight.discard(key)
-            self.freed = True
             self.unsettled += 1
+            claim = None
+            if hand_off and self.buffer and len(self.running) < self.limit:
+                claim = self.buffer.popleft()
+                self.running.add(claim.key)
+                free = self._free()
+                if free <= 0 or (free < self.claim_batch and len(self.running) + len(self.buffer) >= self.limit):
+                    return claim  # nothing for the consumer to do yet
+            self.freed = True
             sleeping = self.waiting
         if sleeping:  # a busy consumer looks at ``freed`` before it sleeps: no pipe write
             self.wake()
+        return claim
+
+    def put_back(self, claim: Claim) -> None:
+        """A claim taken from the buffer that could not be started here: first in line again."""
+        with self.lock:
+            self.running.discard(claim.key)
+            self.buffer.appendleft(claim)
+            self.freed = True
+        self.wake()
 
     def settled(self, count: int) -> None:
         """The settler wrote ``count`` outcomes of this queue: room to claim again."""
@@ -495,6 +516,8 @@ class StandmeetBroker(dramatiq.Broker):
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
         self._hooks_of: tuple[int, int] = (0, -1)
+        #: Dramatiq workers running on this broker (booted, not yet shutting down)
+        self._workers: list[Any] = []
         self._hook_cache: dict[str, list[Any]] = {}
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
@@ -613,6 +636,8 @@ class StandmeetBroker(dramatiq.Broker):
         return hooks
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal == "worker_shutdown" and args:
+            self._workers = [w for w in self._workers if w is not args[0]]
         # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
         for middleware, hook in self._hooks("before_" + signal):
             try:
@@ -633,6 +658,8 @@ class StandmeetBroker(dramatiq.Broker):
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal not in ("process_message", "skip_message"):
+            if signal == "worker_boot" and args:
+                self._workers = [*self._workers, args[0]]  # its consumer threads exist now
             self._emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
@@ -687,8 +714,34 @@ class StandmeetBroker(dramatiq.Broker):
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", message_json(proxy),
                               delay_s=self.settings.min_backoff_ms / 1000.0, followups=followups)
         proxy.standmeet_settle = None  # type: ignore[attr-defined]
-        state.finished(key)  # the next buffered job may start now
+        # The slot is free: this thread hands the next buffered claim to the worker itself.
+        consumer_thread = self._consumer_thread(proxy.queue_name) if self.claiming else None
+        claim = state.finished(key, hand_off=consumer_thread is not None)
+        if claim is not None:
+            self._start(state, claim, consumer_thread)
         self.settler.submit(outcome)
+
+    def _consumer_thread(self, queue_name: str) -> Any:
+        """The running Dramatiq worker's consumer thread of ``queue_name``, if any."""
+        for worker in self._workers:
+            thread = getattr(worker, "consumers", {}).get(queue_name)
+            if thread is not None and callable(getattr(thread, "handle_message", None)):
+                return thread
+        return None
+
+    def _start(self, state: QueueState, claim: Claim, consumer_thread: Any) -> None:
+        """Put a claim taken from the buffer on the worker's work queue, as its consumer
+        thread would (the same method); if that fails, it goes back to the buffer."""
+        if not claim.started:
+            self.settler.mark_started(claim.key)
+            claim.started = True
+        try:
+            consumer_thread.handle_message(ClaimedMessage(claim.message, claim=claim.number,
+                                                          claimed_at=claim.claimed_at))
+        except Exception:
+            logger.exception("queue %r: could not start message %s here; the consumer will",
+                             state.name, claim.message.message_id)
+            state.put_back(claim)
 
     def requeue(self, messages: Iterable[Message | MessageProxy], claims: Iterable[int] | None = None) -> int:
         """Give claimed messages that never started back to their queue, without blame."""

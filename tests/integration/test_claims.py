@@ -369,3 +369,78 @@ def test_a_consumer_looks_again_when_the_next_message_is_due_not_at_the_retry_fl
         holder.rollback()
     consumer.close()
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
+
+
+def _hand_outs(monkeypatch) -> list[tuple[str, bool]]:
+    """(message id, whether a consumer thread put it on the work queue), in order."""
+    import threading
+
+    from dramatiq.worker import ConsumerThread
+
+    seen: list[tuple[str, bool]] = []
+    original = ConsumerThread.handle_message
+
+    def handle_message(self, message):
+        seen.append((message.message_id, isinstance(threading.current_thread(), ConsumerThread)))
+        return original(self, message)
+
+    monkeypatch.setattr(ConsumerThread, "handle_message", handle_message)
+    return seen
+
+
+def _done(database_url: str, ids: list[str]) -> bool:
+    return query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
+                               " AND state = 'done'", (ids,))[0][0] == len(ids)
+
+
+def test_a_buffered_job_is_started_by_the_thread_that_finished_the_one_before_not_the_consumer(
+        broker, database_url, start_worker, monkeypatch):
+    from broker import enqueue_many
+    from tests.support.db import wait_for
+
+    # Given a queue that runs one job at a time with three claimed behind it, and a backlog of four
+    state = broker.queue_states["index"]
+    monkeypatch.setattr(state, "limit", 1)
+    monkeypatch.setattr(state, "prefetch", 3)
+    seen = _hand_outs(monkeypatch)
+    messages = enqueue_many([mark.message(f"handed-{i}") for i in range(4)])
+    ids = [m.message_id for m in messages]
+    # When a worker drains them
+    start_worker(queues=["index"], threads=1)
+    wait_for(lambda: _done(database_url, ids), timeout_s=10)
+    # Then the consumer started the first; each later one was started by the thread whose job had ended
+    assert sorted(mid for mid, _ in seen) == sorted(ids)
+    assert [by_consumer for _, by_consumer in seen] == [True, False, False, False]
+
+
+def test_a_buffered_job_that_its_finishing_thread_could_not_start_is_started_by_the_consumer(
+        broker, database_url, start_worker, monkeypatch):
+    from dramatiq.worker import ConsumerThread
+
+    from broker import enqueue_many
+    from tests.support.db import wait_for
+
+    # Given hand-offs from worker threads that fail (the work queue refuses them)
+    state = broker.queue_states["index"]
+    monkeypatch.setattr(state, "limit", 1)
+    monkeypatch.setattr(state, "prefetch", 3)
+    seen = _hand_outs(monkeypatch)
+    handle_message = ConsumerThread.handle_message
+
+    def refuse_from_worker_threads(self, message):
+        import threading
+
+        if not isinstance(threading.current_thread(), ConsumerThread):
+            seen.append((message.message_id, False))
+            raise RuntimeError("work queue refused")
+        return handle_message(self, message)
+
+    monkeypatch.setattr(ConsumerThread, "handle_message", refuse_from_worker_threads)
+    messages = enqueue_many([mark.message(f"refused-{i}") for i in range(3)])
+    ids = [m.message_id for m in messages]
+    # When a worker drains them
+    start_worker(queues=["index"], threads=1)
+    # Then every one still runs, once, started by the consumer after the refused hand-off
+    wait_for(lambda: _done(database_url, ids), timeout_s=10)
+    assert query(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'refused-%%'")[0][0] == 3
+    assert [by_consumer for _, by_consumer in seen].count(False) == 2  # the two behind the first

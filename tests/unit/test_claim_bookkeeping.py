@@ -94,3 +94,42 @@ def test_finished_runs_not_yet_settled_count_against_claims_beyond_one_limit_of_
     assert state.free() == 0 and not state.should_claim()
     state.settled(4)
     assert state.free() == 4 and state.should_claim()
+
+
+def test_a_finished_run_hands_its_slot_to_the_next_buffered_claim_and_wakes_the_consumer_only_to_claim():
+    # Given two slots, room for four more, both slots running and four claims buffered
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=4))
+    for i in range(6):
+        state.hold(_claim(i))
+    running = [state.next_buffered(), state.next_buffered()]
+    state.going_to_sleep()  # the consumer sleeps on the wake pipe
+    # When a run ends, its thread takes the next buffered claim into the freed slot
+    handed = state.finished(running[0].key, hand_off=True)
+    assert handed is not None and handed.key[0].endswith("2")
+    assert handed.key in state.running and len(state.running) == 2 and len(state.buffer) == 3
+    # Then the consumer is left asleep: one slot of room is no batch, and no slot idles
+    assert state.waiting and not state.freed
+    # And when the next run ends there is room for a batch: the consumer is woken to claim
+    state.finished(running[1].key, hand_off=True)
+    assert state.freed
+    state.drain_wake()
+
+
+def test_a_finished_run_with_nothing_buffered_leaves_the_slot_to_the_consumer():
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=0))
+    state.hold(_claim(1))
+    first = state.next_buffered()
+    assert state.finished(first.key, hand_off=True) is None
+    assert state.freed and state.running == set()
+
+
+def test_a_claim_that_could_not_be_started_goes_back_first_in_line():
+    state = QueueState(QueueSettings("q", max_workers=1, time_limit_s=1, prefetch_setting=2))
+    for i in range(3):
+        state.hold(_claim(i))
+    first = state.next_buffered()
+    handed = state.finished(first.key, hand_off=True)
+    assert handed is not None
+    state.put_back(handed)
+    assert state.running == set() and state.next_buffered() is handed
+    state.drain_wake()
