@@ -716,9 +716,9 @@ class StandmeetBroker(dramatiq.Broker):
         proxy.standmeet_settle = None  # type: ignore[attr-defined]
         # The slot is free: this thread hands the next buffered claim to the worker itself.
         consumer_thread = self._consumer_thread(proxy.queue_name) if self.claiming else None
-        claim = state.finished(key, hand_off=consumer_thread is not None)
-        if claim is not None:
-            self._start(state, claim, consumer_thread)
+        following = state.finished(key, hand_off=consumer_thread is not None)
+        if following is not None:
+            self._start(state, following, consumer_thread)
         self.settler.submit(outcome)
 
     def _consumer_thread(self, queue_name: str) -> Any:
