@@ -92,3 +92,23 @@ def test_a_retried_job_keeps_its_trace_and_its_failed_run_is_an_error(broker, da
     runs = [s for s in spans.get_finished_spans() if s.name == "test.raise_once process"]
     assert {r.parent.span_id for r in runs} == {sent.context.span_id}
     assert sorted(r.status.status_code.name for r in runs) == ["ERROR", "UNSET"]
+
+
+def test_without_a_tracer_provider_nothing_is_carried_but_a_current_remote_context_is():
+    """The cheap path taken when no tracer is configured changes nothing: no carrier
+    without a trace, and a trace context made current by the application (extracted
+    from a request, say) still travels on, as the API's no-op tracer passes it."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    assert tracing.produced("x send", {}) is None
+    remote = SpanContext(trace_id=0x1234, span_id=0x5678, is_remote=True, trace_flags=TraceFlags(1))
+    token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(remote)))
+    try:
+        carrier = tracing.produced("x send", {})
+    finally:
+        otel_context.detach(token)
+    assert carrier is not None
+    assert carrier["traceparent"] == f"00-{0x1234:032x}-{0x5678:016x}-01"
+    assert tracing.produced("x send", {}) is None
