@@ -4,13 +4,20 @@ emit-to-start latency on the index queue.
     python bench/relay.py [--runs 3] [--events 20000] [--latency 200]
 
 Rates come from the rows themselves: events relayed / (last relay transaction's
-commit - first one's start), so process start-up is not counted. Prints each run,
-the medians, and ``ratio: N.NN`` (three relays / one).
+commit - first one's start), so process start-up is not counted. Each relay process
+also reports the CPU it spent draining and the CPU of its Postgres backend (read from
+/proc, so only on the machine that runs Postgres; 0 when unreadable): CPU per event is
+steadier than a rate on a shared machine. Prints each run, the medians, and
+``ratio: N.NN`` (three relays / one).
+
+    python bench/relay.py --child   (one relay process: drain, print its CPU figures)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -39,21 +46,63 @@ def _backlog(url: str, n: int) -> None:
                                    for i in range(1, n + 1)])
 
 
-def relay_rate(admin_url: str, n: int, relays: int) -> float:
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) of a process on this machine, 0 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def child() -> int:
+    """One relay process, as ``python -m broker.relay --exit-when-idle`` runs it; prints
+    the events it relayed and the CPU seconds it and its backend spent draining."""
+    import dramatiq
+
+    import actors  # noqa: F401
+    import broker as runtime
+    from broker.outbox import Relay
+    from broker.pgbroker import StandmeetBroker
+
+    if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
+        runtime.configure()
+    broker = runtime.current_broker()
+    relay = Relay(broker.url, batch=broker.settings.relay_batch, poll_s=broker.settings.relay_poll_s)
+    backend = relay._connection().info.backend_pid
+    cpu0, backend0 = time.process_time(), _cpu_of(backend)
+    total = relay.drain_once()
+    cpu, backend_cpu = time.process_time() - cpu0, _cpu_of(backend) - backend0
+    relay.close()
+    print(json.dumps({"relayed": total, "cpu_s": cpu, "backend_cpu_s": backend_cpu}))
+    return 0
+
+
+def relay_rate(admin_url: str, n: int, relays: int) -> tuple[float, float, float]:
+    """Events/s of ``relays`` processes on a backlog of ``n``, and the relay and backend
+    CPU per event (µs)."""
     url = fresh_database(admin_url, "bench_relay", ours=True)
     try:
         _backlog(url, n)
-        env = {**__import__("os").environ, "DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
-        cmd = [sys.executable, "-m", "broker.relay", "--exit-when-idle"]
-        procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL) for _ in range(relays)]
+        env = {**os.environ, "DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child"]
+        procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(relays)]
+        reports = []
         for p in procs:
-            if p.wait(timeout=600) != 0:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode != 0:
                 raise RuntimeError("a relay process failed")
+            reports.append(json.loads(out.strip().splitlines()[-1]))
         count, span = testdb.query(url, SPAN)[0]
         if count != n:
             raise RuntimeError(f"only {count}/{n} relayed")
+        batch = int(os.environ.get("STANDMEET_RELAY_BATCH", "200"))
         # relayed_at is each transaction's start: add one pass's share for the last one
-        return n / (span + span / max(1, n / 200))
+        rate = n / (span + span / max(1, n / batch))
+        cpu = sum(r["cpu_s"] for r in reports) / n * 1e6
+        backend_cpu = sum(r["backend_cpu_s"] for r in reports) / n * 1e6
+        return rate, cpu, backend_cpu
     finally:
         testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
 
@@ -105,21 +154,32 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--latency", type=int, default=200)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     quiet()
+    if args.child:
+        return child()
     admin_url = testdb.server_url()
     one, three, p50, p99 = [], [], [], []
+    cpu1, db1, cpu3, db3 = [], [], [], []
     for run in range(1, args.runs + 1):
-        r1 = relay_rate(admin_url, args.events, 1)
-        r3 = relay_rate(admin_url, args.events, 3)
+        r1, c1, d1 = relay_rate(admin_url, args.events, 1)
+        r3, c3, d3 = relay_rate(admin_url, args.events, 3)
         lat = emit_latency(admin_url, args.latency) if args.latency else [0.0]
         one.append(r1)
         three.append(r3)
+        cpu1.append(c1)
+        db1.append(d1)
+        cpu3.append(c3)
+        db3.append(d3)
         p50.append(lat[len(lat) // 2] * 1000)
         p99.append(lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000)
         print(f"run {run}: {args.events} events: one relay {r1:,.0f} events/s, three relays {r3:,.0f} events/s;"
+              f" CPU per event relay/backend: one {c1:.1f}/{d1:.1f} µs, three {c3:.1f}/{d3:.1f} µs;"
               f" idle emit->start p50/p99 {p50[-1]:.2f}/{p99[-1]:.2f} ms", flush=True)
     print(f"median: one relay {median(one):,.0f} events/s, three relays {median(three):,.0f} events/s")
+    print(f"median CPU per event, relay/backend: one relay {median(cpu1):.1f}/{median(db1):.1f} µs,"
+          f" three relays {median(cpu3):.1f}/{median(db3):.1f} µs")
     print(f"median idle emit->start on the index queue: p50 {median(p50):.2f} ms, p99 {median(p99):.2f} ms")
     print(f"ratio: {median(three) / median(one):.2f}")
     return 0
