@@ -35,9 +35,8 @@ from psycopg.types.json import Jsonb
 
 from broker import detach, sql, tracing
 from broker.backoff import Backoff
-from broker.enqueue import enqueue_messages
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
-from broker.pgbroker import current_broker
+from broker.pgbroker import current_broker, message_json, message_priority
 from broker.pgpool import Outage, close_quietly
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -170,20 +169,57 @@ class RelayResult:
 def message_id_of(event_id: int, index: int) -> str:
     """The id of the message an event's ``index``-th route makes: ``uuid5(MESSAGE_NAMESPACE,
     "<event id>/<index>")``, spelt out (``uuid.uuid5`` and ``str`` cost more than the rest of
-    building the message). A re-relayed event makes the same ids."""
-    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + f"{event_id}/{index}".encode()).digest()[:16])
-    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
-    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    h = digest.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    building the message): the SHA-1 of the namespace is taken once and copied, and the
+    version and variant are set in the hex digits. A re-relayed event makes the same ids."""
+    sha = _NAMESPACE_SHA1.copy()
+    sha.update(b"%d/%d" % (event_id, index))
+    h = sha.hexdigest()
+    # version 5 in the 13th digit; RFC 4122 variant (10xx) in the 17th
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:32]}"
 
 
-_NAMESPACE_BYTES = MESSAGE_NAMESPACE.bytes
+_NAMESPACE_SHA1 = hashlib.sha1(MESSAGE_NAMESPACE.bytes)
+_VARIANT = {d: format((int(d, 16) & 0x3) | 0x8, "x") for d in "0123456789abcdef"}
+
+#: Dramatiq's JSONEncoder writes ``json.dumps(fields, separators=(",", ":"))``.
+_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _is_tracing_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the default policies' tracing ``before_enqueue`` (named, not
+    imported: the runtime imports no policy). It adds a producer span's carrier to a
+    message that has none, and nothing else: a message that carries one, or any message
+    when there is nothing to carry, passes through it unchanged."""
+    func = getattr(hook, "__func__", hook)
+    return (getattr(func, "__module__", None) == "middleware.tracing"
+            and getattr(func, "__qualname__", None) == "Tracing.before_enqueue")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a route's messages share: the actor, its queue and priority, and the start of
+    their JSON text up to the arguments."""
+
+    actor: dramatiq.Actor[Any, Any]
+    priority: int
+    head: str
+
+
+def _target(broker: Any, actor_name: str) -> _Target:
+    actor = broker.get_actor(actor_name)
+    head = f'{{"queue_name":{_json(actor.queue_name)},"actor_name":{_json(actor.actor_name)},"args":'
+    return _Target(actor, int(actor.priority), head)
 
 
 def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
     """Relay at most ``limit`` pending events in one transaction on ``conn``: one statement
-    takes and marks them, one writes their messages (in event order)."""
+    takes and marks them, one writes their messages (in event order).
+
+    A message goes through the broker's enqueue hooks, as every enqueue does, unless the
+    only hook is the tracing one and it would leave the message as it is (the event
+    brought its trace along, or there is nothing to carry): then its JSON text is written
+    straight from the route, as Dramatiq would encode it, without a ``Message`` in between.
+    """
 
     counts = {topic: len(routes) for topic, routes in ROUTES.items()}
     with conn.transaction():
@@ -192,30 +228,60 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResul
             return RelayResult(0, 0)
         rows.sort(key=lambda row: row[0])
         broker = current_broker()
-        actors: dict[str, dramatiq.Actor[Any, Any]] = {}
+        before = broker._hooks("before_enqueue")
+        after = broker._hooks("after_enqueue")
+        foreign = bool(after) or not all(_is_tracing_hook(hook) for _, hook in before)
+        # without a carrier of its own, a message needs the tracing hook only when it has work
+        hooked_unless_carried = foreign or (bool(before) and not tracing.nothing_to_carry())
+        targets: dict[str, _Target] = {}
         now_ms = int(time.time() * 1000)
-        pending: list[Message[Any]] = []
+        # in event order: a row (queue, id, JSON text, priority), or a Message for the hooks
+        pending: list[tuple[str, str, str, int] | Message[Any]] = []
         failed = 0
         for event_id, topic, payload in rows:
             try:
-                built: list[Message[Any]] = []
+                built: list[tuple[str, str, str, int] | Message[Any]] = []
                 carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
+                options = {tracing.OPTION: carrier} if carrier else {}
                 for index, r in enumerate(routes_for(topic)):
                     args, kwargs = r.args(event_id, payload)
-                    actor = actors.get(r.actor)
-                    if actor is None:
-                        actor = actors[r.actor] = broker.get_actor(r.actor)
-                    # as actor.message_with_options builds it, with the event's own id
-                    built.append(Message(queue_name=actor.queue_name, actor_name=actor.actor_name, args=tuple(args),
-                                         kwargs=kwargs or {}, options={tracing.OPTION: carrier} if carrier else {},
-                                         message_id=message_id_of(event_id, index), message_timestamp=now_ms))
+                    target = targets.get(r.actor)
+                    if target is None:
+                        target = targets[r.actor] = _target(broker, r.actor)
+                    message_id = message_id_of(event_id, index)
+                    if foreign or (hooked_unless_carried and not carrier):
+                        # as actor.message_with_options builds it, with the event's own id
+                        built.append(Message(queue_name=target.actor.queue_name, actor_name=target.actor.actor_name,
+                                             args=tuple(args), kwargs=kwargs or {}, options=dict(options),
+                                             message_id=message_id, message_timestamp=now_ms))
+                    else:
+                        built.append((target.actor.queue_name, message_id,
+                                      f'{target.head}{_json(args)},"kwargs":{_json(kwargs) if kwargs else "{}"},'
+                                      f'"options":{_json(options) if options else "{}"},'
+                                      f'"message_id":"{message_id}","message_timestamp":{now_ms}}}',
+                                      target.priority))
             except Exception as exc:  # keep the event, say why, go on with the rest
                 logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
                 conn.execute(sql.RELAY_FAIL, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
                 failed += 1
                 continue
             pending.extend(built)
-        enqueue_messages(conn, pending)
+        hooked = [m for m in pending if isinstance(m, Message)]
+        for message in hooked:  # as enqueue_messages does
+            if message.queue_name not in broker.queues:
+                raise dramatiq.errors.QueueNotFound(message.queue_name)
+            broker.emit_before("enqueue", message, None)
+        for queue in {target.actor.queue_name for target in targets.values()}:
+            if queue not in broker.queues:
+                raise dramatiq.errors.QueueNotFound(queue)
+        if pending:
+            queues, ids, texts, priorities = zip(*(
+                (m.queue_name, m.message_id, message_json(m), message_priority(m)) if isinstance(m, Message) else m
+                for m in pending), strict=True)
+            conn.execute(sql.RELAY_ENQUEUE, {"queues": list(queues), "message_ids": list(ids),
+                                             "messages": list(texts), "priorities": list(priorities)})
+        for message in hooked:
+            broker.emit_after("enqueue", message, None)
     return RelayResult(len(rows), len(pending), failed)
 
 

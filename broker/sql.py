@@ -397,6 +397,24 @@ WHERE o.id = pending.id
 RETURNING o.id, o.topic, o.payload
 """
 
+#: The messages of a relay pass: ENQUEUE's rules (an existing id is never resurrected,
+#: each queue woken once at commit), all due now, without a delay per message.
+RELAY_ENQUEUE = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    SELECT m.queue_name, m.message_id, 'queued', m.message, now(), now(), now(), m.priority
+    FROM unnest(%(queues)b::text[], %(message_ids)b::uuid[], %(messages)b::jsonb[], %(priorities)s::int[])
+         AS m(queue_name, message_id, message, priority)
+    ON CONFLICT (message_id) DO UPDATE SET
+        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
+    WHERE q."state" = 'queued'
+    RETURNING q.queue_name
+)
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
+FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
+"""
+
 RELAY_FAIL = """
 UPDATE standmeet.outbox SET error = %(error)s, relayed_at = NULL, relay_txid = NULL, messages = NULL
 WHERE id = %(id)s

@@ -44,11 +44,14 @@ def _tracer() -> Any:
     return provider.get_tracer(TRACER_NAME)
 
 
-def _nothing_to_carry() -> bool:
-    """True when a producer span could carry nothing: no tracer provider of ours, the
-    API's global one is still its proxy (or a no-op) and no valid span is current. The
-    API's no-op tracer would then hand back the current, invalid span and inject
-    nothing, at some microseconds a message (the relay's main cost after the SQL)."""
+def nothing_to_carry() -> bool:
+    """True when a producer span could carry nothing: no ``[otel]`` extra, or no tracer
+    provider of ours, the API's global one still its proxy (or a no-op) and no valid
+    span current. The API's no-op tracer would then hand back the current, invalid span
+    and inject nothing, at some microseconds a message (the relay's main cost after
+    the SQL)."""
+    if trace is None:
+        return True
     if _provider is not None or trace.get_current_span().get_span_context().is_valid:
         return False
     return isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
@@ -57,7 +60,7 @@ def _nothing_to_carry() -> bool:
 def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
     """A producer span (child of the current one), ended at once; returns the W3C
     context to carry, or None when there is nothing to carry (no SDK, no recording)."""
-    if trace is None or _nothing_to_carry():
+    if nothing_to_carry():
         return None
     span = _tracer().start_span(name, kind=SpanKind.PRODUCER, attributes=dict(attributes))
     try:

@@ -112,3 +112,54 @@ def test_without_a_tracer_provider_nothing_is_carried_but_a_current_remote_conte
     assert carrier is not None
     assert carrier["traceparent"] == f"00-{0x1234:032x}-{0x5678:016x}-01"
     assert tracing.produced("x send", {}) is None
+
+
+def test_the_relay_knows_the_tracing_enqueue_hook_by_name():
+    """The relay writes a message without the broker's enqueue hooks only when the
+    tracing hook is the one there and would leave it unchanged; it names the hook (the
+    runtime imports no policy), so a rename must show here."""
+    from broker.outbox import _is_tracing_hook
+
+    assert _is_tracing_hook(Tracing().before_enqueue)
+    assert not _is_tracing_hook(Tracing().before_process_message)
+
+    class Own(Tracing):
+        def before_enqueue(self, broker, message, delay):
+            message.options["own"] = True
+
+    assert not _is_tracing_hook(Own().before_enqueue)
+
+
+def test_a_relayed_event_that_brought_no_trace_gets_one_when_tracing_is_on(broker, database_url):
+    import json
+    import uuid
+
+    from broker import emit
+    from broker.outbox import MESSAGE_NAMESPACE, relay_once
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM standmeet.outbox")
+        with conn.transaction():  # written while no tracer is configured: no carrier
+            untraced = emit(conn, "test.ping", {"label": "untraced"})
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracing.set_tracer_provider(provider)
+        middleware = Tracing()
+        broker.add_middleware(middleware, before=Retries)
+        try:
+            with conn.transaction():
+                traced = emit(conn, "test.ping", {"label": "traced"})
+            relay_once(conn, limit=200)
+        finally:
+            broker.middleware.remove(middleware)
+            tracing.set_tracer_provider(None)
+            provider.shutdown()
+    options = {event_id: json.loads(scalar(database_url, "SELECT message::text FROM dramatiq.queue WHERE message_id = %s",
+                                           (str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/0")),)))["options"]
+               for event_id in (untraced, traced)}
+    sent = _one(exporter.get_finished_spans(), "test.noop send", SpanKind.PRODUCER)
+    emitted = _one(exporter.get_finished_spans(), "test.ping emit", SpanKind.PRODUCER)
+    # the untraced event's message got the relay's producer span; the traced one kept its emit's
+    assert options[untraced][tracing.OPTION]["traceparent"].split("-")[2] == f"{sent.context.span_id:016x}"
+    assert options[traced][tracing.OPTION]["traceparent"].split("-")[2] == f"{emitted.context.span_id:016x}"
