@@ -197,92 +197,148 @@ def _is_tracing_hook(hook: Any) -> bool:
 
 @dataclass(frozen=True)
 class _Target:
-    """What a route's messages share: the actor, its queue and priority, and the start of
-    their JSON text up to the arguments."""
+    """What a route's messages share: the actor, its priority (as the text sent), and the
+    start of their JSON text up to the arguments."""
 
     actor: dramatiq.Actor[Any, Any]
-    priority: int
+    priority: str
     head: str
 
 
 def _target(broker: Any, actor_name: str) -> _Target:
     actor = broker.get_actor(actor_name)
     head = f'{{"queue_name":{_json(actor.queue_name)},"actor_name":{_json(actor.actor_name)},"args":'
-    return _Target(actor, int(actor.priority), head)
+    return _Target(actor, str(int(actor.priority)), head)
 
 
-def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200) -> RelayResult:
-    """Relay at most ``limit`` pending events in one transaction on ``conn``: one statement
-    takes and marks them, one writes their messages (in event order).
+#: Rows a relay pass claims per statement. A pass (one transaction, at most ``limit``
+#: rows) claims in chunks on a pipelined connection: while Postgres marks the next chunk
+#: and writes the last one's messages, Python builds the messages of this one.
+RELAY_CHUNK_ROWS = 500
+
+
+@dataclass
+class _Pass:
+    """What a relay pass needs per event, settled once per pass."""
+
+    broker: Any
+    foreign: bool  # an enqueue hook other than the tracing one: every message is hooked
+    hooked_unless_carried: bool  # a message without a carrier goes through the hooks
+    now_ms: int
+    targets: dict[str, _Target] = field(default_factory=dict)
+    hooked: list[Message[Any]] = field(default_factory=list)
+    messages: int = 0
+    failed: int = 0
+
+
+def _begin_pass() -> _Pass:
+    broker = current_broker()
+    before = broker._hooks("before_enqueue")
+    after = broker._hooks("after_enqueue")
+    foreign = bool(after) or not all(_is_tracing_hook(hook) for _, hook in before)
+    # without a carrier of its own, a message needs the tracing hook only when it has work
+    hooked_unless_carried = foreign or (bool(before) and not tracing.nothing_to_carry())
+    return _Pass(broker, foreign, hooked_unless_carried, int(time.time() * 1000))
+
+
+def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) -> None:
+    """Send the messages of claimed ``rows`` (in event order) and the failures of those
+    that cannot be relayed; on a pipelined connection, nothing waits for them here."""
+    rows.sort(key=lambda row: row[0])
+    broker = state.broker
+    # in event order: a message's (JSON text, priority), or a Message for the hooks
+    pending: list[tuple[str, str] | Message[Any]] = []
+    for event_id, topic, payload in rows:
+        try:
+            built: list[tuple[str, str] | Message[Any]] = []
+            carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
+            options = {tracing.OPTION: carrier} if carrier else {}
+            for index, r in enumerate(routes_for(topic)):
+                args, kwargs = r.args(event_id, payload)
+                target = state.targets.get(r.actor)
+                if target is None:
+                    target = state.targets[r.actor] = _target(broker, r.actor)
+                message_id = message_id_of(event_id, index)
+                if state.foreign or (state.hooked_unless_carried and not carrier):
+                    # as actor.message_with_options builds it, with the event's own id
+                    built.append(Message(queue_name=target.actor.queue_name, actor_name=target.actor.actor_name,
+                                         args=tuple(args), kwargs=kwargs or {}, options=dict(options),
+                                         message_id=message_id, message_timestamp=state.now_ms))
+                else:
+                    built.append((f'{target.head}{_json(args)},"kwargs":{_json(kwargs) if kwargs else "{}"},'
+                                  f'"options":{_json(options) if options else "{}"},'
+                                  f'"message_id":"{message_id}","message_timestamp":{state.now_ms}}}',
+                                  target.priority))
+        except Exception as exc:  # keep the event, say why, go on with the rest
+            logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
+            conn.execute(sql.RELAY_FAIL, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
+            state.failed += 1
+            continue
+        pending.extend(built)
+    hooked = [m for m in pending if isinstance(m, Message)]
+    for message in hooked:  # as enqueue_messages does
+        if message.queue_name not in broker.queues:
+            raise dramatiq.errors.QueueNotFound(message.queue_name)
+        broker.emit_before("enqueue", message, None)
+    for queue in {target.actor.queue_name for target in state.targets.values()}:
+        if queue not in broker.queues:
+            raise dramatiq.errors.QueueNotFound(queue)
+    if pending:
+        texts: list[str] = []
+        priorities: list[str] = []
+        for m in pending:
+            if isinstance(m, Message):
+                texts.append(message_json(m))
+                priorities.append(str(message_priority(m)))
+            else:
+                texts.append(m[0])
+                priorities.append(m[1])
+        conn.execute(sql.RELAY_ENQUEUE, {"messages": f"[{','.join(texts)}]",
+                                         "priorities": f"{{{','.join(priorities)}}}"})
+    state.hooked.extend(hooked)
+    state.messages += len(pending)
+
+
+def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: int = RELAY_CHUNK_ROWS) -> RelayResult:
+    """Relay at most ``limit`` pending events in one transaction on ``conn``, oldest first:
+    each statement takes and marks up to ``chunk_rows`` of them, another writes
+    their messages (in event order). The statements are pipelined: the next chunk is
+    claimed while this one's messages are built.
 
     A message goes through the broker's enqueue hooks, as every enqueue does, unless the
     only hook is the tracing one and it would leave the message as it is (the event
     brought its trace along, or there is nothing to carry): then its JSON text is written
     straight from the route, as Dramatiq would encode it, without a ``Message`` in between.
+    The ``after_enqueue`` hooks run once the pass has committed.
     """
 
-    counts = {topic: len(routes) for topic, routes in ROUTES.items()}
-    with conn.transaction():
-        rows = conn.execute(sql.RELAY_CLAIM, {"limit": limit, "counts": Jsonb(counts)}).fetchall()
-        if not rows:
-            return RelayResult(0, 0)
-        rows.sort(key=lambda row: row[0])
-        broker = current_broker()
-        before = broker._hooks("before_enqueue")
-        after = broker._hooks("after_enqueue")
-        foreign = bool(after) or not all(_is_tracing_hook(hook) for _, hook in before)
-        # without a carrier of its own, a message needs the tracing hook only when it has work
-        hooked_unless_carried = foreign or (bool(before) and not tracing.nothing_to_carry())
-        targets: dict[str, _Target] = {}
-        now_ms = int(time.time() * 1000)
-        # in event order: a row (queue, id, JSON text, priority), or a Message for the hooks
-        pending: list[tuple[str, str, str, int] | Message[Any]] = []
-        failed = 0
-        for event_id, topic, payload in rows:
-            try:
-                built: list[tuple[str, str, str, int] | Message[Any]] = []
-                carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
-                options = {tracing.OPTION: carrier} if carrier else {}
-                for index, r in enumerate(routes_for(topic)):
-                    args, kwargs = r.args(event_id, payload)
-                    target = targets.get(r.actor)
-                    if target is None:
-                        target = targets[r.actor] = _target(broker, r.actor)
-                    message_id = message_id_of(event_id, index)
-                    if foreign or (hooked_unless_carried and not carrier):
-                        # as actor.message_with_options builds it, with the event's own id
-                        built.append(Message(queue_name=target.actor.queue_name, actor_name=target.actor.actor_name,
-                                             args=tuple(args), kwargs=kwargs or {}, options=dict(options),
-                                             message_id=message_id, message_timestamp=now_ms))
-                    else:
-                        built.append((target.actor.queue_name, message_id,
-                                      f'{target.head}{_json(args)},"kwargs":{_json(kwargs) if kwargs else "{}"},'
-                                      f'"options":{_json(options) if options else "{}"},'
-                                      f'"message_id":"{message_id}","message_timestamp":{now_ms}}}',
-                                      target.priority))
-            except Exception as exc:  # keep the event, say why, go on with the rest
-                logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
-                conn.execute(sql.RELAY_FAIL, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
-                failed += 1
-                continue
-            pending.extend(built)
-        hooked = [m for m in pending if isinstance(m, Message)]
-        for message in hooked:  # as enqueue_messages does
-            if message.queue_name not in broker.queues:
-                raise dramatiq.errors.QueueNotFound(message.queue_name)
-            broker.emit_before("enqueue", message, None)
-        for queue in {target.actor.queue_name for target in targets.values()}:
-            if queue not in broker.queues:
-                raise dramatiq.errors.QueueNotFound(queue)
-        if pending:
-            queues, ids, texts, priorities = zip(*(
-                (m.queue_name, m.message_id, message_json(m), message_priority(m)) if isinstance(m, Message) else m
-                for m in pending), strict=True)
-            conn.execute(sql.RELAY_ENQUEUE, {"queues": list(queues), "message_ids": list(ids),
-                                             "messages": list(texts), "priorities": list(priorities)})
-        for message in hooked:
-            broker.emit_after("enqueue", message, None)
-    return RelayResult(len(rows), len(pending), failed)
+    counts = Jsonb({topic: len(routes) for topic, routes in ROUTES.items()})
+    state: _Pass | None = None
+    claimed = 0
+    with conn.pipeline(), conn.transaction():
+        asked = min(limit, chunk_rows)
+        cur = conn.cursor()
+        cur.execute(sql.RELAY_CLAIM, {"limit": asked, "counts": counts})
+        while True:
+            rows = cur.fetchall()
+            claimed += len(rows)
+            following = None
+            if len(rows) == asked and claimed < limit:
+                asked = min(limit - claimed, chunk_rows)
+                following = conn.cursor()
+                following.execute(sql.RELAY_CLAIM, {"limit": asked, "counts": counts})
+            if rows:
+                if state is None:
+                    state = _begin_pass()
+                _relay_rows(conn, state, rows)
+            if following is None:
+                break
+            cur = following
+    if state is None:
+        return RelayResult(0, 0)
+    for message in state.hooked:
+        state.broker.emit_after("enqueue", message, None)
+    return RelayResult(claimed, state.messages, state.failed)
 
 
 class Relay:
