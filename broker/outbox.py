@@ -10,10 +10,10 @@ An application writes its domain rows and the events they cause in one transacti
 event leaves the caller's transaction usable. At commit, a NOTIFY wakes the relay.
 
 The relay runs in every worker process and in the scheduler (no leader): each pass
-(:func:`relay_once`) takes at most 200 pending rows with ``FOR UPDATE SKIP LOCKED``
-(rows, not a cursor: concurrent relays skip each other's rows) and marks them relayed
-in one statement, then writes the messages their routes call for in another, all in
-one short transaction.
+(:func:`relay_once`) takes at most ``STANDMEET_RELAY_BATCH`` pending rows with ``FOR
+UPDATE SKIP LOCKED`` (rows, not a cursor: concurrent relays skip each other's rows),
+marking them relayed in the statement that takes them, and writes the messages their
+routes call for, in event order, all in one short pipelined transaction.
 """
 
 from __future__ import annotations
