@@ -185,16 +185,6 @@ _VARIANT = {d: format((int(d, 16) & 0x3) | 0x8, "x") for d in "0123456789abcdef"
 _json = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def _is_tracing_hook(hook: Any) -> bool:
-    """Whether ``hook`` is the default policies' tracing ``before_enqueue`` (named, not
-    imported: the runtime imports no policy). It adds a producer span's carrier to a
-    message that has none, and nothing else: a message that carries one, or any message
-    when there is nothing to carry, passes through it unchanged."""
-    func = getattr(hook, "__func__", hook)
-    return (getattr(func, "__module__", None) == "middleware.tracing"
-            and getattr(func, "__qualname__", None) == "Tracing.before_enqueue")
-
-
 @dataclass(frozen=True)
 class _Target:
     """What a route's messages share: the actor, its priority (as the text sent), and the
@@ -235,7 +225,7 @@ def _begin_pass() -> _Pass:
     broker = current_broker()
     before = broker._hooks("before_enqueue")
     after = broker._hooks("after_enqueue")
-    foreign = bool(after) or not all(_is_tracing_hook(hook) for _, hook in before)
+    foreign = bool(after) or not all(tracing.is_carrier_only(hook) for _, hook in before)
     # without a carrier of its own, a message needs the tracing hook only when it has work
     hooked_unless_carried = foreign or (bool(before) and not tracing.nothing_to_carry())
     return _Pass(broker, foreign, hooked_unless_carried, int(time.time() * 1000))

@@ -3,7 +3,7 @@
 Worker processes and the scheduler already run the relay; this runs one on its own,
 for tests, benchmarks and a backlog that needs extra hands.
 
-    python -m broker.relay [MODULE …] [--exit-when-idle] [--batch 200]
+    python -m broker.relay [MODULE …] [--exit-when-idle] [--batch 1000]
 
 The modules (default: ``actors``) declare the topics and routes it relays.
 """

@@ -261,7 +261,7 @@ class Settings(Declared):
     retention_days: float = Field(7.0, ge=0, description="finished messages kept")
     prune_batch: int = Field(5_000, ge=1, description="finished messages pruned per batch")
     outbox_max_payload_bytes: int = Field(64 * 1024, ge=2, description="largest event payload `emit` accepts")
-    relay_batch: int = Field(200, ge=1, description="outbox rows per relay pass (one transaction)")
+    relay_batch: int = Field(1000, ge=1, description="outbox rows per relay pass (one transaction)")
     relay_poll_s: float = Field(1.0, ge=0.01, description="the relay's fallback poll")
     outbox_retention_hours: float = Field(24.0, ge=0, description="relayed outbox rows kept")
     max_waiters: int = Field(64, ge=1, description="waiters per receipt channel per process")

@@ -16,6 +16,7 @@ try:
     from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
+
     _NO_OP_PROVIDERS: tuple[type, ...] = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 except ImportError:  # the [otel] extra is not installed
     trace = None  # type: ignore[assignment]
@@ -44,6 +45,23 @@ def _tracer() -> Any:
     return provider.get_tracer(TRACER_NAME)
 
 
+#: Set on an enqueue hook that only adds a trace carrier to a message that has none: a
+#: message that carries one, or any message when there is nothing to carry, leaves it
+#: unchanged, so a bulk writer (the relay) may skip it for such messages.
+CARRIER_ONLY = "standmeet_carrier_only"
+
+
+def carrier_only(hook: Any) -> Any:
+    """Declare ``hook`` (a ``before_enqueue``) as adding a trace carrier and nothing else."""
+    setattr(hook, CARRIER_ONLY, True)
+    return hook
+
+
+def is_carrier_only(hook: Any) -> bool:
+    """Whether a (bound) enqueue hook was declared with :func:`carrier_only`."""
+    return bool(getattr(getattr(hook, "__func__", hook), CARRIER_ONLY, False))
+
+
 def nothing_to_carry() -> bool:
     """True when a producer span could carry nothing: no ``[otel]`` extra, or no tracer
     provider of ours, the API's global one still its proxy (or a no-op) and no valid
@@ -52,9 +70,7 @@ def nothing_to_carry() -> bool:
     the SQL)."""
     if trace is None:
         return True
-    if _provider is not None or trace.get_current_span().get_span_context().is_valid:
-        return False
-    return isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
+    return not recording() and not trace.get_current_span().get_span_context().is_valid
 
 
 def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
@@ -96,7 +112,7 @@ def recording() -> bool:
         return False
     if _provider is not None:
         return True
-    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+    return not isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
 
 
 def consumed(name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> Consumed | None:

@@ -23,6 +23,7 @@ def _attributes(message: Any) -> dict[str, Any]:
 
 
 class Tracing(Middleware):
+    @tracing.carrier_only
     def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
         if tracing.OPTION in message.options:
             return

@@ -77,7 +77,9 @@ def test_2000_events_drained_by_three_relays_are_each_relayed_exactly_once(broke
         cmd = [sys.executable, "-m", "broker.relay", "--exit-when-idle"]
         with psycopg.connect(database_url) as gate:
             gate.execute(GATE)
-            procs = [subprocess.Popen(cmd, env=subprocess_env, cwd=ROOT, stdout=subprocess.PIPE,
+            # passes of 200 rows: many transactions for three relays to interleave
+            env = {**subprocess_env, "STANDMEET_RELAY_BATCH": "200"}
+            procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT) for _ in range(3)]
             wait_for(lambda: scalar(database_url, RELAYS_AT_GATE) == 3, timeout_s=60,
                      what="the three relays to reach the gate")

@@ -114,20 +114,17 @@ def test_without_a_tracer_provider_nothing_is_carried_but_a_current_remote_conte
     assert tracing.produced("x send", {}) is None
 
 
-def test_the_relay_knows_the_tracing_enqueue_hook_by_name():
-    """The relay writes a message without the broker's enqueue hooks only when the
-    tracing hook is the one there and would leave it unchanged; it names the hook (the
-    runtime imports no policy), so a rename must show here."""
-    from broker.outbox import _is_tracing_hook
-
-    assert _is_tracing_hook(Tracing().before_enqueue)
-    assert not _is_tracing_hook(Tracing().before_process_message)
+def test_the_tracing_enqueue_hook_is_declared_carrier_only_and_an_override_is_not():
+    """The relay writes a message without the broker's enqueue hooks only when every hook
+    there is declared to add a trace carrier and nothing else."""
+    assert tracing.is_carrier_only(Tracing().before_enqueue)
+    assert not tracing.is_carrier_only(Tracing().before_process_message)
 
     class Own(Tracing):
         def before_enqueue(self, broker, message, delay):
             message.options["own"] = True
 
-    assert not _is_tracing_hook(Own().before_enqueue)
+    assert not tracing.is_carrier_only(Own().before_enqueue)
 
 
 def test_a_relayed_event_that_brought_no_trace_gets_one_when_tracing_is_on(broker, database_url):
