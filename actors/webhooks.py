@@ -45,6 +45,7 @@ from broker.enqueue import build_message, enqueue, enqueue_messages
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
 from middleware.keyed_lease import Lease, given_back, lease_of
+from middleware.snooze import Snooze
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -181,7 +182,8 @@ def replay(delivery_id: int) -> None:
     """Deliver again (a failed or skipped delivery, or any other)."""
     with db.connection() as conn, conn.transaction():
         found = conn.execute(
-            "UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now() WHERE id = %s RETURNING id",
+            "UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()"
+            " WHERE id = %s RETURNING id",
             (delivery_id,)).fetchone()
         if found is None:
             raise WebhookError(f"no webhook delivery {delivery_id}")
@@ -192,7 +194,7 @@ def replay_failed(since: datetime) -> int:
     """Deliver again every delivery that failed (or was skipped) since ``since``."""
     with db.connection() as conn, conn.transaction():
         ids = [r[0] for r in conn.execute(
-            "UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now()"
+            "UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()"
             " WHERE state IN ('failed', 'skipped') AND updated_at >= %s RETURNING id", (since,)).fetchall()]
         for delivery_id in ids:
             enqueue(conn, "webhook.deliver", int(delivery_id))
@@ -239,20 +241,25 @@ JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id
 WHERE d.id = %s
 """
-#: Everything that records an attempt, in one statement (one round trip, atomic): the
-#: attempt, the delivery's new state, the endpoint's health (410 disables it), and the
-#: endpoint's lease given back when the token is still ours (NULL token: no lease held).
-SETTLE_ATTEMPT = """
-WITH attempt AS (
+#: Everything that records a job's attempts, in one statement (one round trip, atomic):
+#: each attempt, each delivery's new state, the endpoint's health (from the last attempt;
+#: 410 disables it), and the endpoint's lease given back when the token is still ours
+#: (NULL token: no lease held). One array element per attempt, in the order made.
+SETTLE_ATTEMPTS = """
+WITH o AS (
+    SELECT * FROM unnest(%(delivery)s::bigint[], %(attempt)s::int[], %(started)s::timestamptz[], %(ms)s::int[],
+                         %(code)s::int[], %(outcome)s::text[], %(error)s::text[], %(body)s::text[],
+                         %(truncated)s::boolean[], %(state)s::text[], %(next)s::timestamptz[])
+        AS o(delivery, attempt, started, ms, code, outcome, error, body, truncated, state, next)
+), attempt AS (
     INSERT INTO standmeet.webhook_attempts
         (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error, response_body, truncated)
-    VALUES (%(delivery)s, %(attempt)s, %(started)s, %(ms)s, %(code)s, %(outcome)s, %(error)s, %(body)s,
-            %(truncated)s)
+    SELECT delivery, attempt, started, ms, code, outcome, error, body, truncated FROM o
 ), delivery AS (
-    UPDATE standmeet.webhook_deliveries
-    SET attempts = %(attempt)s, state = %(state)s, last_outcome = %(outcome)s,
-        next_attempt_at = %(next)s, updated_at = now()
-    WHERE id = %(delivery)s
+    UPDATE standmeet.webhook_deliveries d
+    SET attempts = o.attempt, state = o.state, last_outcome = o.outcome, next_attempt_at = o.next,
+        updated_at = now()
+    FROM o WHERE d.id = o.delivery
 )
 UPDATE standmeet.webhook_endpoints
 SET failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
@@ -342,30 +349,51 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
 
 #: The endpoint lease: at most one delivery in flight per endpoint, across processes and
 #: hosts, by a row lease on the endpoint with a token; it outlives the job's limit.
-#: One statement finds the delivery's endpoint, takes its lease, and reads what the POST
-#: needs (the delivery, the endpoint's URL and secrets, the event). Its rows:
-#:   (token, endpoint, state, attempts, url, secrets, event id, type, payload, created_at)
+#: One statement finds the delivery's endpoint, takes its lease, and reads what the POSTs
+#: need: the delivery, the endpoint's URL and secrets, the event, how long until the
+#: delivery is due (a retry recorded by another job's batch), and the endpoint's next
+#: never-attempted pending deliveries (up to 31, oldest first: :data:`BATCH_MAX` in all)
+#: with their events. Its rows:
+#:   (token, endpoint, state, attempts, url, secrets, event id, type, payload, created_at,
+#:    due_in_s, batch ids, batch event ids, types, payloads, created_ats)
 #:       the lease is ours;
 #:   no row: the endpoint is busy (the message snoozes);
-#:   (NULL, …): the delivery or its endpoint is gone or disabled: no lease is needed, the
-#:       actor reads and records that.
+#:   (NULL, …): the delivery is no longer pending, or it or its endpoint is gone or
+#:       disabled: no lease is needed (a delivered one must not make the endpoint's
+#:       other deliveries snooze), the actor reads and records that.
+#: The deliveries are read with FOR UPDATE: their newest versions, after the lease (whose
+#: UPDATE may have waited for the previous holder's record of them) is ours, so a delivery
+#: the previous holder just made is never made again from the statement's older snapshot.
 TAKE_ENDPOINT = """
 WITH target AS (
     SELECT d.endpoint_id FROM standmeet.webhook_deliveries d
     JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
-    WHERE d.id = %(key)s AND e.enabled
+    WHERE d.id = %(key)s AND e.enabled AND d.state = 'pending'
 ), taken AS (
     UPDATE standmeet.webhook_endpoints
     SET busy_until = now() + make_interval(secs => %(lease_s)s), lease_token = gen_random_uuid()
     WHERE id = (SELECT endpoint_id FROM target) AND enabled AND (busy_until IS NULL OR busy_until < now())
     RETURNING id, lease_token, url, secrets
 )
-SELECT t.lease_token::text, t.id, d.state, d.attempts, t.url, t.secrets, ev.id, ev.type, ev.payload, ev.created_at
+SELECT t.lease_token::text, t.id, d.state, d.attempts, t.url, t.secrets, ev.id, ev.type, ev.payload, ev.created_at,
+       extract(epoch FROM d.next_attempt_at - now())::float8,
+       b.ids, b.event_ids, b.types, b.payloads, b.created_ats
 FROM taken t
-JOIN standmeet.webhook_deliveries d ON d.id = %(key)s
+CROSS JOIN LATERAL (SELECT state, attempts, next_attempt_at, event_id FROM standmeet.webhook_deliveries
+                    WHERE id = %(key)s AND endpoint_id = t.id FOR UPDATE) d
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id
+CROSS JOIN LATERAL (
+    SELECT array_agg(n.id ORDER BY n.id) AS ids, array_agg(nev.id ORDER BY n.id) AS event_ids,
+           array_agg(nev.type ORDER BY n.id) AS types, array_agg(nev.payload ORDER BY n.id) AS payloads,
+           array_agg(nev.created_at ORDER BY n.id) AS created_ats
+    FROM (SELECT id, event_id FROM standmeet.webhook_deliveries
+          WHERE endpoint_id = t.id AND state = 'pending' AND attempts = 0 AND id <> %(key)s
+          ORDER BY id LIMIT 31 FOR UPDATE) n
+    JOIN standmeet.webhook_events nev ON nev.id = n.event_id
+) b
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL WHERE NOT EXISTS (SELECT FROM target)
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT FROM target)
 """
 RELEASE_ENDPOINT = """
 UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
@@ -386,19 +414,62 @@ ENDPOINT_LEASE = Lease(
 )
 
 
+#: Deliveries one job makes while it holds its endpoint's lease: its own first, then the
+#: endpoint's next never-attempted pending ones, oldest first (TAKE_ENDPOINT reads up to
+#: BATCH_MAX - 1 of them), over one kept-alive connection. Each keeps its own message: a
+#: message whose delivery a batch made finds it no longer pending and ends.
+BATCH_MAX = 32
+#: A message whose delivery another job's batch tried, and scheduled for a retry later
+#: than this, snoozes until the retry is due (the retry schedule holds whichever job tried).
+DUE_SLACK_S = 1.0
+
+
+@dataclass(frozen=True)
+class _Due:
+    """A delivery to make: its id, attempts so far, and its event."""
+
+    delivery_id: int
+    attempts: int
+    event_id: int
+    event_type: str
+    payload: Any
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """An attempt made, as SETTLE_ATTEMPTS records it."""
+
+    due: _Due
+    started: datetime
+    ms: int
+    outcome: Outcome
+    state: str
+    retry_in_s: float | None
+
+
 @dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1,
                 lease=ENDPOINT_LEASE)
 def deliver(delivery_id: int) -> None:
     settings = app_settings.current()
     message = CurrentMessage.get_current_message()
     held = lease_of(message) if message is not None else None
+    batch: list[_Due] = []
     if held is not None and held.row:
-        # 1. the lease is ours, and its statement read the delivery (middleware)
-        state, attempts, url, secrets, event_id, event_type, payload, created_at = held.row
+        # 1. the lease is ours, and its statement read the delivery and the endpoint's
+        #    next never-attempted deliveries (middleware)
+        (state, attempts, url, secrets, event_id, event_type, payload, created_at, due_in_s,
+         ids, event_ids, types, payloads, created_ats) = held.row
         endpoint_id, enabled, token = int(held.key), True, held.token
+        if state == "pending" and due_in_s is not None and due_in_s > DUE_SLACK_S:
+            # another job's batch tried it and scheduled its retry (the lease is given back)
+            raise Snooze(due_in_s, f"delivery {delivery_id}: its retry is due in {due_in_s:.1f} s")
+        batch = [_Due(int(i), 0, int(e), t, p, c)
+                 for i, e, t, p, c in zip(ids or (), event_ids or (), types or (), payloads or (), created_ats or (),
+                                          strict=True)]
     else:
-        # no lease taken (the delivery or its endpoint is gone or disabled, or no worker
-        # runs this): a short read, the connection returned at once
+        # no lease taken (the delivery is no longer pending, or it or its endpoint is gone
+        # or disabled, or no worker runs this): a short read, the connection returned at once
         with db.connection() as conn:
             row = conn.execute(READ, (delivery_id,)).fetchone()
         if row is None:
@@ -415,37 +486,54 @@ def deliver(delivery_id: int) -> None:
         return
     if message is not None and held is None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
-    body = json.dumps({"type": event_type, "timestamp": created_at.isoformat(), "data": payload}).encode()
-    # 2. POST holding no database connection, within the total deadline, ending early
-    #    enough before the job's own limit that the attempt is always recorded
-    timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
-    started = datetime.now(timezone.utc)
-    t0 = time.monotonic()
-    try:
-        outcome = post(url, open_secrets(list(secrets)), f"msg_{event_id}_{endpoint_id}", body, timeout_s=timeout_s)
-    except (TimeLimitExceeded, DeadlineExceeded) as exc:
-        # the job's own limit fired during the request: still an attempt, a timeout
-        deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
-        _settle(message, delivery_id, attempts, endpoint_id, token, started, t0,
-                Outcome("timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})"))
-        raise
-    except Exception as exc:
-        _settle(message, delivery_id, attempts, endpoint_id, token, started, t0,
-                Outcome("error", error=f"{type(exc).__name__}: {exc}"))
-        raise
-    # 3. record the attempt and give the lease back, in one statement
-    retry_in = _settle(message, delivery_id, attempts, endpoint_id, token, started, t0, outcome)
-    if retry_in is not None:
-        raise Retry(f"delivery {delivery_id}: {outcome.outcome} {outcome.status_code or ''}".strip(),
-                    delay=int(retry_in * 1000))
+    todo = [_Due(delivery_id, int(attempts), int(event_id), event_type, payload, created_at), *batch]
+    signing = open_secrets(list(secrets))
+    made: list[_Attempt] = []
+    # 2. POST each holding no database connection, within the total deadline, ending early
+    #    enough before the job's own limit that the attempts are always recorded; the next
+    #    one only while the whole HTTP timeout and the margin still fit, and only after a
+    #    success (a failing endpoint keeps its other deliveries for their own jobs)
+    for due in todo:
+        if made and (not made[-1].outcome.ok or not _room_for_another(settings.webhook_http_timeout_s)):
+            break
+        timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
+        started = datetime.now(timezone.utc)
+        t0 = time.monotonic()
+        body = json.dumps({"type": due.event_type, "timestamp": due.created_at.isoformat(),
+                           "data": due.payload}).encode()
+        try:
+            outcome = post(url, signing, f"msg_{due.event_id}_{endpoint_id}", body, timeout_s=timeout_s)
+        except (TimeLimitExceeded, DeadlineExceeded) as exc:
+            # the job's own limit fired during the request: still an attempt, a timeout
+            deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
+            made.append(_attempt(due, started, t0, Outcome(
+                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})")))
+            _settle(message, endpoint_id, token, made)
+            raise
+        except Exception as exc:
+            made.append(_attempt(due, started, t0, Outcome("error", error=f"{type(exc).__name__}: {exc}")))
+            _settle(message, endpoint_id, token, made)
+            raise
+        made.append(_attempt(due, started, t0, outcome))
+    # 3. record the attempts and give the lease back, in one statement
+    _settle(message, endpoint_id, token, made)
+    own = made[0]
+    if own.retry_in_s is not None:
+        raise Retry(f"delivery {delivery_id}: {own.outcome.outcome} {own.outcome.status_code or ''}".strip(),
+                    delay=int(own.retry_in_s * 1000))
 
 
-def _settle(message: Any, delivery_id: int, attempts: int, endpoint_id: int, token: str | None,
-            started: datetime, t0: float, outcome: Outcome) -> float | None:
-    """Record the attempt, the endpoint's health and the next try, and give the lease back
-    (one statement); the retry delay, if any."""
+def _room_for_another(http_timeout_s: float) -> bool:
+    """Whether another POST, given its whole timeout, still ends before the margin that
+    records the attempts."""
+    left = deadline.remaining_s()
+    return left is None or left >= http_timeout_s + RECORD_MARGIN_S
+
+
+def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Attempt:
+    """An attempt's record: the delivery's new state and, when it is retried, the delay."""
     ms = int((time.monotonic() - t0) * 1000)
-    attempt = attempts + 1
+    attempt = due.attempts + 1
     retry_in: float | None = None
     if outcome.ok:
         new_state = "succeeded"
@@ -455,17 +543,27 @@ def _settle(message: Any, delivery_id: int, attempts: int, endpoint_id: int, tok
         new_state = "pending"
         base = SCHEDULE[attempt - 1]
         retry_in = outcome.retry_after_s or base * (1 + random.uniform(-0.1, 0.1))
+    return _Attempt(due, started, ms, outcome, new_state, retry_in)
+
+
+def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attempt]) -> None:
+    """Record the attempts, the endpoint's health and each delivery's next try, and give
+    the lease back (one statement)."""
+    now = time.time()
+    last = made[-1].outcome
     with db.connection() as conn:
-        conn.execute(SETTLE_ATTEMPT, {
-            "delivery": delivery_id, "attempt": attempt, "started": started, "ms": ms,
-            "code": outcome.status_code, "outcome": outcome.outcome, "error": outcome.error,
-            "body": outcome.body, "truncated": outcome.truncated, "state": new_state,
-            "next": None if retry_in is None else datetime.fromtimestamp(time.time() + retry_in, timezone.utc),
-            "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
-            "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None})
+        conn.execute(SETTLE_ATTEMPTS, {
+            "delivery": [a.due.delivery_id for a in made], "attempt": [a.due.attempts + 1 for a in made],
+            "started": [a.started for a in made], "ms": [a.ms for a in made],
+            "code": [a.outcome.status_code for a in made], "outcome": [a.outcome.outcome for a in made],
+            "error": [a.outcome.error for a in made], "body": [a.outcome.body for a in made],
+            "truncated": [a.outcome.truncated for a in made], "state": [a.state for a in made],
+            "next": [None if a.retry_in_s is None else datetime.fromtimestamp(now + a.retry_in_s, timezone.utc)
+                     for a in made],
+            "endpoint": endpoint_id, "healthy": last.ok, "token": token,
+            "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None})
     if token is not None and message is not None:
         given_back(message)  # released by that statement: the middleware need not
-    return retry_in
 
 
 DISABLE_FAILING = """

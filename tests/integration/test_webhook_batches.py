@@ -1,0 +1,111 @@
+"""A delivery job holding its endpoint's lease also makes the endpoint's waiting deliveries."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+from dramatiq.middleware import CurrentMessage
+from standardwebhooks import Webhook
+
+from actors import settings as app_settings
+from actors import webhooks
+from broker.settings import replace
+from tests.support.db import query, wait_for
+from tests.support.http import http_server
+from tests.support.webserver import Reply, web_server
+
+
+@pytest.fixture
+def webhook_settings(broker):
+    original = app_settings.current()
+    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05))
+    yield broker.settings
+    app_settings.use(original)
+
+
+def fanned_out(database_url: str, event_type: str, count: int) -> list[int]:
+    """``count`` events, each fanned out (its deliveries and their jobs written) before any
+    worker runs, so the first delivery job finds the others waiting."""
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        events = [webhooks.emit_event(conn, event_type, {"n": n}) for n in range(count)]
+    for event in events:
+        webhooks.fanout.fn(event)
+    return events
+
+
+#: Webhook jobs still to run now: queued and due within a second, or running.
+RAN_OR_READY = ("SELECT count(*) FROM dramatiq.queue WHERE queue_name = 'webhook'"
+                " AND (state = 'consumed' OR (state = 'queued' AND eta <= now() + interval '1 second'))")
+
+
+def states(database_url: str, endpoint: int) -> list[tuple]:
+    return query(database_url, "SELECT event_id, state, attempts FROM standmeet.webhook_deliveries"
+                               " WHERE endpoint_id = %s ORDER BY id", (endpoint,))
+
+
+def test_one_job_makes_the_endpoints_waiting_deliveries_oldest_first_each_signed_and_recorded_once(
+    broker, database_url, start_worker, webhook_settings, monkeypatch
+):
+    made_by: list[str] = []  # the message of the job that made each POST (a spy: the POST still runs)
+    real_post = webhooks.post
+
+    def post(*args, **kwargs):
+        message = CurrentMessage.get_current_message()
+        made_by.append(message.message_id if message is not None else "")
+        return real_post(*args, **kwargs)
+
+    monkeypatch.setattr(webhooks, "post", post)
+    with http_server() as (url, server):
+        endpoint, secret = webhooks.add_endpoint(url, ["batched"])
+        events = fanned_out(database_url, "batched", 6)
+        start_worker(queues=["webhook"], threads=1)  # one thread: the first job runs alone
+        wait_for(lambda: all(s == "succeeded" for _, s, _ in states(database_url, endpoint))
+                 and len(states(database_url, endpoint)) == 6, timeout_s=15, what="every delivery to succeed")
+        bodies, headers = list(server.received), list(server.headers)
+    # every delivery was made once, in the order of its event, by one job
+    assert [a for _, _, a in states(database_url, endpoint)] == [1] * 6
+    assert [json.loads(b)["data"] for b in bodies] == [{"n": n} for n in range(6)]
+    assert len(set(made_by)) == 1 and len(made_by) == 6, made_by
+    # each signed for itself: its own webhook-id, verifying with the endpoint's secret
+    assert [h["webhook-id"] for h in headers] == [f"msg_{e}_{endpoint}" for e in events]
+    for body, sent in zip(bodies, headers, strict=True):
+        Webhook(secret).verify(body, sent)
+    assert query(database_url, "SELECT count(*) FROM standmeet.webhook_attempts a"
+                               " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
+                               " WHERE d.endpoint_id = %s AND a.outcome = 'ok'", (endpoint,)) == [(6,)]
+    assert query(database_url, "SELECT busy_until, lease_token FROM standmeet.webhook_endpoints WHERE id = %s",
+                 (endpoint,)) == [(None, None)]
+
+
+def test_a_failure_ends_the_batch_and_the_failed_delivery_keeps_its_retry_schedule(
+    broker, database_url, start_worker, webhook_settings
+):
+    answered: list[int] = []
+    seen: list[str] = []
+
+    def first_ok_then_failing(request):
+        answered.append(200 if not answered else 500)
+        seen.append(request.headers["webhook-id"])
+        return Reply(answered[-1], b"")
+
+    with web_server() as site:
+        site.on("POST", "/hook", first_ok_then_failing)
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["failing"])
+        fanned_out(database_url, "failing", 3)
+        start_worker(queues=["webhook"], threads=1)  # jobs run one at a time, oldest first
+        # the first job made its own delivery (200) and one more (500), then stopped; the
+        # third's own job made it (500); the second's own job found its retry not yet due
+        wait_for(lambda: [a for _, _, a in states(database_url, endpoint)] == [1, 1, 1], timeout_s=15,
+                 what="one attempt each")
+        wait_for(lambda: query(database_url, RAN_OR_READY) == [(0,)], timeout_s=15,
+                 what="every job to have run, its retry or snooze not yet due")
+        rows = states(database_url, endpoint)
+        due = query(database_url, "SELECT id, next_attempt_at - updated_at FROM standmeet.webhook_deliveries"
+                                  " WHERE endpoint_id = %s AND state = 'pending' ORDER BY id", (endpoint,))
+    # no delivery was tried again before its retry was due (5 s with jitter), whichever job
+    # made its first attempt
+    assert answered == [200, 500, 500], seen  # each delivery once, by its webhook-id
+    assert sorted(s for _, s, _ in rows) == ["pending", "pending", "succeeded"]
+    assert len(due) == 2 and all(wait.total_seconds() >= 4.4 for _, wait in due), due
