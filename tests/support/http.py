@@ -52,12 +52,18 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(obs.status)
             self.send_header("Content-Length", "2")
             self.end_headers()
-            self.wfile.write(b"ok")
         except (BrokenPipeError, ConnectionResetError):
             pass
         finally:
+            # no longer in flight before the response's last bytes go out: a client that has
+            # the whole response may send its next request at once, and that one must not
+            # look concurrent with this one
             with obs.lock:
                 obs.in_flight -= 1
+        try:
+            self.wfile.write(b"ok")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
 
 @contextmanager
