@@ -121,7 +121,8 @@ class _Watchdog:
 
                 self._thread = detach.go("deadline-watchdog", self._run)
             heapq.heappush(self._heap, alarm)
-            self._cond.notify()
+            if self._heap[0] is alarm:  # earlier than the one it sleeps until: wake it to look
+                self._cond.notify()
         return alarm
 
     def cancel(self, alarm: _Alarm) -> None:

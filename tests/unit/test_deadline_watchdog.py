@@ -38,3 +38,33 @@ def test_a_read_blocked_without_any_timeout_is_unblocked_by_the_watchdog():
     finally:
         for s in (client, server_side, listener):
             s.close()
+
+
+def test_arming_wakes_the_watchdog_only_for_an_alarm_earlier_than_all_the_others():
+    # Given a watchdog whose wake-ups are counted
+    class Counting(threading.Condition):
+        notified = 0
+
+        def notify(self, n: int = 1) -> None:
+            Counting.notified += 1
+            super().notify(n)
+
+    dog = deadline._Watchdog()
+    dog._cond = Counting()
+    fired = threading.Event()
+    try:
+        # When alarms are armed: a late one, a later one, then an early one
+        late = dog.arm(5.0, lambda: None)
+        later = dog.arm(6.0, lambda: None)
+        start = time.monotonic()
+        early = dog.arm(0.1, fired.set)
+        # Then only the first and the earliest woke it, and the earliest still fired on time
+        assert Counting.notified == 2
+        assert fired.wait(2.0) and time.monotonic() - start < 0.9
+    finally:
+        for alarm in (late, later, early):
+            dog.cancel(alarm)
+        dog._thread.stop_event.set()
+        with dog._cond:
+            dog._cond.notify_all()
+        dog._thread.join(2.0)
