@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import psycopg  # noqa: E402
 
 from bench.common import fresh_database, median, quiet, run_worker  # noqa: E402
+from broker.settings import Settings  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 SPAN = """
@@ -97,7 +98,7 @@ def relay_rate(admin_url: str, n: int, relays: int) -> tuple[float, float, float
         count, span = testdb.query(url, SPAN)[0]
         if count != n:
             raise RuntimeError(f"only {count}/{n} relayed")
-        batch = int(os.environ.get("STANDMEET_RELAY_BATCH", "200"))
+        batch = Settings.from_env().relay_batch  # the relays' pass size
         # relayed_at is each transaction's start: add one pass's share for the last one
         rate = n / (span + span / max(1, n / batch))
         cpu = sum(r["cpu_s"] for r in reports) / n * 1e6
