@@ -36,7 +36,7 @@ from psycopg.types.json import Jsonb
 from broker import detach, sql, tracing
 from broker.backoff import Backoff
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
-from broker.pgbroker import current_broker, message_json, message_priority
+from broker.pgbroker import batch_params, current_broker, message_json, message_priority
 from broker.pgpool import Outage, close_quietly
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -283,8 +283,7 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
             else:
                 texts.append(m[0])
                 priorities.append(m[1])
-        conn.execute(sql.RELAY_ENQUEUE, {"messages": f"[{','.join(texts)}]",
-                                         "priorities": f"{{{','.join(priorities)}}}"})
+        conn.execute(sql.ENQUEUE, batch_params(texts, priorities))
     state.hooked.extend(hooked)
     state.messages += len(pending)
 

@@ -1157,13 +1157,14 @@ def rejection_reason(message: MessageProxy) -> str:
 def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None) -> dict[str, Any]:
     """Parameters of :data:`broker.sql.ENQUEUE` for ``messages``, due after ``delay`` ms."""
     batch = list(messages)
-    return {
-        "queues": [m.queue_name for m in batch],
-        "message_ids": [m.message_id for m in batch],
-        "messages": [message_json(m) for m in batch],
-        "delays": [(delay or 0) / 1000.0] * len(batch),
-        "priorities": [message_priority(m) for m in batch],
-    }
+    return batch_params([message_json(m) for m in batch], [str(message_priority(m)) for m in batch],
+                        delay_s=(delay or 0) / 1000.0)
+
+
+def batch_params(texts: Sequence[str], priorities: Sequence[str], *, delay_s: float = 0.0) -> dict[str, Any]:
+    """Parameters of :data:`broker.sql.ENQUEUE` for messages already encoded: their JSON
+    texts and priorities (as decimal text), in order, all due after ``delay_s``."""
+    return {"messages": f"[{','.join(texts)}]", "priorities": f"{{{','.join(priorities)}}}", "delay_s": delay_s}
 
 
 def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None) -> dict[str, Any]:

@@ -17,19 +17,20 @@ ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
 #: Channel a final settle on an awaited queue notifies, with '<message id>:<state>'.
 RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
 
-#: Insert messages, each due after its delay, and wake each queue once (NOTIFYs with the
-#: same channel and payload in one transaction are sent once, at commit).
+#: Insert messages, all due after ``delay_s``, and wake each queue once (NOTIFYs with the
+#: same channel and payload in one transaction are sent once, at commit). ``messages`` is
+#: one JSON array of the messages' bodies, ``priorities`` one int array (lower runs first),
+#: each sent as a single text: arrays of many strings cost more to send than the rest of
+#: building them. The row's queue and id are the body's own.
 #: An existing id is never resurrected: a message that is running or has finished is left
 #: alone (a re-relayed event cannot run its job twice); a queued one takes the new text.
 ENQUEUE = """
 WITH enqueued AS (
     INSERT INTO dramatiq.queue AS q
         (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
-    SELECT m.queue_name, m.message_id, 'queued', m.message,
-           now() + make_interval(secs => m.delay_s), now(), now(), m.priority
-    FROM unnest(%(queues)b::text[], %(message_ids)b::uuid[], %(messages)b::jsonb[],
-                %(delays)s::float8[], %(priorities)s::int[])
-         AS m(queue_name, message_id, message, delay_s, priority)
+    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
+           now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority
+    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[])) AS m(body, priority)
     ON CONFLICT (message_id) DO UPDATE SET
         message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
     WHERE q."state" = 'queued'
@@ -395,27 +396,6 @@ FROM (SELECT id FROM standmeet.outbox
       FOR UPDATE SKIP LOCKED) AS pending
 WHERE o.id = pending.id
 RETURNING o.id, o.topic, o.payload
-"""
-
-#: The messages of a relay pass: ``messages`` one JSON array of their bodies, in event
-#: order, and ``priorities`` an int array of their priorities (lower runs first), both
-#: sent as one text each (arrays of many strings cost more to send than the rest of
-#: building them). ENQUEUE's rules: an existing id is never resurrected, each queue is
-#: woken once at commit; all are due now.
-RELAY_ENQUEUE = """
-WITH enqueued AS (
-    INSERT INTO dramatiq.queue AS q
-        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
-    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body, now(), now(), now(),
-           m.priority
-    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[])) AS m(body, priority)
-    ON CONFLICT (message_id) DO UPDATE SET
-        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
-    WHERE q."state" = 'queued'
-    RETURNING q.queue_name
-)
-SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
-FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 """
 
 RELAY_FAIL = """
