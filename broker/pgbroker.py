@@ -50,7 +50,7 @@ from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFou
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, MiddlewareError
 
-from broker import app, detach, sql
+from broker import app, detach, sql, tracing
 from broker.backoff import Backoff
 from broker.errors import ConfigError, Deferred
 from broker.pgpool import DISCONNECTS, Outage, close_quietly, connect, open_send_pool
@@ -598,11 +598,16 @@ class StandmeetBroker(dramatiq.Broker):
         batch = list(messages)
         if not batch:
             return batch
+        # Hooks that would only add a trace carrier, with nothing to carry, are not called
+        # for each message: they would leave every one as it is.
+        hooked = not (all(tracing.is_carrier_only(hook) for _, hook in self._hooks("before_enqueue"))
+                      and tracing.nothing_to_carry())
         for message in batch:
             if message.queue_name not in self.queues:
                 raise QueueNotFound(message.queue_name)
             message.options.pop("eta", None)
-            self.emit_before("enqueue", message, delay)
+            if hooked:
+                self.emit_before("enqueue", message, delay)
         params = enqueue_params(batch, delay)
         try:
             if conn is not None:
@@ -611,8 +616,9 @@ class StandmeetBroker(dramatiq.Broker):
                 self.execute(sql.ENQUEUE, params)
         except DISCONNECTS as exc:
             raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
-        for message in batch:
-            self.emit_after("enqueue", message, delay)
+        if self._hooks("after_enqueue"):
+            for message in batch:
+                self.emit_after("enqueue", message, delay)
         return batch
 
     # -- signals ----------------------------------------------------------------------
