@@ -160,3 +160,20 @@ def test_a_relayed_event_that_brought_no_trace_gets_one_when_tracing_is_on(broke
     # the untraced event's message got the relay's producer span; the traced one kept its emit's
     assert options[untraced][tracing.OPTION]["traceparent"].split("-")[2] == f"{sent.context.span_id:016x}"
     assert options[traced][tracing.OPTION]["traceparent"].split("-")[2] == f"{emitted.context.span_id:016x}"
+
+
+def test_a_batch_enqueued_under_a_span_carries_its_trace_on_every_message(broker, database_url, spans):
+    from broker import enqueue_many
+    from tests.support.jobs import mark
+
+    # Given a current span (a request being served)
+    with tracing._tracer().start_as_current_span("batch request") as request:
+        trace_id = format(request.get_span_context().trace_id, "032x")
+        # When a batch is enqueued
+        messages = enqueue_many([mark.message(f"traced-{i}") for i in range(3)])
+    # Then every stored message carries that trace
+    carried = [scalar(database_url, "SELECT message->'options'->'trace_context'->>'traceparent'"
+                                    " FROM dramatiq.queue WHERE message_id = %s", (m.message_id,)) for m in messages]
+    assert [c.split("-")[1] for c in carried] == [trace_id] * 3
+    for m in messages:
+        scalar(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s RETURNING 1", (m.message_id,))
