@@ -54,10 +54,12 @@ from broker import app, detach, sql, tracing
 from broker.backoff import Backoff
 from broker.errors import ConfigError, Deferred
 from broker.pgpool import DISCONNECTS, Outage, close_quietly, connect, open_send_pool
-from broker.settings import QueueSettings, Settings
+from broker.settings import PREFETCH_HORIZON_S, QueueSettings, Settings
 
 logger = logging.getLogger("standmeet.broker")
 
+#: Weight of the latest run in a queue's mean run time.
+RUN_TIME_WEIGHT = 0.1
 #: Shortest sleep when due messages exist but were all locked by another claimer.
 MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
@@ -114,6 +116,10 @@ class QueueState:
         #: are still ``consumed`` in the database, so they count against the claims
         #: beyond a slack of one more ``limit``
         self.unsettled = 0
+        #: when each running claim was handed to the worker, and the mean run time since
+        #: (exponentially weighted), which sizes the default prefetch
+        self._handed_at: dict[tuple[str, int], float] = {}
+        self.mean_run_s: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -162,7 +168,20 @@ class QueueState:
                 return None
             claim = self.buffer.popleft()
             self.running.add(claim.key)
+            self._handed_at[claim.key] = time.monotonic()
             return claim
+
+    def _ran(self, key: tuple[str, int]) -> None:
+        """A run ended: fold its time into the mean, and size the default prefetch to hold
+        what the running jobs finish within PREFETCH_HORIZON_S (under ``lock``)."""
+        handed = self._handed_at.pop(key, None)
+        if handed is None or not self.settings.adaptive_prefetch:
+            return
+        run_s = time.monotonic() - handed
+        mean = run_s if self.mean_run_s is None else self.mean_run_s + RUN_TIME_WEIGHT * (run_s - self.mean_run_s)
+        self.mean_run_s = mean
+        wanted = self.limit * PREFETCH_HORIZON_S / max(mean, 1e-6)
+        self.prefetch = int(min(self.settings.prefetch_ceiling, max(self.settings.prefetch_floor, wanted)))
 
     def take_buffer(self) -> list[Claim]:
         with self.lock:
@@ -181,11 +200,13 @@ class QueueState:
         with self.lock:
             self.running.discard(key)
             self.in_flight.discard(key)
+            self._ran(key)
             self.unsettled += 1
             claim = None
             if hand_off and self.buffer and len(self.running) < self.limit:
                 claim = self.buffer.popleft()
                 self.running.add(claim.key)
+                self._handed_at[claim.key] = time.monotonic()
                 free = self._free()
                 if free <= 0 or (free < self.claim_batch and len(self.running) + len(self.buffer) >= self.limit):
                     return claim  # nothing for the consumer to do yet
@@ -199,6 +220,7 @@ class QueueState:
         """A claim taken from the buffer that could not be started here: first in line again."""
         with self.lock:
             self.running.discard(claim.key)
+            self._handed_at.pop(claim.key, None)
             self.buffer.appendleft(claim)
             self.freed = True
         self.wake()
@@ -218,6 +240,7 @@ class QueueState:
             for key in keys:
                 self.in_flight.discard(key)
                 self.running.discard(key)
+                self._handed_at.pop(key, None)
         self.wake()
 
     def going_to_sleep(self) -> bool:

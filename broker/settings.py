@@ -194,12 +194,27 @@ class QueueSettings:
     max_workers: int
     time_limit_s: float
     poll_s: float = DEFAULT_POLL_S
-    #: claimed beyond the running ones, to start the moment one finishes (-1: half the limit)
+    #: claimed beyond the running ones, to start the moment one finishes (-1: as many as
+    #: finish within PREFETCH_HORIZON_S, between half the limit and twice it)
     prefetch_setting: int = -1
 
     @property
     def prefetch(self) -> int:
-        return max(1, self.max_workers // 2) if self.prefetch_setting < 0 else self.prefetch_setting
+        """The prefetch a queue starts with: the setting, or by default half the limit."""
+        return self.prefetch_floor if self.prefetch_setting < 0 else self.prefetch_setting
+
+    @property
+    def adaptive_prefetch(self) -> bool:
+        """By default the prefetch follows how fast the queue's jobs finish."""
+        return self.prefetch_setting < 0
+
+    @property
+    def prefetch_floor(self) -> int:
+        return max(1, self.max_workers // 2)
+
+    @property
+    def prefetch_ceiling(self) -> int:
+        return 2 * self.max_workers
 
     @property
     def awaited(self) -> bool:
@@ -209,6 +224,12 @@ class QueueSettings:
     @property
     def time_limit_ms(self) -> int:
         return int(self.time_limit_s * 1000)
+
+
+#: A queue's default prefetch holds about as many messages as its running jobs finish in
+#: this long: short jobs start back to back without a claim between them, while a process
+#: never holds long jobs that another one could start sooner.
+PREFETCH_HORIZON_S = 0.05
 
 
 def queue_variable_name(queue: str) -> str:

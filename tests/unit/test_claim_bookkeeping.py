@@ -133,3 +133,40 @@ def test_a_claim_that_could_not_be_started_goes_back_first_in_line():
     state.put_back(handed)
     assert state.running == set() and state.next_buffered() is handed
     state.drain_wake()
+
+
+def _run_through(state: QueueState, claims: list[Claim], run_s: float, clock: list[float]) -> None:
+    """Hand each claim out and finish it ``run_s`` later, on a clock the test moves."""
+    for claim in claims:
+        state.hold(claim)
+        handed = state.next_buffered()
+        assert handed is claim
+        clock[0] += run_s
+        state.finished(claim.key)
+
+
+def test_by_default_the_prefetch_holds_what_finishes_soon_between_half_the_limit_and_twice_it(monkeypatch):
+    import broker.pgbroker as pgbroker
+
+    clock = [1000.0]
+    monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
+    state = QueueState(QueueSettings("q", max_workers=8, time_limit_s=60, prefetch_setting=-1))
+    # Given a queue that starts with half its limit prefetched
+    assert state.prefetch == 4
+    # When its jobs take 2 ms each: 8 slots finish far more than the floor within 50 ms
+    _run_through(state, [_claim(i) for i in range(40)], 0.002, clock)
+    # Then it prefetches twice its limit (no more)
+    assert state.prefetch == 16
+    # And when its jobs then take 10 s each, it falls back to half the limit
+    _run_through(state, [_claim(100 + i) for i in range(60)], 10.0, clock)
+    assert state.prefetch == 4
+
+
+def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
+    import broker.pgbroker as pgbroker
+
+    clock = [1000.0]
+    monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
+    state = QueueState(QueueSettings("q", max_workers=8, time_limit_s=60, prefetch_setting=2))
+    _run_through(state, [_claim(i) for i in range(40)], 0.002, clock)
+    assert state.prefetch == 2
