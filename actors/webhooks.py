@@ -44,7 +44,7 @@ from broker import app, db, deadline, tracing
 from broker.enqueue import build_message, enqueue, enqueue_messages
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
-from middleware.keyed_lease import Lease, given_back, lease_of
+from middleware.keyed_lease import Lease, given_back, lease_of, read_without_lease
 from middleware.snooze import Snooze
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -358,9 +358,10 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
 #:    due_in_s, batch ids, batch event ids, types, payloads, created_ats)
 #:       the lease is ours;
 #:   no row: the endpoint is busy (the message snoozes);
-#:   (NULL, …): the delivery is no longer pending, or it or its endpoint is gone or
-#:       disabled: no lease is needed (a delivered one must not make the endpoint's
-#:       other deliveries snooze), the actor reads and records that.
+#:   (NULL, NULL, state, NULL, …): the delivery is no longer pending, or it or its
+#:       endpoint is gone or disabled: no lease is needed (a delivered one must not make
+#:       the endpoint's other deliveries snooze). A delivery made already (its state read
+#:       here) ends at once; otherwise the actor reads and records why.
 #: The deliveries are read with FOR UPDATE: their newest versions, after the lease (whose
 #: UPDATE may have waited for the previous holder's record of them) is ours, so a delivery
 #: the previous holder just made is never made again from the statement's older snapshot.
@@ -392,7 +393,8 @@ CROSS JOIN LATERAL (
     JOIN standmeet.webhook_events nev ON nev.id = n.event_id
 ) b
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, (SELECT d.state FROM standmeet.webhook_deliveries d WHERE d.id = %(key)s),
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT FROM target)
 """
 RELEASE_ENDPOINT = """
@@ -469,7 +471,11 @@ def deliver(delivery_id: int) -> None:
                                           strict=True)]
     else:
         # no lease taken (the delivery is no longer pending, or it or its endpoint is gone
-        # or disabled, or no worker runs this): a short read, the connection returned at once
+        # or disabled, or no worker runs this)
+        read = read_without_lease(message) if message is not None else ()
+        if read and read[0] is not None and read[0] != "pending":
+            return  # made already (by a batch, or an earlier run): the lease statement read it
+        # a short read, the connection returned at once
         with db.connection() as conn:
             row = conn.execute(READ, (delivery_id,)).fetchone()
         if row is None:

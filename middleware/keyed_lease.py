@@ -19,7 +19,8 @@ was free: the token first; then, optionally, the key it leased (when the stateme
 resolves the message's key to another, e.g. a delivery to its endpoint: ``release``
 gets that one) and any columns the actor needs, read in the same statement
 (:attr:`Held.row`: no second round trip). A row whose token is NULL means the message
-needs no lease (the actor records why); no row means busy. ``release`` receives
+needs no lease (the actor records why, from what the row's other columns read:
+:func:`read_without_lease`); no row means busy. ``release`` receives
 ``%(key)s`` and ``%(token)s``. ``key(message)`` returns None when the message needs no
 lease. An actor that gives the lease back itself, in the statement that records its
 outcome, says so with :func:`given_back`: the middleware then skips its own release.
@@ -71,6 +72,13 @@ def lease_of(message: Any) -> Held | None:
     return held
 
 
+def read_without_lease(message: Any) -> tuple[Any, ...]:
+    """What ``take`` read beside a NULL token (the message needed no lease): the columns
+    after the token and the key, or () when it read nothing."""
+    row: tuple[Any, ...] = getattr(message, "standmeet_lease_read", ())
+    return row
+
+
 def given_back(message: Any) -> None:
     """The actor released the lease itself (its outcome's statement did): the middleware
     does not release it again. Call it only once that statement has committed."""
@@ -95,6 +103,7 @@ class KeyedLease(Middleware):
             wait = lease.busy_snooze_s() * (1 + random.random() / 2)
             snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy")
         if taken[0] is None:
+            message.standmeet_lease_read = tuple(taken[2:])  # type: ignore[attr-defined]
             return  # the statement found nothing to lease (the actor records why)
         leased = taken[1] if len(taken) > 1 and taken[1] is not None else key
         message.standmeet_lease = Held(lease, leased, str(taken[0]), tuple(taken[2:]))  # type: ignore[attr-defined]

@@ -109,3 +109,42 @@ def test_a_failure_ends_the_batch_and_the_failed_delivery_keeps_its_retry_schedu
     assert answered == [200, 500, 500], seen  # each delivery once, by its webhook-id
     assert sorted(s for _, s, _ in rows) == ["pending", "pending", "succeeded"]
     assert len(due) == 2 and all(wait.total_seconds() >= 4.4 for _, wait in due), due
+
+
+def test_a_job_whose_delivery_a_batch_already_made_ends_on_the_lease_statement_alone(
+    broker, database_url, start_worker, webhook_settings, monkeypatch
+):
+    import threading
+
+    from dramatiq.worker import WorkerThread
+
+    # Given a delivery made already (by another job's batch) whose own job is still queued
+    with http_server() as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["made.already"])
+        [event] = fanned_out(database_url, "made.already", 1)
+        query(database_url, "UPDATE standmeet.webhook_deliveries SET state = 'succeeded', attempts = 1"
+                            " WHERE event_id = %s", (event,))
+        # When its job runs (each statement on a worker thread counted; they still run)
+        counted: list[str] = []
+        real_execute, real_emit_before = psycopg.Connection.execute, broker.emit_before
+        current = threading.local()  # per worker thread: is it running a delivery?
+
+        def execute(self, statement, *args, **kwargs):
+            if isinstance(threading.current_thread(), WorkerThread) and getattr(current, "deliver", False):
+                counted.append(" ".join(str(statement).split()[:2]))
+            return real_execute(self, statement, *args, **kwargs)
+
+        def emit_before(signal, *args, **kwargs):
+            if signal == "process_message":
+                current.deliver = args[0].actor_name == "webhook.deliver"
+            return real_emit_before(signal, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.Connection, "execute", execute)
+        monkeypatch.setattr(broker, "emit_before", emit_before)
+        start_worker(queues=["webhook"], threads=2)
+        wait_for(lambda: query(database_url, RAN_OR_READY)[0][0] == 0, timeout_s=10, what="the job to end")
+        monkeypatch.undo()
+    # Then nothing was posted, and the job read nothing after the statement that would have leased
+    assert server.received == []
+    assert len(counted) == 2, counted  # its statement_timeout, and the lease statement that read the state
+    assert states(database_url, endpoint) == [(event, "succeeded", 1)]
