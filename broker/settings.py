@@ -374,7 +374,8 @@ QUEUE_ROWS: tuple[tuple[str, str, str, str], ...] = (
      "other characters than letters and digits as `_`)"),
     ("TIME_LIMIT_S", "as its module declares; `600` for any other queue", "≥ 0.001", "the queue's default hard time limit"),
     ("POLL_S", f"`{DEFAULT_POLL_S:g}`", "≥ 0.01", "fallback poll of an idle consumer (notifications do the real waking)"),
-    ("PREFETCH", "half the limit, at least 1", "≥ -1 (-1: the default)",
+    ("PREFETCH", f"as many as the queue's jobs finish in {PREFETCH_HORIZON_S * 1000:g} ms, between half the limit"
+                 " (at least 1) and twice it", "≥ -1 (-1: the default)",
      "messages claimed beyond the running ones, to start the moment one finishes"),
 )
 
