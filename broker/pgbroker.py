@@ -665,7 +665,10 @@ class StandmeetBroker(dramatiq.Broker):
         return hooks
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        if signal == "worker_shutdown" and args:
+        if signal == "worker_boot" and args:
+            # before its threads start: a job may end before Worker.start() returns
+            self._workers = [*self._workers, args[0]]
+        elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
         # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
         for middleware, hook in self._hooks("before_" + signal):
@@ -687,8 +690,6 @@ class StandmeetBroker(dramatiq.Broker):
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal not in ("process_message", "skip_message"):
-            if signal == "worker_boot" and args:
-                self._workers = [*self._workers, args[0]]  # its consumer threads exist now
             self._emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
