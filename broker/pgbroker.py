@@ -955,6 +955,8 @@ class StandmeetConsumer(Consumer):
         self.timeout_s = max(0.05, timeout_ms / 1000)
         self.conn: psycopg.Connection[Any] | None = None
         self.next_due_s: float | None = 0.0
+        #: a claim found less than it asked for: when the next message is due is not known yet
+        self.next_due_unknown = False
         self.backoff = Backoff(start_s=0.1, cap_s=5.0)
         self.channel = sql.ENQUEUE_CHANNEL.format(queue=state.name)
 
@@ -1012,21 +1014,29 @@ class StandmeetConsumer(Consumer):
                 continue
             self.state.hold(Claim(message, int(number), started=rank <= start_now))
         if len(rows) < want:
-            now = time.monotonic()  # the statement's now(): its seconds count from before the round trip
-            seconds = conn.execute(sql.NEXT_DUE, {"queue": self.state.name}).fetchone()
-            poll_s = self.state.settings.poll_s
-            if seconds is None or seconds[0] is None:
-                self.next_due_s = now + poll_s
-            else:
-                # due later: wake exactly then; due now yet not claimed (locked by another
-                # claimer): look again shortly, not in a busy loop
-                wait_s = float(seconds[0])
-                self.next_due_s = now + min(wait_s if wait_s > 0 else MIN_WAIT_S, poll_s)
+            # nothing more is due now: when to look again is asked before the consumer
+            # sleeps, after what was claimed has been handed out (not before it)
+            self.next_due_s = time.monotonic() + self.state.settings.poll_s
+            self.next_due_unknown = True
         else:
             self.next_due_s = 0.0  # there may be more: claim again when a slot frees
         self.broker.outage.ok()
         self.backoff.reset()
         return len(rows)
+
+    def look_up_next_due(self, conn: psycopg.Connection[Any]) -> None:
+        """When the queue's next message is due: look again exactly then (at the latest
+        after the poll interval); due now yet not claimed (locked by another claimer):
+        shortly, not in a busy loop."""
+        self.next_due_unknown = False
+        now = time.monotonic()  # the statement's now(): its seconds count from before the round trip
+        seconds = conn.execute(sql.NEXT_DUE, {"queue": self.state.name}).fetchone()
+        poll_s = self.state.settings.poll_s
+        if seconds is None or seconds[0] is None:
+            self.next_due_s = now + poll_s
+        else:
+            wait_s = float(seconds[0])
+            self.next_due_s = now + min(wait_s if wait_s > 0 else MIN_WAIT_S, poll_s)
 
     def _decode(self, conn: psycopg.Connection[Any], text: str, row_id: str, row_queue: str) -> Message | None:
         """The row's message, or None after rejecting a row that cannot be run as it is."""
@@ -1063,6 +1073,8 @@ class StandmeetConsumer(Consumer):
                                          "max_claims": settings.unknown_actor_max_claims})
 
     def _wait(self, conn: psycopg.Connection[Any]) -> None:
+        if self.next_due_unknown and self.broker.claiming:
+            self.look_up_next_due(conn)
         timeout = self.timeout_s
         if not self.broker.claiming:
             timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop

@@ -357,6 +357,8 @@ def test_a_consumer_looks_again_when_the_next_message_is_due_not_at_the_retry_fl
     # When the consumer claims before it is due
     consumer.next_due_s = 0.0
     assert consumer.claim_once(consumer._connection()) == 0
+    assert consumer.next_due_unknown  # asked before it sleeps, after any hand-out
+    consumer.look_up_next_due(consumer._connection())
     # Then it looks again at the message's due time, not after the floor
     assert consumer.next_due_s is not None
     assert consumer.next_due_s - time.monotonic() <= 0.15
@@ -365,6 +367,7 @@ def test_a_consumer_looks_again_when_the_next_message_is_due_not_at_the_retry_fl
     with psycopg.connect(database_url) as holder:
         holder.execute("SELECT 1 FROM dramatiq.queue WHERE message_id = %s FOR UPDATE", (message.message_id,))
         assert consumer.claim_once(consumer._connection()) == 0
+        consumer.look_up_next_due(consumer._connection())
         assert 0.3 < consumer.next_due_s - time.monotonic() <= 0.5
         holder.rollback()
     consumer.close()
@@ -446,3 +449,36 @@ def test_a_buffered_job_that_its_finishing_thread_could_not_start_is_started_by_
     wait_for(lambda: _done(database_url, ids), timeout_s=10)
     assert query(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'refused-%%'")[0][0] == 3
     assert [by_consumer for _, by_consumer in seen].count(False) == 2  # the two behind the first
+
+
+def test_a_claimed_message_is_handed_out_before_the_consumer_asks_when_to_look_again(broker, database_url):
+    # Given an idle consumer whose statements are recorded, and one message sent
+    broker.claiming = True
+    assert broker.settler.flush(5)
+    consumer = broker.consume("index", timeout=100)
+    conn = consumer._connection()
+    statements: list[str] = []
+    real_execute = conn.execute
+
+    def execute(query, *args, **kwargs):
+        statements.append("next due" if query is sql.NEXT_DUE else "claim" if query is sql.CLAIM else "other")
+        return real_execute(query, *args, **kwargs)
+
+    conn.execute = execute  # type: ignore[method-assign]
+    message = mark.send("handed-first")
+    consumer.next_due_s = 0.0
+    # When the consumer claims it
+    proxy = None
+    for _ in range(20):  # each call waits at most the consumer's 100 ms
+        proxy = proxy or consumer.__next__()
+        if proxy is not None:
+            break
+    # Then it was handed out after the claim alone; when the next message is due is asked after
+    assert proxy is not None and proxy.message_id == message.message_id
+    assert statements == ["claim"]
+    consumer.__next__()
+    assert statements[:2] == ["claim", "next due"]
+    broker.emit_after("process_message", proxy, result=None)
+    consumer.ack(proxy)
+    assert broker.settler.flush(5)
+    consumer.close()
