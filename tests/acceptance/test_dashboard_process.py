@@ -131,6 +131,7 @@ def chromium(tmp_path: Path) -> Iterator[WebDriver]:
 @pytest.mark.slow
 def test_an_operator_filters_to_a_failed_job_retries_it_in_a_browser_and_sees_it_done(
         chromium, dashboard_process, broker, database_url, subprocess_env, tmp_path):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as seen
     from selenium.webdriver.support.select import Select
@@ -139,7 +140,22 @@ def test_an_operator_filters_to_a_failed_job_retries_it_in_a_browser_and_sees_it
     import tests.support.dashboard_jobs as jobs
 
     driver = chromium
-    wait = WebDriverWait(driver, 30)
+    # the pages refresh their rows in place: an element found a moment ago may have been
+    # replaced since, so waits look again instead of failing on it
+    wait = WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,))
+
+    def click(locator: tuple[str, str]) -> None:
+        """Click what ``locator`` finds, finding it again if a refresh replaced it first."""
+        def clicked(d) -> bool:
+            try:
+                element = d.find_element(*locator)
+                if not (element.is_displayed() and element.is_enabled()):
+                    return False
+                element.click()
+                return True
+            except (StaleElementReferenceException, NoSuchElementException):
+                return False
+        wait.until(clicked)
     with running(worker_cmd("--queues", "index", "--threads", "2", module="tests.support.dashboard_jobs"),
                  subprocess_env, log=tmp_path / "worker.log"), dashboard_process() as base:
         failed = jobs.fail_until_retried.send("browser-retry")
@@ -151,14 +167,13 @@ def test_an_operator_filters_to_a_failed_job_retries_it_in_a_browser_and_sees_it
         driver.find_element(By.ID, "filter-actor").send_keys("test.fail_until_retried")
         driver.find_element(By.ID, "filter-q").send_keys("browser-retry")
         driver.find_element(By.ID, "apply-filters").click()
-        link = wait.until(seen.element_to_be_clickable(
-            (By.CSS_SELECTOR, f'tr[data-job-id="{failed.message_id}"] a.job-link')))
+        wait.until(seen.text_to_be_present_in_element((By.ID, "jobs-total"), "1"))
         assert driver.find_element(By.ID, "jobs-total").text == "1"
-        link.click()
+        click((By.CSS_SELECTOR, f'tr[data-job-id="{failed.message_id}"] a.job-link'))
 
         wait.until(seen.text_to_be_present_in_element((By.ID, "job-state"), "rejected"))
         assert "the first run fails" in driver.find_element(By.ID, "job-error").text
-        wait.until(seen.element_to_be_clickable((By.ID, "retry-job"))).click()
+        click((By.ID, "retry-job"))
 
         # the page refreshes itself: no reload, the state turns to done
         wait.until(seen.text_to_be_present_in_element((By.ID, "job-state"), "done"))
