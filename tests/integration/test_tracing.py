@@ -5,6 +5,7 @@ sent on the POST, recorded by the SDK's in-memory exporter."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -27,19 +28,28 @@ from tests.support.http import http_server  # noqa: E402
 from tests.support.jobs import raise_once  # noqa: E402
 
 
-@pytest.fixture
-def spans(broker) -> Iterator[InMemorySpanExporter]:
-    """Spans of this test, recorded in memory; the broker traces as default_middleware is to make it."""
+@contextmanager
+def traced(broker) -> Iterator[InMemorySpanExporter]:
+    """Spans recorded in memory while inside; the broker traces as default_middleware is to make it."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracing.set_tracer_provider(provider)
     middleware = Tracing()
     broker.add_middleware(middleware, before=Retries)
-    yield exporter
-    broker.middleware.remove(middleware)
-    tracing.set_tracer_provider(None)
-    provider.shutdown()
+    try:
+        yield exporter
+    finally:
+        broker.middleware.remove(middleware)
+        tracing.set_tracer_provider(None)
+        provider.shutdown()
+
+
+@pytest.fixture
+def spans(broker) -> Iterator[InMemorySpanExporter]:
+    """Spans of this test, recorded in memory."""
+    with traced(broker) as exporter:
+        yield exporter
 
 
 def _one(spans: list, name: str, kind: SpanKind) -> object:
@@ -138,28 +148,18 @@ def test_a_relayed_event_that_brought_no_trace_gets_one_when_tracing_is_on(broke
         conn.execute("DELETE FROM standmeet.outbox")
         with conn.transaction():  # written while no tracer is configured: no carrier
             untraced = emit(conn, "test.ping", {"label": "untraced"})
-        exporter = InMemorySpanExporter()
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        tracing.set_tracer_provider(provider)
-        middleware = Tracing()
-        broker.add_middleware(middleware, before=Retries)
-        try:
+        with traced(broker) as exporter:
             with conn.transaction():
-                traced = emit(conn, "test.ping", {"label": "traced"})
+                traced_event = emit(conn, "test.ping", {"label": "traced"})
             relay_once(conn, limit=200)
-        finally:
-            broker.middleware.remove(middleware)
-            tracing.set_tracer_provider(None)
-            provider.shutdown()
     options = {event_id: json.loads(scalar(database_url, "SELECT message::text FROM dramatiq.queue WHERE message_id = %s",
                                            (str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/0")),)))["options"]
-               for event_id in (untraced, traced)}
+               for event_id in (untraced, traced_event)}
     sent = _one(exporter.get_finished_spans(), "test.noop send", SpanKind.PRODUCER)
     emitted = _one(exporter.get_finished_spans(), "test.ping emit", SpanKind.PRODUCER)
     # the untraced event's message got the relay's producer span; the traced one kept its emit's
     assert options[untraced][tracing.OPTION]["traceparent"].split("-")[2] == f"{sent.context.span_id:016x}"
-    assert options[traced][tracing.OPTION]["traceparent"].split("-")[2] == f"{emitted.context.span_id:016x}"
+    assert options[traced_event][tracing.OPTION]["traceparent"].split("-")[2] == f"{emitted.context.span_id:016x}"
 
 
 def test_a_batch_enqueued_under_a_span_carries_its_trace_on_every_message(broker, database_url, spans):

@@ -10,18 +10,9 @@ from standardwebhooks import Webhook, WebhookVerificationError
 
 from actors import settings as app_settings
 from actors import webhooks
-from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
 from tests.support.webserver import Reply, web_server
-
-
-@pytest.fixture
-def webhook_settings(broker):
-    original = app_settings.current()
-    app_settings.use(replace(original, allowed_networks=("127.0.0.0/8",), webhook_busy_snooze_s=0.05))
-    yield broker.settings
-    app_settings.use(original)
 
 
 def emit(database_url: str, event_type: str, payload: dict) -> int:
