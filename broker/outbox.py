@@ -36,7 +36,13 @@ from psycopg.types.json import Jsonb
 from broker import detach, sql, tracing
 from broker.backoff import Backoff
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
-from broker.pgbroker import batch_params, current_broker, message_json, message_priority
+from broker.pgbroker import (
+    batch_params,
+    compact_json,
+    current_broker,
+    message_json,
+    message_priority,
+)
 from broker.pgpool import Outage, close_quietly
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -181,9 +187,6 @@ def message_id_of(event_id: int, index: int) -> str:
 _NAMESPACE_SHA1 = hashlib.sha1(MESSAGE_NAMESPACE.bytes)
 _VARIANT = {d: format((int(d, 16) & 0x3) | 0x8, "x") for d in "0123456789abcdef"}
 
-#: Dramatiq's JSONEncoder writes ``json.dumps(fields, separators=(",", ":"))``.
-_json = json.JSONEncoder(separators=(",", ":")).encode
-
 
 @dataclass(frozen=True)
 class _Target:
@@ -197,7 +200,7 @@ class _Target:
 
 def _target(broker: Any, actor_name: str) -> _Target:
     actor = broker.get_actor(actor_name)
-    head = f'{{"queue_name":{_json(actor.queue_name)},"actor_name":{_json(actor.actor_name)},"args":'
+    head = f'{{"queue_name":{compact_json(actor.queue_name)},"actor_name":{compact_json(actor.actor_name)},"args":'
     return _Target(actor, str(int(actor.priority)), head)
 
 
@@ -223,11 +226,9 @@ class _Pass:
 
 def _begin_pass() -> _Pass:
     broker = current_broker()
-    before = broker._hooks("before_enqueue")
-    after = broker._hooks("after_enqueue")
-    foreign = bool(after) or not all(tracing.is_carrier_only(hook) for _, hook in before)
+    foreign = bool(broker._hooks("after_enqueue")) or not broker.before_enqueue_only_carries_traces()
     # without a carrier of its own, a message needs the tracing hook only when it has work
-    hooked_unless_carried = foreign or (bool(before) and not tracing.nothing_to_carry())
+    hooked_unless_carried = foreign or (bool(broker._hooks("before_enqueue")) and not tracing.nothing_to_carry())
     return _Pass(broker, foreign, hooked_unless_carried, int(time.time() * 1000))
 
 
@@ -255,8 +256,8 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                                          args=tuple(args), kwargs=kwargs or {}, options=dict(options),
                                          message_id=message_id, message_timestamp=state.now_ms))
                 else:
-                    built.append((f'{target.head}{_json(args)},"kwargs":{_json(kwargs) if kwargs else "{}"},'
-                                  f'"options":{_json(options) if options else "{}"},'
+                    built.append((f'{target.head}{compact_json(args)},"kwargs":{compact_json(kwargs) if kwargs else "{}"},'
+                                  f'"options":{compact_json(options) if options else "{}"},'
                                   f'"message_id":"{message_id}","message_timestamp":{state.now_ms}}}',
                                   target.priority))
         except Exception as exc:  # keep the event, say why, go on with the rest
@@ -294,9 +295,9 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     their messages (in event order). The statements are pipelined: the next chunk is
     claimed while this one's messages are built.
 
-    A message goes through the broker's enqueue hooks, as every enqueue does, unless the
-    only hook is the tracing one and it would leave the message as it is (the event
-    brought its trace along, or there is nothing to carry): then its JSON text is written
+    A message goes through the broker's enqueue hooks, as every enqueue does, unless every
+    hook is declared carrier-only and would leave the message as it is (the event brought
+    its trace along, or there is nothing to carry): then its JSON text is written
     straight from the route, as Dramatiq would encode it, without a ``Message`` in between.
     The ``after_enqueue`` hooks run once the pass has committed.
     """

@@ -166,10 +166,14 @@ class QueueState:
         with self.lock:
             if not self.buffer or len(self.running) >= self.limit:
                 return None
-            claim = self.buffer.popleft()
-            self.running.add(claim.key)
-            self._handed_at[claim.key] = time.monotonic()
-            return claim
+            return self._take_next()
+
+    def _take_next(self) -> Claim:
+        """The first buffered claim, now running (under ``lock``, with one in the buffer)."""
+        claim = self.buffer.popleft()
+        self.running.add(claim.key)
+        self._handed_at[claim.key] = time.monotonic()
+        return claim
 
     def _ran(self, key: tuple[str, int]) -> None:
         """A run ended: fold its time into the mean, and size the default prefetch to hold
@@ -204,9 +208,7 @@ class QueueState:
             self.unsettled += 1
             claim = None
             if hand_off and self.buffer and len(self.running) < self.limit:
-                claim = self.buffer.popleft()
-                self.running.add(claim.key)
-                self._handed_at[claim.key] = time.monotonic()
+                claim = self._take_next()
                 free = self._free()
                 if free <= 0 or (free < self.claim_batch and len(self.running) + len(self.buffer) >= self.limit):
                     return claim  # nothing for the consumer to do yet
@@ -623,8 +625,7 @@ class StandmeetBroker(dramatiq.Broker):
             return batch
         # Hooks that would only add a trace carrier, with nothing to carry, are not called
         # for each message: they would leave every one as it is.
-        hooked = not (all(tracing.is_carrier_only(hook) for _, hook in self._hooks("before_enqueue"))
-                      and tracing.nothing_to_carry())
+        hooked = not (self.before_enqueue_only_carries_traces() and tracing.nothing_to_carry())
         for message in batch:
             if message.queue_name not in self.queues:
                 raise QueueNotFound(message.queue_name)
@@ -748,8 +749,22 @@ class StandmeetBroker(dramatiq.Broker):
         consumer_thread = self._consumer_thread(proxy.queue_name) if self.claiming else None
         following = state.finished(key, hand_off=consumer_thread is not None)
         if following is not None:
-            self._start(state, following, consumer_thread)
+            self._hand_to_worker(state, following, consumer_thread)
         self.settler.submit(outcome)
+
+    def proxy_for(self, claim: Claim) -> ClaimedMessage:
+        """The proxy a worker runs for a claim leaving the buffer, marked started (in the
+        database, with the settler's next statement) unless its claim already did."""
+        if not claim.started:
+            self.settler.mark_started(claim.key)
+            claim.started = True
+        return ClaimedMessage(claim.message, claim=claim.number, claimed_at=claim.claimed_at)
+
+    def before_enqueue_only_carries_traces(self) -> bool:
+        """Whether every ``before_enqueue`` hook is declared to add a trace carrier and
+        nothing else: a message that carries one, or any message when there is nothing to
+        carry, passes through them unchanged."""
+        return all(tracing.is_carrier_only(hook) for _, hook in self._hooks("before_enqueue"))
 
     def _consumer_thread(self, queue_name: str) -> Any:
         """The running Dramatiq worker's consumer thread of ``queue_name``, if any."""
@@ -759,15 +774,11 @@ class StandmeetBroker(dramatiq.Broker):
                 return thread
         return None
 
-    def _start(self, state: QueueState, claim: Claim, consumer_thread: Any) -> None:
+    def _hand_to_worker(self, state: QueueState, claim: Claim, consumer_thread: Any) -> None:
         """Put a claim taken from the buffer on the worker's work queue, as its consumer
         thread would (the same method); if that fails, it goes back to the buffer."""
-        if not claim.started:
-            self.settler.mark_started(claim.key)
-            claim.started = True
         try:
-            consumer_thread.handle_message(ClaimedMessage(claim.message, claim=claim.number,
-                                                          claimed_at=claim.claimed_at))
+            consumer_thread.handle_message(self.proxy_for(claim))
         except Exception:
             logger.exception("queue %r: could not start message %s here; the consumer will",
                              state.name, claim.message.message_id)
@@ -981,9 +992,7 @@ class StandmeetConsumer(Consumer):
         claim = self.state.next_buffered()
         if claim is None:
             return None
-        if not claim.started:
-            self.broker.settler.mark_started(claim.key)
-        return ClaimedMessage(claim.message, claim=claim.number, claimed_at=claim.claimed_at)
+        return self.broker.proxy_for(claim)
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
@@ -1160,7 +1169,7 @@ def as_message(message: Message | MessageProxy) -> Message:
 
 #: Dramatiq's JSONEncoder writes ``json.dumps(fields, separators=(",", ":"))``: the same
 #: encoder made once (json.dumps makes a new one per call with these separators).
-_compact_json = json.JSONEncoder(separators=(",", ":")).encode
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
 _MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
 
 
@@ -1169,7 +1178,7 @@ def message_json(message: Message | MessageProxy) -> str:
     plain = as_message(message)
     if type(plain) is Message and type(dramatiq.get_encoder()) is dramatiq.JSONEncoder:
         # the same text as ``plain.encode().decode()``, without the bytes in between
-        return _compact_json({name: getattr(plain, name) for name in _MESSAGE_FIELDS})
+        return compact_json({name: getattr(plain, name) for name in _MESSAGE_FIELDS})
     return plain.encode().decode("utf-8")
 
 

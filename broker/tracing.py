@@ -115,12 +115,16 @@ def recording() -> bool:
     return not isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
 
 
+def worth_a_span(carrier: Mapping[str, str] | None) -> bool:
+    """Whether a run whose message carries ``carrier`` needs a consumer span: something
+    records it, or it has a context to pass on to what it sends."""
+    return trace is not None and (bool(carrier) or recording())
+
+
 def consumed(name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> Consumed | None:
-    """The run's consumer span; None when there is nothing to record and no context to pass
-    on (no SDK, and a message that carries no trace context): a run then costs no span."""
-    if trace is None or (not carrier and not recording()):
-        return None
-    return Consumed(name, carrier, attributes)
+    """The run's consumer span; None when it is not :func:`worth_a_span` (no SDK, and a
+    message that carries no trace context): a run then costs no span."""
+    return Consumed(name, carrier, attributes) if worth_a_span(carrier) else None
 
 
 def inject_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -33,10 +33,8 @@ class Tracing(Middleware):
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         carrier = message.options.get(tracing.OPTION)
-        if not carrier and not tracing.recording():
-            message.standmeet_span = None  # nothing to record, no context to pass on
-            return
-        message.standmeet_span = tracing.consumed(f"{message.actor_name} process", carrier, _attributes(message))
+        message.standmeet_span = (tracing.Consumed(f"{message.actor_name} process", carrier, _attributes(message))
+                                  if tracing.worth_a_span(carrier) else None)
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
                               exception: BaseException | None = None) -> None:
