@@ -1,7 +1,8 @@
-"""Outbound HTTP for the actors: one shared client, and one guarded request helper.
+"""Outbound HTTP for the actors: one guarded request helper over one pool of kept-alive connections.
 
-Building a client loads the CA bundle — tens of milliseconds of CPU under the GIL — so
-actors never build one per call. Redirects are never followed (a redirect is an
+The exchange itself is :mod:`actors.http1` (HTTP/1.1, written and parsed here: a
+general client's request model cost several times the exchange's CPU); the CA bundle
+is loaded once per process. Redirects are never followed (a redirect is an
 outcome to record, and following one would bypass the request-forgery guard), and
 proxies from the environment are ignored (a proxy would undo the address pinning).
 
@@ -23,14 +24,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import certifi
-import httpcore
 import httpx
 
+from actors import http1
 from actors.netguard import Target, check_url
 from broker import deadline
 from broker.errors import StandmeetError
@@ -65,69 +64,26 @@ def _budget() -> _Budget | None:
     return getattr(_local, "budget", None)
 
 
-class _DeadlineStream(httpcore.NetworkStream):
-    """A network stream whose every operation waits at most for what remains of the budget."""
-
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self._inner = inner
-
-    def _cap(self, timeout: float | None, error: type[Exception]) -> float | None:
-        budget = _budget()
-        if budget is None:
-            return timeout
-        left = budget.left()
-        if left <= 0 or budget.expired:
-            raise error("the request's total deadline has passed")
-        sock = self._inner.get_extra_info("socket")
-        budget.sock = sock if isinstance(sock, socket.socket) else None
-        return left if timeout is None else min(timeout, left)
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, self._cap(timeout, httpcore.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, self._cap(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        capped = self._cap(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, capped))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
+def _left_s() -> float:
+    budget = _budget()
+    if budget is None or budget.expired:
+        return 0.0
+    return budget.left()
 
 
-class _DeadlineBackend(httpcore.SyncBackend):
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        budget = _budget()
-        if budget is not None:
-            left = budget.left()
-            if left <= 0 or budget.expired:
-                raise httpcore.ConnectTimeout("the request's total deadline has passed")
-            timeout = left if timeout is None else min(timeout, left)
-        return _DeadlineStream(super().connect_tcp(host, port, timeout, local_address, socket_options))
+def _on_socket(sock: socket.socket | None) -> None:
+    budget = _budget()
+    if budget is not None:
+        budget.sock = sock
 
 
-class _Transport(httpx.HTTPTransport):
-    def __init__(self) -> None:
-        super().__init__()
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=ssl.create_default_context(cafile=certifi.where()),
-            max_connections=100, max_keepalive_connections=20, keepalive_expiry=5.0,
-            network_backend=_DeadlineBackend(),
-        )
-
-
-#: The one connection pool: guarded requests go straight to it (a request is built once,
-#: sent to the checked address, and read up to its cap; no cookies, no redirects, no
-#: proxies, no auth): the client layer above it cost as much CPU as the request itself.
-TRANSPORT = _Transport()
-CLIENT = httpx.Client(follow_redirects=False, trust_env=False, transport=TRANSPORT)
-#: The headers every guarded request carries unless the caller sets them (httpx's own).
+#: Certificates are checked against this context's authorities (loaded once: tens of
+#: milliseconds of CPU under the GIL).
+TLS = ssl.create_default_context(cafile=certifi.where())
+#: The one pool of kept-alive connections, shared by every thread of the process.
+POOL = http1.Pool()
+EXCHANGE = http1.Exchange(POOL, lambda: TLS, _left_s, _on_socket)
+#: The headers every guarded request carries unless the caller sets them.
 DEFAULT_HEADERS = {"Accept": "*/*", "Connection": "keep-alive", "User-Agent": f"python-httpx/{httpx.__version__}"}
 
 
@@ -174,7 +130,6 @@ def guarded_request(
     refuse_larger: bool = False,
     headers: dict[str, str] | None = None,
     content: bytes | None = None,
-    extensions: dict[str, Any] | None = None,
 ) -> Response:
     """One request to ``url`` through the guard, within a total deadline, body capped.
 
@@ -188,30 +143,17 @@ def guarded_request(
     total = deadline.cap_timeout(timeout_s)
     budget = _Budget(end=time.monotonic() + total)
     sent = {**DEFAULT_HEADERS, "Accept-Encoding": "identity", **(headers or {}), **target.headers()}
-    request = httpx.Request(method, target.pinned_url(), headers=sent, content=content,
-                            extensions={"timeout": httpx.Timeout(total).as_dict(), **target.extensions(),
-                                        **(extensions or {})})
+    key = (target.scheme, target.address, target.port, target.host)
     previous = _budget()
     _local.budget = budget
     try:
         with deadline.watchdog(total, budget.expire):
             try:
-                response = TRANSPORT.handle_request(request)
-                try:
-                    chunks: list[bytes] = []
-                    size, truncated = 0, False
-                    for chunk in response.stream:  # type: ignore[union-attr]
-                        if size + len(chunk) > max_bytes:
-                            if refuse_larger:
-                                raise ResponseTooLarge(f"the response is larger than {max_bytes} bytes")
-                            chunks.append(chunk[: max_bytes - size])
-                            truncated = True
-                            break
-                        chunks.append(chunk)
-                        size += len(chunk)
-                    return Response(response.status_code, response.headers, b"".join(chunks), truncated, target)
-                finally:
-                    response.close()
+                reply = EXCHANGE.send(method.upper(), key, http1.request_line_target(target.url), sent, content,
+                                      max_bytes=max_bytes, refuse_larger=refuse_larger)
+                return Response(reply.status_code, httpx.Headers(reply.headers), reply.body, reply.truncated, target)
+            except http1.BodyTooLarge as exc:
+                raise ResponseTooLarge(str(exc)) from None
             except httpx.HTTPError as exc:
                 if budget.expired or budget.left() <= 0:
                     raise httpx.ReadTimeout(f"the total deadline of {total:.3g} s passed "
