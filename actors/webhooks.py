@@ -3,7 +3,7 @@
 An event is stored (``standmeet.webhook_events``) and emitted through the outbox;
 ``webhook.fanout`` makes one delivery per enabled endpoint subscribed to its type (a
 disabled one gets a *skipped* delivery, replayable later) and a ``webhook.deliver``
-job for each. The endpoint lease is taken and released around ``webhook.deliver`` by
+job for each, whose message id the delivery records. The endpoint lease is taken and released around ``webhook.deliver`` by
 the keyed-lease middleware (``middleware/keyed_lease.py``), as this module's
 ``ENDPOINT_LEASE`` declares; the actor only reads (connection returned), POSTs
 holding no connection, and records.
@@ -41,7 +41,7 @@ from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from broker import app, db, deadline, tracing
-from broker.enqueue import build_message, enqueue, enqueue_messages
+from broker.enqueue import build_message, enqueue_messages, finish_queued
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import emit
 from middleware.keyed_lease import Lease, given_back, lease_of, read_without_lease
@@ -187,7 +187,7 @@ def replay(delivery_id: int) -> None:
             (delivery_id,)).fetchone()
         if found is None:
             raise WebhookError(f"no webhook delivery {delivery_id}")
-        enqueue(conn, "webhook.deliver", delivery_id)
+        enqueue_deliveries(conn, [delivery_id])
 
 
 def replay_failed(since: datetime) -> int:
@@ -196,9 +196,25 @@ def replay_failed(since: datetime) -> int:
         ids = [r[0] for r in conn.execute(
             "UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()"
             " WHERE state IN ('failed', 'skipped') AND updated_at >= %s RETURNING id", (since,)).fetchall()]
-        for delivery_id in ids:
-            enqueue(conn, "webhook.deliver", int(delivery_id))
+        enqueue_deliveries(conn, [int(delivery_id) for delivery_id in ids])
     return len(ids)
+
+
+#: Each delivery names the message that carries it (a batch that makes the delivery
+#: finishes that message while it is still queued).
+NAME_MESSAGES = """
+UPDATE standmeet.webhook_deliveries d SET message_id = m.message_id
+FROM unnest(%(ids)s::bigint[], %(messages)s::uuid[]) AS m(id, message_id) WHERE d.id = m.id
+"""
+
+
+def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> None:
+    """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
+    recorded on its delivery."""
+    if not delivery_ids:
+        return
+    messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids])
+    conn.execute(NAME_MESSAGES, {"ids": delivery_ids, "messages": [m.message_id for m in messages]})
 
 
 # -- fan-out ------------------------------------------------------------------------------
@@ -228,8 +244,7 @@ def fanout(event_id: int) -> None:
         ping_endpoint = (event[1] or {}).get("endpoint_id") if event[0] == "webhook.ping" else None
         rows = conn.execute(FANOUT, {"event": event_id, "ping_endpoint": ping_endpoint}).fetchall()
         # every deliver job in one statement, in the same transaction as the deliveries
-        enqueue_messages(conn, [build_message("webhook.deliver", (int(delivery_id),))
-                                for delivery_id, state in rows if state == "pending"])
+        enqueue_deliveries(conn, [int(delivery_id) for delivery_id, state in rows if state == "pending"])
 
 
 # -- delivery -----------------------------------------------------------------------------
@@ -355,7 +370,7 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
 #: never-attempted pending deliveries (up to 31, oldest first: :data:`BATCH_MAX` in all)
 #: with their events. Its rows:
 #:   (token, endpoint, state, attempts, url, secrets, event id, type, payload, created_at,
-#:    due_in_s, batch ids, batch event ids, types, payloads, created_ats)
+#:    due_in_s, batch ids, batch event ids, types, payloads, created_ats, batch message ids)
 #:       the lease is ours;
 #:   no row: the endpoint is busy (the message snoozes);
 #:   (NULL, NULL, state, NULL, …): the delivery is no longer pending, or it or its
@@ -378,7 +393,7 @@ WITH target AS (
 )
 SELECT t.lease_token::text, t.id, d.state, d.attempts, t.url, t.secrets, ev.id, ev.type, ev.payload, ev.created_at,
        extract(epoch FROM d.next_attempt_at - now())::float8,
-       b.ids, b.event_ids, b.types, b.payloads, b.created_ats
+       b.ids, b.event_ids, b.types, b.payloads, b.created_ats, b.message_ids
 FROM taken t
 CROSS JOIN LATERAL (SELECT state, attempts, next_attempt_at, event_id FROM standmeet.webhook_deliveries
                     WHERE id = %(key)s AND endpoint_id = t.id FOR UPDATE) d
@@ -386,15 +401,16 @@ JOIN standmeet.webhook_events ev ON ev.id = d.event_id
 CROSS JOIN LATERAL (
     SELECT array_agg(n.id ORDER BY n.id) AS ids, array_agg(nev.id ORDER BY n.id) AS event_ids,
            array_agg(nev.type ORDER BY n.id) AS types, array_agg(nev.payload ORDER BY n.id) AS payloads,
-           array_agg(nev.created_at ORDER BY n.id) AS created_ats
-    FROM (SELECT id, event_id FROM standmeet.webhook_deliveries
+           array_agg(nev.created_at ORDER BY n.id) AS created_ats,
+           array_agg(n.message_id::text ORDER BY n.id) AS message_ids
+    FROM (SELECT id, event_id, message_id FROM standmeet.webhook_deliveries
           WHERE endpoint_id = t.id AND state = 'pending' AND attempts = 0 AND id <> %(key)s
           ORDER BY id LIMIT 31 FOR UPDATE) n
     JOIN standmeet.webhook_events nev ON nev.id = n.event_id
 ) b
 UNION ALL
 SELECT NULL, NULL, (SELECT d.state FROM standmeet.webhook_deliveries d WHERE d.id = %(key)s),
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT FROM target)
 """
 RELEASE_ENDPOINT = """
@@ -418,8 +434,9 @@ ENDPOINT_LEASE = Lease(
 
 #: Deliveries one job makes while it holds its endpoint's lease: its own first, then the
 #: endpoint's next never-attempted pending ones, oldest first (TAKE_ENDPOINT reads up to
-#: BATCH_MAX - 1 of them), over one kept-alive connection. Each keeps its own message: a
-#: message whose delivery a batch made finds it no longer pending and ends.
+#: BATCH_MAX - 1 of them), over one kept-alive connection. Each delivery keeps its own
+#: message until its attempt is recorded: then one still queued is marked done without
+#: running (``finish_queued``), and one already claimed finds its delivery made and ends.
 BATCH_MAX = 32
 #: A message whose delivery another job's batch tried, and scheduled for a retry later
 #: than this, snoozes until the retry is due (the retry schedule holds whichever job tried).
@@ -428,7 +445,8 @@ DUE_SLACK_S = 1.0
 
 @dataclass(frozen=True)
 class _Due:
-    """A delivery to make: its id, attempts so far, and its event."""
+    """A delivery to make: its id, attempts so far, its event, and (for one of a batch) the
+    message that carries it."""
 
     delivery_id: int
     attempts: int
@@ -436,6 +454,7 @@ class _Due:
     event_type: str
     payload: Any
     created_at: datetime
+    message_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -461,14 +480,14 @@ def deliver(delivery_id: int) -> None:
         # 1. the lease is ours, and its statement read the delivery and the endpoint's
         #    next never-attempted deliveries (middleware)
         (state, attempts, url, secrets, event_id, event_type, payload, created_at, due_in_s,
-         ids, event_ids, types, payloads, created_ats) = held.row
+         ids, event_ids, types, payloads, created_ats, message_ids) = held.row
         endpoint_id, enabled, token = int(held.key), True, held.token
         if state == "pending" and due_in_s is not None and due_in_s > DUE_SLACK_S:
             # another job's batch tried it and scheduled its retry (the lease is given back)
             raise Snooze(due_in_s, f"delivery {delivery_id}: its retry is due in {due_in_s:.1f} s")
-        batch = [_Due(int(i), 0, int(e), t, p, c)
-                 for i, e, t, p, c in zip(ids or (), event_ids or (), types or (), payloads or (), created_ats or (),
-                                          strict=True)]
+        batch = [_Due(int(i), 0, int(e), t, p, c, m)
+                 for i, e, t, p, c, m in zip(ids or (), event_ids or (), types or (), payloads or (),
+                                             created_ats or (), message_ids or (), strict=True)]
     else:
         # no lease taken (the delivery is no longer pending, or it or its endpoint is gone
         # or disabled, or no worker runs this)
@@ -568,8 +587,12 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attem
                      for a in made],
             "endpoint": endpoint_id, "healthy": last.ok, "token": token,
             "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None})
-    if token is not None and message is not None:
-        given_back(message)  # released by that statement: the middleware need not
+        if token is not None and message is not None:
+            given_back(message)  # released by that statement: the middleware need not
+        # the messages of the batch's deliveries that reached their end (not one retried
+        # later, which its message carries) need not run: done while still queued
+        finish_queued(conn, [a.due.message_id for a in made[1:]
+                             if a.due.message_id is not None and a.state != "pending"])
 
 
 DISABLE_FAILING = """

@@ -17,7 +17,7 @@ import dramatiq
 import psycopg
 from dramatiq.message import Message
 
-from broker import sql
+from broker import app, sql
 from broker.pgbroker import current_broker, enqueue_one_params, enqueue_params
 
 
@@ -58,3 +58,13 @@ def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: A
             delay_ms: int | None = None, options: dict[str, Any] | None = None, **kwargs: Any) -> Message:
     """Enqueue ``actor(*args, **kwargs)`` in the caller's transaction; return the message."""
     return enqueue_message(conn, build_message(actor, args, kwargs, options), delay_ms=delay_ms)
+
+
+def finish_queued(conn: psycopg.Connection[Any], message_ids: list[str]) -> int:
+    """Mark done the messages of ``message_ids`` still queued, without running them: their
+    work was done by another job. A message already claimed is left to run (it must find
+    its work made and end). Returns how many were finished."""
+    if not message_ids:
+        return 0
+    row = conn.execute(sql.FINISH_QUEUED, {"ids": message_ids, "awaited": app.awaited_queues()}).fetchone()
+    return int(row[0]) if row else 0

@@ -137,3 +137,36 @@ def test_a_job_whose_delivery_a_batch_already_made_ends_on_the_lease_statement_a
     assert server.received == []
     assert len(counted) == 2, counted  # its statement_timeout, and the lease statement that read the state
     assert states(database_url, endpoint) == [(event, "succeeded", 1)]
+
+
+def test_the_messages_of_deliveries_a_batch_made_are_done_without_running_and_a_retried_ones_stays(
+    broker, database_url, start_worker, webhook_settings
+):
+    answered: list[int] = []
+
+    def ok_ok_then_failing(request):
+        answered.append(200 if len(answered) < 2 else 500)
+        return Reply(answered[-1], b"")
+
+    with web_server() as site:
+        site.on("POST", "/hook", ok_ok_then_failing)
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["finished"])
+        # Given four deliveries whose jobs are queued, all but the first held back an hour
+        # (so no consumer claims them before the first job's batch is recorded)
+        fanned_out(database_url, "finished", 4)
+        deliveries = query(database_url, "SELECT id, message_id::text FROM standmeet.webhook_deliveries"
+                                         " WHERE endpoint_id = %s ORDER BY id", (endpoint,))
+        assert all(m is not None for _, m in deliveries), deliveries  # each names its message
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour'"
+                            " WHERE message_id = ANY(%s::uuid[])", ([m for _, m in deliveries[1:]],))
+        # When the first job runs: 200 for its own, 200 for the second, 500 for the third
+        start_worker(queues=["webhook"], threads=1)
+        wait_for(lambda: len(answered) == 3 and query(database_url, RAN_OR_READY) == [(0,)], timeout_s=15,
+                 what="the first job's batch to be recorded")
+    messages = {m: (state, claims) for m, state, claims in query(
+        database_url, "SELECT message_id::text, state::text, claims FROM dramatiq.queue"
+                      " WHERE message_id = ANY(%s::uuid[])", ([m for _, m in deliveries],))}
+    # Then the second delivery's message is done without ever being claimed; the third's
+    # (its retry) and the fourth's (never tried) are still queued
+    assert [messages[m] for _, m in deliveries] == [("done", 1), ("done", 0), ("queued", 0), ("queued", 0)]
+    assert [s for _, s, _ in states(database_url, endpoint)] == ["succeeded", "succeeded", "pending", "pending"]
