@@ -24,7 +24,7 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import certifi
 import httpx
@@ -42,19 +42,26 @@ class _Budget:
     end: float
     sock: socket.socket | None = None
     expired: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def left(self) -> float:
         return self.end - time.monotonic()
 
+    def hold(self, sock: socket.socket | None) -> None:
+        """The socket the request now waits on (None: none; once this returns, the watchdog
+        no longer touches the one before, which may go back to the pool)."""
+        with self.lock:
+            self.sock = sock
+
     def expire(self) -> None:
         """Called by the watchdog: unblock whatever the request waits in."""
-        self.expired = True
-        sock = self.sock
-        if sock is not None:
-            try:  # the plain socket's shutdown (also under TLS): the blocked read returns at once
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self.lock:
+            self.expired = True
+            if self.sock is not None:
+                try:  # the plain socket's shutdown (also under TLS): the blocked read returns at once
+                    socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 _local = threading.local()
@@ -74,7 +81,7 @@ def _left_s() -> float:
 def _on_socket(sock: socket.socket | None) -> None:
     budget = _budget()
     if budget is not None:
-        budget.sock = sock
+        budget.hold(sock)
 
 
 #: Certificates are checked against this context's authorities (loaded once: tens of

@@ -11,16 +11,22 @@ What it guarantees:
 * it connects to the given address only (never resolves a name), presenting the given
   Host header and, for https, verifying the certificate against the given server name;
 * every socket operation waits at most for what remains of the caller's deadline
-  (``left_s()``), and the raw socket is handed to ``on_socket`` so a watchdog can shut it
-  down whatever the exchange is blocked in;
-* the response head is refused over :data:`MAX_HEAD_BYTES`, the body is read up to
-  ``max_bytes`` and no further; a connection goes back to the pool only when its
-  response was read whole, framed by length or chunks, and neither side asked to close;
-* a pooled connection is reused only while it is younger than :data:`KEEPALIVE_S` idle
-  and has nothing to read (a peer that closed it is noticed before the request is sent);
-  one the peer closes as the request goes out (no byte of a response came back) is
+  (``left_s()``), and the socket is handed to ``on_socket`` (from before the TLS
+  handshake) so a watchdog can shut it down whatever the exchange is blocked in;
+* nothing a server sends is held without bound: the response head is refused over
+  :data:`MAX_HEAD_BYTES` (trailers too), a chunk-size line over :data:`MAX_CHUNK_LINE`,
+  more than :data:`MAX_INTERIM` interim responses; the body is read up to ``max_bytes``;
+* header lines holding CR, LF or NUL, a Content-Length that is not one decimal number,
+  and a chunk size that is not hexadecimal are protocol errors, never guessed at;
+* a connection goes back to the pool only when its HTTP/1.1 response was read whole,
+  framed unambiguously (a Content-Length, or chunked without one), and neither side
+  asked to close; a pooled connection is reused only while younger than
+  :data:`KEEPALIVE_S` idle and with nothing to read;
+* one the peer closes as the request goes out (no byte of a response came back) is
   replaced by a new connection once: the receiver may then see the request twice, as
-  at-least-once delivery allows, rather than a failure recorded for a race.
+  at-least-once delivery allows, rather than a failure recorded for a race;
+* a response the server sends before it has read the whole request (a 413, say) is
+  returned, not hidden behind the error of the write it cut short.
 
 Errors are httpx's (``httpx.ConnectError``, ``httpx.ConnectTimeout``,
 ``httpx.ReadTimeout``, ``httpx.WriteTimeout``, ``httpx.ReadError``,
@@ -30,6 +36,7 @@ the one vocabulary the actors already classify.
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import ssl
@@ -41,10 +48,13 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-#: A response head (status line and headers) larger than this is refused.
+#: A response head (status line and headers) larger than this is refused; so are
+#: trailers larger than this in all.
 MAX_HEAD_BYTES = 64 * 1024
 #: A chunk-size line longer than this is refused.
 MAX_CHUNK_LINE = 1024
+#: More interim (1xx) responses than this before the final one are refused.
+MAX_INTERIM = 16
 #: A pooled connection idle longer than this is closed rather than reused (below the
 #: 5 s keep-alive timeout common servers apply, so the peer rarely closes it first).
 KEEPALIVE_S = 4.0
@@ -54,20 +64,28 @@ MAX_IDLE = 32
 READ_SIZE = 65536
 
 #: Characters left as they are in a request's path and query; anything else (spaces,
-#: control characters, non-ASCII) is percent-encoded, so a URL can never split the
-#: request line.
-_PATH_SAFE = "/%:@!$&'()*+,;=-._~"
+#: control characters, quotes, angle brackets, non-ASCII) is percent-encoded, so a URL
+#: can never split the request line.
+_PATH_SAFE = "/%:@!$&'()*+,;=-._~[]"
 _QUERY_SAFE = _PATH_SAFE + "?"
+#: RFC 9110 tokens: a method, a header name.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_DIGITS = re.compile(rb"[0-9]{1,18}")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
+_BAD_IN_VALUE = re.compile(r"[\r\n\0]")
+_BAD_IN_LINE = re.compile(rb"[\r\n\0]")
+#: Request headers this module writes itself from what it sends; a caller's are dropped.
+_FRAMING = frozenset({"content-length", "transfer-encoding"})
 
 Key = tuple[str, str, int, str]
 
 
 @dataclass(frozen=True)
 class Reply:
-    """A response: status, headers (in order, as received), body up to the cap."""
+    """A response: status, headers (raw, in order, as received), body up to the cap."""
 
     status_code: int
-    headers: list[tuple[str, str]]
+    headers: list[tuple[bytes, bytes]]
     body: bytes
     truncated: bool
 
@@ -79,10 +97,10 @@ class BodyTooLarge(Exception):
 class _Connection:
     """One socket to one checked address (TLS-wrapped for https) and what it has read ahead."""
 
-    __slots__ = ("key", "raw", "sock", "buffer", "idle_since", "answered")
+    __slots__ = ("key", "sock", "buffer", "idle_since", "answered")
 
-    def __init__(self, key: Key, raw: socket.socket, sock: socket.socket) -> None:
-        self.key, self.raw, self.sock = key, raw, sock
+    def __init__(self, key: Key, sock: socket.socket) -> None:
+        self.key, self.sock = key, sock
         self.buffer = bytearray()
         self.idle_since = 0.0
         self.answered = False  # a byte of the current response has arrived
@@ -98,11 +116,14 @@ class _Connection:
         close (or bytes no request asked for)."""
         if now - self.idle_since > KEEPALIVE_S or self.buffer:
             return False
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return False
         try:
-            readable, _, _ = select.select([self.raw], [], [], 0)
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN | select.POLLPRI)
+            return not poller.poll(0)
         except (OSError, ValueError):
             return False
-        return not readable
 
 
 class Pool:
@@ -122,6 +143,8 @@ class Pool:
                 if not stack:
                     return None
                 conn = stack.pop()  # the most recently used: the least likely to be closed
+                if not stack:
+                    del self._idle[key]
                 self._count -= 1
             if conn.fresh(now):
                 return conn
@@ -139,9 +162,9 @@ class Pool:
             evicted.close()
 
     def _oldest(self) -> _Connection | None:
-        """Remove and return the connection idle the longest (the lock is held)."""
-        oldest_key = min((k for k, v in self._idle.items() if v), key=lambda k: self._idle[k][0].idle_since,
-                         default=None)
+        """Remove and return the connection idle the longest (the lock is held; at most
+        :data:`MAX_IDLE` keys hold connections, and only those are kept)."""
+        oldest_key = min(self._idle, key=lambda k: self._idle[k][0].idle_since, default=None)
         if oldest_key is None:
             return None
         stack = self._idle[oldest_key]
@@ -150,6 +173,10 @@ class Pool:
             del self._idle[oldest_key]
         self._count -= 1
         return conn
+
+    def idle(self) -> int:
+        with self._lock:
+            return self._count
 
     def close(self) -> None:
         with self._lock:
@@ -168,16 +195,25 @@ def request_line_target(url: str) -> str:
     return target
 
 
-def _head_bytes(method: str, target: str, headers: dict[str, str], content: bytes | None) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1"]
+def _head_bytes(method: str, target: str, headers: dict[str, str], content: bytes | None) -> tuple[bytes, bool]:
+    """The request head, and whether the caller asked to close the connection after it.
+    Headers are taken once per name whatever its case (the last given wins); the framing
+    headers are this module's own."""
+    if not _TOKEN.fullmatch(method):
+        raise httpx.LocalProtocolError(f"the method {method!r} cannot be sent")
+    unique: dict[str, tuple[str, str]] = {}
     for name, value in headers.items():
-        if not name or any(c in name for c in " \t\r\n:\0") or any(c in value for c in "\r\n\0"):
+        if not _TOKEN.fullmatch(name) or _BAD_IN_VALUE.search(value):
             raise httpx.LocalProtocolError(f"the header {name!r} cannot be sent")
-        lines.append(f"{name}: {value}")
+        lower = name.lower()
+        if lower not in _FRAMING:
+            unique[lower] = (name, value)
+    close = "close" in unique.get("connection", ("", ""))[1].lower()
+    lines = [f"{method} {target} HTTP/1.1", *(f"{name}: {value}" for name, value in unique.values())]
     if content is not None or method in ("POST", "PUT", "PATCH"):
         lines.append(f"Content-Length: {len(content or b'')}")
     try:
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii"), close
     except UnicodeEncodeError:
         raise httpx.LocalProtocolError("a request header holds a character outside ASCII") from None
 
@@ -206,48 +242,60 @@ class Exchange:
             raise httpx.ConnectTimeout(f"connecting to {address}:{port} timed out") from exc
         except OSError as exc:
             raise httpx.ConnectError(str(exc)) from exc
-        self._on_socket(raw)
+        sock = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock = raw
             if scheme == "https":
-                self._wait(raw, httpx.ConnectTimeout)
-                sock = self._tls().wrap_socket(raw, server_hostname=server_name)
+                # wrapped first, handshaken after: the watchdog holds the socket that the
+                # handshake blocks in (wrapping detaches the plain one)
+                sock = self._tls().wrap_socket(raw, server_hostname=server_name, do_handshake_on_connect=False)
+                self._on_socket(sock)
+                self._wait(sock, httpx.ConnectTimeout)
+                sock.do_handshake()  # type: ignore[attr-defined]
         except TimeoutError as exc:
-            raw.close()
+            sock.close()
             raise httpx.ConnectTimeout(f"the TLS handshake with {address}:{port} timed out") from exc
         except httpx.HTTPError:
-            raw.close()
+            sock.close()
             raise
         except (OSError, ssl.SSLError, ValueError) as exc:  # ssl.CertificateError is a ValueError too
-            raw.close()
+            sock.close()
             raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
-        return _Connection(key, raw, sock)
+        return _Connection(key, sock)
 
     def send(self, method: str, key: Key, target: str, headers: dict[str, str], content: bytes | None, *,
              max_bytes: int, refuse_larger: bool = False) -> Reply:
         """Send the request on a pooled connection or a new one; read the response. A pooled
         connection that fails before a byte of the response arrives (the peer closed it as
         it was taken) is replaced by a new one, once."""
-        head = _head_bytes(method, target, headers, content)
+        head, close = _head_bytes(method, target, headers, content)
         pooled = self._pool.take(key)
         if pooled is not None:
             try:
-                return self._exchange(pooled, method, head, content, max_bytes, refuse_larger)
+                return self._exchange(pooled, method, head, content, close, max_bytes, refuse_larger)
             except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
                 if pooled.answered:
                     raise
-        return self._exchange(self._connect(key), method, head, content, max_bytes, refuse_larger)
+        return self._exchange(self._connect(key), method, head, content, close, max_bytes, refuse_larger)
 
-    def _exchange(self, conn: _Connection, method: str, head: bytes, content: bytes | None, max_bytes: int,
-                  refuse_larger: bool) -> Reply:
-        self._on_socket(conn.raw)
+    def _exchange(self, conn: _Connection, method: str, head: bytes, content: bytes | None, close: bool,
+                  max_bytes: int, refuse_larger: bool) -> Reply:
+        self._on_socket(conn.sock)
         keep = False
         try:
-            self._write(conn, head + content if content and len(content) < READ_SIZE else head)
-            if content and len(content) >= READ_SIZE:
-                self._write(conn, content)
+            try:
+                self._write(conn, head + content if content and len(content) < READ_SIZE else head)
+                if content and len(content) >= READ_SIZE:
+                    self._write(conn, content)
+            except httpx.WriteError as exc:
+                # the server may have answered before reading it all (a 413, say): that
+                # answer, if there is one, is the outcome; the connection is not kept
+                try:
+                    return self._read_response(conn, method, max_bytes, refuse_larger)[0]
+                except httpx.HTTPError:
+                    raise exc from None
             reply, keep = self._read_response(conn, method, max_bytes, refuse_larger)
+            keep = keep and not close
             return reply
         finally:
             self._on_socket(None)
@@ -279,80 +327,80 @@ class Exchange:
             conn.answered = True
         return bool(data)
 
-    def _line(self, conn: _Connection, limit: int, what: str) -> bytes:
-        """One CRLF-ended line (without it), refused beyond ``limit`` bytes."""
+    def _until(self, conn: _Connection, separator: bytes, limit: int, what: str) -> bytes:
+        """The buffered bytes up to ``separator`` (both taken), refused beyond ``limit``
+        bytes; each read is searched once (from just before it)."""
+        start = 0
         while True:
-            end = conn.buffer.find(b"\r\n")
+            end = conn.buffer.find(separator, start)
             if end >= 0:
-                line = bytes(conn.buffer[:end])
-                del conn.buffer[:end + 2]
-                return line
+                if end > limit:
+                    break
+                taken = bytes(conn.buffer[:end])
+                del conn.buffer[:end + len(separator)]
+                return taken
             if len(conn.buffer) > limit:
-                raise httpx.RemoteProtocolError(f"the response's {what} is over {limit} bytes")
-            if not self._fill(conn):
-                raise httpx.RemoteProtocolError(f"the server closed the connection inside the response's {what}")
-
-    def _head(self, conn: _Connection) -> tuple[bytes, int, list[tuple[str, str]]]:
-        while True:
-            end = conn.buffer.find(b"\r\n\r\n")
-            if end >= 0:
                 break
-            if len(conn.buffer) > MAX_HEAD_BYTES:
-                raise httpx.RemoteProtocolError(f"the response head is over {MAX_HEAD_BYTES} bytes")
+            start = max(0, len(conn.buffer) - len(separator) + 1)
             if not self._fill(conn):
-                if not conn.buffer:
+                if what == "head" and not conn.buffer:
                     raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-                raise httpx.RemoteProtocolError("the server closed the connection inside the response head")
-        if end + 4 > MAX_HEAD_BYTES:
-            raise httpx.RemoteProtocolError(f"the response head is over {MAX_HEAD_BYTES} bytes")
-        head = bytes(conn.buffer[:end])
-        del conn.buffer[:end + 4]
+                raise httpx.RemoteProtocolError(f"the server closed the connection inside the response's {what}")
+        raise httpx.RemoteProtocolError(f"the response's {what} is over {limit} bytes")
+
+    def _head(self, conn: _Connection) -> tuple[bytes, int, list[tuple[bytes, bytes]]]:
+        head = self._until(conn, b"\r\n\r\n", MAX_HEAD_BYTES, "head")
         status_line, *lines = head.split(b"\r\n")
         version, _, rest = status_line.partition(b" ")
         code = rest[:3]
-        if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit() \
-                or rest[3:4] not in (b"", b" "):
+        if version not in (b"HTTP/1.1", b"HTTP/1.0") or not _DIGITS.fullmatch(code) or len(code) != 3 \
+                or rest[3:4] not in (b"", b" ") or _BAD_IN_LINE.search(status_line):
             raise httpx.RemoteProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-        headers: list[tuple[str, str]] = []
-        for line in lines:
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip() or line[:1] in (b" ", b"\t"):
-                raise httpx.RemoteProtocolError(f"a malformed response header line: {line[:80]!r}")
-            headers.append((name.decode("latin-1"), value.strip(b" \t").decode("latin-1")))
-        return version, int(code), headers
+        return version, int(code), [self._header(line) for line in lines]
+
+    @staticmethod
+    def _header(line: bytes) -> tuple[bytes, bytes]:
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name.decode("latin-1")) or _BAD_IN_LINE.search(line):
+            raise httpx.RemoteProtocolError(f"a malformed response header line: {line[:80]!r}")
+        return name, value.strip(b" \t")
 
     def _read_response(self, conn: _Connection, method: str, max_bytes: int,
                        refuse_larger: bool) -> tuple[Reply, bool]:
-        while True:
+        """The response, and whether its connection may carry another request."""
+        for _ in range(MAX_INTERIM + 1):
             version, status, headers = self._head(conn)
-            if status == 101 or not 100 <= status < 600:
+            if status == 101 or status < 100:
                 raise httpx.RemoteProtocolError(f"an unexpected status {status}")
             if status >= 200:
                 break  # an interim 1xx response is skipped
-        lengths, chunked, encoded, close = set(), False, False, version == b"HTTP/1.0"
+        else:
+            raise httpx.RemoteProtocolError(f"more than {MAX_INTERIM} interim responses")
+        lengths: set[bytes] = set()
+        codings: list[bytes] = []
+        close = version != b"HTTP/1.1"  # an HTTP/1.0 connection is never kept
         for name, value in headers:
             lower = name.lower()
-            if lower == "content-length":
+            if lower == b"content-length":
                 lengths.add(value)
-            elif lower == "transfer-encoding":
-                encoded = True
-                chunked = value.lower().rsplit(",", 1)[-1].strip() == "chunked"
-            elif lower == "connection":
-                tokens = {t.strip().lower() for t in value.split(",")}
-                close = close and "keep-alive" not in tokens or "close" in tokens
-        if method == "HEAD" or status in (204, 304):
-            return Reply(status, headers, b"", False), not close
-        if encoded:
-            if chunked:
+            elif lower == b"transfer-encoding":
+                codings += [c.strip(b" \t").lower() for c in value.split(b",")]
+            elif lower == b"connection":
+                close = close or b"close" in {t.strip(b" \t").lower() for t in value.split(b",")}
+        if lengths and (len(lengths) > 1 or not _DIGITS.fullmatch(next(iter(lengths)))):
+            raise httpx.RemoteProtocolError(f"an invalid Content-Length: {sorted(lengths)!r:.80}")
+        keep = not close and not (codings and lengths)  # both framings: never trusted for another
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            return Reply(status, headers, b"", False), keep
+        if codings:
+            if codings[-1] == b"chunked":
                 body, truncated = self._chunked(conn, max_bytes, refuse_larger)
-                return Reply(status, headers, body, truncated), not (close or truncated or lengths)
+                return Reply(status, headers, body, truncated), keep and not truncated
             body, truncated = self._until_close(conn, max_bytes, refuse_larger)
             return Reply(status, headers, body, truncated), False
         if lengths:
-            if len(lengths) > 1 or not next(iter(lengths)).isdigit():
-                raise httpx.RemoteProtocolError(f"an invalid Content-Length: {sorted(lengths)}")
             body, truncated = self._sized(conn, int(next(iter(lengths))), max_bytes, refuse_larger)
-            return Reply(status, headers, body, truncated), not (close or truncated)
+            return Reply(status, headers, body, truncated), keep and not truncated
         body, truncated = self._until_close(conn, max_bytes, refuse_larger)
         return Reply(status, headers, body, truncated), False
 
@@ -361,16 +409,18 @@ class Exchange:
         if refuse_larger:
             raise BodyTooLarge(f"the response is larger than {max_bytes} bytes")
 
+    def _exactly(self, conn: _Connection, size: int, what: str) -> bytes:
+        while len(conn.buffer) < size:
+            if not self._fill(conn):
+                raise httpx.RemoteProtocolError(f"the server closed the connection inside the response's {what}")
+        data = bytes(conn.buffer[:size])
+        del conn.buffer[:size]
+        return data
+
     def _sized(self, conn: _Connection, length: int, max_bytes: int, refuse_larger: bool) -> tuple[bytes, bool]:
         if length > max_bytes:
             self._over(refuse_larger, max_bytes)
-        want = min(length, max_bytes)
-        while len(conn.buffer) < want:
-            if not self._fill(conn):
-                raise httpx.RemoteProtocolError("the server closed the connection inside the response body")
-        body = bytes(conn.buffer[:want])
-        del conn.buffer[:want]
-        return body, length > max_bytes
+        return self._exactly(conn, min(length, max_bytes), "body"), length > max_bytes
 
     def _until_close(self, conn: _Connection, max_bytes: int, refuse_larger: bool) -> tuple[bytes, bool]:
         while len(conn.buffer) <= max_bytes:
@@ -382,26 +432,19 @@ class Exchange:
     def _chunked(self, conn: _Connection, max_bytes: int, refuse_larger: bool) -> tuple[bytes, bool]:
         body = bytearray()
         while True:
-            size_text = self._line(conn, MAX_CHUNK_LINE, "chunk size").split(b";", 1)[0].strip()
-            if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+            size_text = self._until(conn, b"\r\n", MAX_CHUNK_LINE, "chunk size").split(b";", 1)[0].strip(b" \t")
+            if not _HEX.fullmatch(size_text):
                 raise httpx.RemoteProtocolError(f"an invalid chunk size: {size_text[:40]!r}")
             size = int(size_text, 16)
             if size == 0:
-                while self._line(conn, MAX_HEAD_BYTES, "trailer"):
-                    pass
+                trailers = 0
+                while line := self._until(conn, b"\r\n", max(0, MAX_HEAD_BYTES - trailers), "trailer section"):
+                    trailers += len(line) + 2
                 return bytes(body), False
             if len(body) + size > max_bytes:
                 self._over(refuse_larger, max_bytes)
-                want = max_bytes - len(body)
-                while len(conn.buffer) < want:
-                    if not self._fill(conn):
-                        break
-                body += conn.buffer[:want]
+                body += self._exactly(conn, max_bytes - len(body), "body")
                 return bytes(body), True
-            while len(conn.buffer) < size + 2:
-                if not self._fill(conn):
-                    raise httpx.RemoteProtocolError("the server closed the connection inside a chunk")
-            if conn.buffer[size:size + 2] != b"\r\n":
+            body += self._exactly(conn, size, "body")
+            if self._exactly(conn, 2, "body") != b"\r\n":
                 raise httpx.RemoteProtocolError("a chunk not followed by CRLF")
-            body += conn.buffer[:size]
-            del conn.buffer[:size + 2]

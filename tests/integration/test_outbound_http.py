@@ -120,15 +120,75 @@ def test_a_body_over_the_cap_is_truncated_or_refused_in_every_framing():
     (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "invalid Content-Length"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n", "invalid chunk size"),
     (b"HTTP/1.1 200 OK\r\n folded: no\r\n\r\n", "malformed response header"),
-    (b"HTTP/1.1 200 OK\r\nX: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n", "response head is over"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "inside the response body"),
+    (b"HTTP/1.1 200 OK\r\nX: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n", "response's head is over"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "inside the response's body"),
     (b"", "Server disconnected without sending a response"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", "invalid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", "invalid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok", "invalid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nX: a\nContent-Length: 0\r\n\r\n", "malformed response header"),
+    (b"HTTP/1.1 200 OK\r\nETag: \"v1\"\rX\r\n\r\n", "malformed response header"),
+    (b"HTTP/1.1 200 OK\r\nLast-Modified: Mon\x00day\r\n\r\n", "malformed response header"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;" + b"e" * 2000 + b"\r\nx\r\n0\r\n\r\n",
+     "chunk size is over"),
+    (b"HTTP/1.1 100 Continue\r\n\r\n" * 20 + reply(), "more than 16 interim responses"),
+    (b"HTTP/1.1 099 Odd\r\n\r\n", "unexpected status 99"),
 ], ids=["version", "status", "two-lengths", "negative-length", "chunk-size", "folded", "huge-head", "short-body",
-        "nothing"])
+        "nothing", "non-ascii-digit-length", "huge-length", "listed-length", "bare-lf", "bare-cr", "nul",
+        "chunk-line", "interim-flood", "status-below-100"])
 def test_a_malformed_response_is_a_protocol_error_that_names_what_was_wrong(raw, named):
     with raw_server(lambda n: (raw, True)) as (port, _):
         with pytest.raises(httpx.RemoteProtocolError, match=named):
             get(f"http://127.0.0.1:{port}/")
+
+
+def test_a_response_header_outside_ascii_is_kept_as_sent_and_readable():
+    with raw_server(lambda n: (reply(headers="X-Name: caf\u00e9\r\nETag: \"\u00e9\"\r\n").replace(b"\xc3\xa9", b"\xe9"),
+                               False)) as (port, _):
+        got = get(f"http://127.0.0.1:{port}/")
+    assert got.status_code == 200 and got.headers["x-name"] == "caf\u00e9" and got.headers["etag"] == '"\u00e9"'
+
+
+@pytest.mark.parametrize("head", [
+    "HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok",
+    "HTTP/1.1 200 OK\r\nConnection: close\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok",
+    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 2\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\nContent-Length: 0\r\n\r\n",
+], ids=["http-1.0", "close-then-keep-alive", "both-framings", "204-both-framings"])
+def test_a_connection_whose_response_was_not_plainly_http_1_1_keep_alive_is_not_reused(head):
+    with raw_server(lambda n: (head.encode(), False)) as (port, seen):
+        for _ in range(2):
+            get(f"http://127.0.0.1:{port}/")
+    assert seen.connections == 2
+
+
+def test_an_answer_sent_before_the_request_was_read_whole_is_the_outcome():
+    # Given a server that refuses a large body after its head, and closes
+    big = b"x" * (8 * 1024 * 1024)
+    with raw_server(lambda n: (reply(b"big", status="413 Payload Too Large", headers="Connection: close\r\n"), True),
+                    read_body=False) as (port, _):
+        got = guarded_request("POST", f"http://127.0.0.1:{port}/", allowed_networks=LOOPBACK, timeout_s=5,
+                              max_bytes=1024, content=big)
+    assert (got.status_code, got.body) == (413, b"big")
+
+
+def test_the_pool_keeps_no_trace_of_hosts_it_holds_no_connection_for():
+    with raw_server(lambda n: (reply(), False)) as (port, _):
+        get(f"http://127.0.0.1:{port}/")
+        assert http.POOL.idle() == 1
+        assert get(f"http://127.0.0.1:{port}/").status_code == 200  # taken, then given back
+    http.POOL.close()
+    assert http.POOL.idle() == 0 and not http.POOL._idle
+
+
+def test_the_framing_and_host_headers_are_the_requests_own_whatever_the_caller_passes():
+    with raw_server(lambda n: (reply(), False)) as (port, seen):
+        guarded_request("POST", f"http://127.0.0.1:{port}/", allowed_networks=LOOPBACK, timeout_s=5, max_bytes=1024,
+                        headers={"host": "evil.test", "content-length": "0", "Transfer-Encoding": "chunked"},
+                        content=b"abc")
+    lines = [line.lower() for line in seen.heads[0][1].split(b"\r\n")[1:]]
+    framing = sorted(line for line in lines if line.startswith((b"host:", b"content-length:", b"transfer-encoding:")))
+    assert framing == [b"content-length: 3", f"host: 127.0.0.1:{port}".encode()]
 
 
 def test_a_header_that_would_split_the_request_is_refused_before_anything_is_sent():
@@ -148,15 +208,17 @@ def test_the_request_target_is_percent_encoded_so_a_url_cannot_split_the_request
 def test_tls_is_verified_against_the_name_the_url_gave(tmp_path, monkeypatch):
     authority = make_authority(tmp_path, names=["127.0.0.1"])
     answer = lambda n: (reply(b"secure"), False)  # noqa: E731
-    with raw_server(answer, tls=authority.server) as (port, _):
+    with raw_server(answer, tls=authority.server) as (port, seen):
         url = f"https://127.0.0.1:{port}/"
         # a certificate from an authority the process does not trust is refused, as a TLS error
         with pytest.raises(httpx.ConnectError) as refused:
             get(url)
         assert _classify(refused.value) == "tls"
-        # trusted, and naming the address asked for: the exchange goes through
+        # trusted, and naming the address asked for: the exchange goes through, and the
+        # connection is kept alive for the next one
         monkeypatch.setattr(http, "TLS", authority.client())
-        assert get(url).body == b"secure"
+        assert [get(url).body for _ in range(3)] == [b"secure"] * 3
+        assert seen.connections == 2  # the refused one, then one for all three
     other = make_authority(tmp_path, names=["elsewhere.test"])
     monkeypatch.setattr(http, "TLS", other.client())
     with raw_server(answer, tls=other.server) as (port, _):

@@ -30,7 +30,10 @@ Script = Callable[[int], tuple[bytes, bool]]
 
 
 @contextmanager
-def raw_server(script: Script, *, tls: ssl.SSLContext | None = None) -> Iterator[tuple[int, Seen]]:
+def raw_server(script: Script, *, tls: ssl.SSLContext | None = None,
+               read_body: bool = True) -> Iterator[tuple[int, Seen]]:
+    """Serve on loopback until the block ends; ``read_body=False`` answers after the
+    request's head, reading none of its body."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     seen = Seen()
@@ -59,9 +62,9 @@ def raw_server(script: Script, *, tls: ssl.SSLContext | None = None) -> Iterator
                     name, _, value = line.partition(b":")
                     if name.strip().lower() == b"content-length":
                         length = int(value)
-                while len(buffer) < length:
+                while read_body and len(buffer) < length:
                     buffer += conn.recv(65536)
-                buffer = buffer[length:]
+                buffer = buffer[length:] if read_body else b""
                 with lock:
                     index = len(seen.heads)
                     seen.heads.append((number, head))
