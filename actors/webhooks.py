@@ -573,26 +573,33 @@ def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Atte
 
 def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attempt]) -> None:
     """Record the attempts, the endpoint's health and each delivery's next try, and give
-    the lease back (one statement)."""
+    the lease back (one statement); in the same transaction, mark done the still-queued
+    messages of the batch's deliveries that reached their end (not one retried later,
+    which its message carries), so they never run. Atomic: a delivery an operator replays
+    meanwhile either waits for this record and finds its message done (and runs it
+    again), or was replayed before it and is recorded as made by it."""
     now = time.time()
     last = made[-1].outcome
+    finished = [a.due.message_id for a in made[1:] if a.due.message_id is not None and a.state != "pending"]
+    params = {
+        "delivery": [a.due.delivery_id for a in made], "attempt": [a.due.attempts + 1 for a in made],
+        "started": [a.started for a in made], "ms": [a.ms for a in made],
+        "code": [a.outcome.status_code for a in made], "outcome": [a.outcome.outcome for a in made],
+        "error": [a.outcome.error for a in made], "body": [a.outcome.body for a in made],
+        "truncated": [a.outcome.truncated for a in made], "state": [a.state for a in made],
+        "next": [None if a.retry_in_s is None else datetime.fromtimestamp(now + a.retry_in_s, timezone.utc)
+                 for a in made],
+        "endpoint": endpoint_id, "healthy": last.ok, "token": token,
+        "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None}
     with db.connection() as conn:
-        conn.execute(SETTLE_ATTEMPTS, {
-            "delivery": [a.due.delivery_id for a in made], "attempt": [a.due.attempts + 1 for a in made],
-            "started": [a.started for a in made], "ms": [a.ms for a in made],
-            "code": [a.outcome.status_code for a in made], "outcome": [a.outcome.outcome for a in made],
-            "error": [a.outcome.error for a in made], "body": [a.outcome.body for a in made],
-            "truncated": [a.outcome.truncated for a in made], "state": [a.state for a in made],
-            "next": [None if a.retry_in_s is None else datetime.fromtimestamp(now + a.retry_in_s, timezone.utc)
-                     for a in made],
-            "endpoint": endpoint_id, "healthy": last.ok, "token": token,
-            "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None})
-        if token is not None and message is not None:
-            given_back(message)  # released by that statement: the middleware need not
-        # the messages of the batch's deliveries that reached their end (not one retried
-        # later, which its message carries) need not run: done while still queued
-        finish_queued(conn, [a.due.message_id for a in made[1:]
-                             if a.due.message_id is not None and a.state != "pending"])
+        if finished:
+            with conn.transaction():
+                conn.execute(SETTLE_ATTEMPTS, params)
+                finish_queued(conn, finished)
+        else:
+            conn.execute(SETTLE_ATTEMPTS, params)
+    if token is not None and message is not None:
+        given_back(message)  # released by that statement: the middleware need not
 
 
 DISABLE_FAILING = """

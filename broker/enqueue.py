@@ -62,8 +62,10 @@ def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: A
 
 def finish_queued(conn: psycopg.Connection[Any], message_ids: list[str]) -> int:
     """Mark done the messages of ``message_ids`` still queued, without running them: their
-    work was done by another job. A message already claimed is left to run (it must find
-    its work made and end). Returns how many were finished."""
+    work was done by another job. Call it in the transaction that records that work, so
+    that whatever sends the work back to be done again (a replay) waits for the record and
+    finds the message done. A message already claimed, or cancelled, is left as it is (a
+    claimed one must find its work made and end). Returns how many were finished."""
     if not message_ids:
         return 0
     row = conn.execute(sql.FINISH_QUEUED, {"ids": message_ids, "awaited": app.awaited_queues()}).fetchone()

@@ -413,12 +413,12 @@ WHERE id IN (
 """
 
 #: Queued messages whose work another job did (a webhook batch made their deliveries):
-#: done without running, only while still queued (one a consumer claimed runs, and finds
-#: its work made), with their receipts on awaited queues.
+#: done without running, only while still queued and not cancelled (one a consumer
+#: claimed runs, and finds its work made), with their receipts on awaited queues.
 FINISH_QUEUED = """
 WITH finished AS (
     UPDATE dramatiq.queue SET "state" = 'done', error = NULL, mtime = now()
-    WHERE message_id = ANY(%(ids)s::uuid[]) AND "state" = 'queued'
+    WHERE message_id = ANY(%(ids)s::uuid[]) AND "state" = 'queued' AND cancelled_at IS NULL
     RETURNING queue_name, message_id
 ), receipts AS (
     SELECT pg_notify(standmeet.receipt_channel(queue_name), message_id::text || ':done')

@@ -170,3 +170,67 @@ def test_the_messages_of_deliveries_a_batch_made_are_done_without_running_and_a_
     # (its retry) and the fourth's (never tried) are still queued
     assert [messages[m] for _, m in deliveries] == [("done", 1), ("done", 0), ("queued", 0), ("queued", 0)]
     assert [s for _, s, _ in states(database_url, endpoint)] == ["succeeded", "succeeded", "pending", "pending"]
+
+
+def test_a_delivery_an_operator_replays_while_a_batch_records_it_is_made_again(
+    broker, database_url, start_worker, webhook_settings, monkeypatch
+):
+    import threading
+
+    from broker.dashboard import webhooks as dashboard_webhooks
+
+    posted: list[str] = []
+
+    def ok(request):
+        posted.append(request.headers["webhook-id"])
+        return Reply(200, b"")
+
+    with web_server() as site:
+        site.on("POST", "/hook", ok)
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["replayed"])
+        # Given two deliveries, the second's own job held back so the first job's batch makes it
+        fanned_out(database_url, "replayed", 2)
+        (_, _), (second, second_message) = query(
+            database_url, "SELECT id, message_id::text FROM standmeet.webhook_deliveries"
+                          " WHERE endpoint_id = %s ORDER BY id", (endpoint,))
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour' WHERE message_id = %s",
+              (second_message,))
+        # When an operator replays the second delivery from the dashboard just as the batch
+        # marks its message done (its attempt written): whichever of the two waits for the
+        # other's row locks, the other commits first
+        real_finish = webhooks.finish_queued
+        replays: list[str | None] = []
+        holding, finishing = threading.Event(), threading.Event()
+
+        def waiting_on_a_lock(application: str) -> bool:
+            return query(database_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+                                       " AND wait_event_type = 'Lock'", (application,)) != [(0,)]
+
+        def message_done() -> bool:
+            return query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                         (second_message,)) == [("done",)]
+
+        def operator():
+            with psycopg.connect(database_url, application_name="operator", autocommit=True) as op:
+                with op.transaction():
+                    replays.append(dashboard_webhooks.replay(op, second))
+                    holding.set()  # the replay is written, not yet committed
+                    wait_for(lambda: finishing.is_set() and (waiting_on_a_lock("standmeet-app") or message_done()),
+                             timeout_s=10, what="the batch to wait for the replay, or to have committed")
+
+        def finish_queued(conn, ids):
+            if replays or holding.is_set():
+                return real_finish(conn, ids)
+            threading.Thread(target=operator, daemon=True).start()
+            wait_for(lambda: holding.is_set() or waiting_on_a_lock("operator"), timeout_s=10,
+                     what="the operator's replay to be written or to wait for the batch")
+            finishing.set()
+            return real_finish(conn, ids)
+
+        monkeypatch.setattr(webhooks, "finish_queued", finish_queued)
+        start_worker(queues=["webhook"], threads=1)
+        # Then the replay is honoured: the second delivery is made once more
+        wait_for(lambda: query(database_url, "SELECT state, attempts FROM standmeet.webhook_deliveries WHERE id = %s",
+                               (second,)) == [("succeeded", 2)], timeout_s=15, what="the replayed delivery to be made")
+    assert replays == [second_message]
+    assert len(posted) == 3 and posted.count(posted[1]) == 2, posted
