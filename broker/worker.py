@@ -16,6 +16,7 @@ deliberate second Ctrl-C later exits at once, saying so, with status 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
@@ -82,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if shutdown_ms is None:
             shutdown_ms = int(broker.settings.worker_shutdown_timeout_s * 1000)
         broker.emit_after("process_boot")
+        # What is loaded by now lives as long as the process: each full collection would
+        # scan it again with every thread stopped (15-23 ms here); frozen, it is skipped
+        # (a full collection then takes a fraction of a millisecond).
+        gc.collect()
+        gc.freeze()
         worker = dramatiq.Worker(broker, queues=args.queues or None, worker_threads=args.threads or 1,
                                  worker_timeout=WORKER_POLL_MS)
         worker.start()

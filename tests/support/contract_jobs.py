@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import dramatiq
@@ -62,3 +63,9 @@ def slow(ms: int) -> None:
 def ordered(label: str) -> None:
     """On a queue of its own with one worker: runs in the order messages are claimed."""
     record_finish(record_start("contract.ordered", "contract-prio", label))
+
+
+@dramatiq.actor(actor_name="contract.gc_report", queue_name="index", max_retries=0)
+def gc_report(label: str) -> None:
+    """Records how many objects the worker froze out of the collector's reach."""
+    record_finish(record_start("contract.gc_report", "index", f"{label}:{gc.get_freeze_count()}"))
