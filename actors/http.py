@@ -32,7 +32,6 @@ import httpx
 from actors import http1
 from actors.netguard import Target, check_url
 from broker import deadline
-from broker.errors import StandmeetError
 
 
 @dataclass
@@ -89,9 +88,11 @@ def _on_socket(sock: socket.socket | None) -> None:
 TLS = ssl.create_default_context(cafile=certifi.where())
 #: The one pool of kept-alive connections, shared by every thread of the process.
 POOL = http1.Pool()
-EXCHANGE = http1.Exchange(POOL, lambda: TLS, _left_s, _on_socket)
+EXCHANGE = http1.Exchange(pool=POOL, tls=lambda: TLS, left_s=_left_s, on_socket=_on_socket)
 #: The headers every guarded request carries unless the caller sets them.
-DEFAULT_HEADERS = {"Accept": "*/*", "Connection": "keep-alive", "User-Agent": f"python-httpx/{httpx.__version__}"}
+DEFAULT_HEADERS = {"Accept": "*/*", "Connection": "keep-alive", "User-Agent": "standmeet-jobs"}
+#: The response body is over the cap the caller asked to refuse beyond.
+ResponseTooLarge = http1.ResponseTooLarge
 
 
 #: A request ends this long before its job's own time limit, so its outcome can be recorded.
@@ -106,10 +107,6 @@ def request_budget(timeout_s: float, *, margin_s: float = RECORD_MARGIN_S) -> fl
     if left is None:
         return timeout_s
     return max(MIN_REQUEST_S, min(timeout_s, left - margin_s))
-
-
-class ResponseTooLarge(StandmeetError):
-    """The response body is over the cap the caller asked to refuse beyond."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +147,7 @@ def guarded_request(
     total = deadline.cap_timeout(timeout_s)
     budget = _Budget(end=time.monotonic() + total)
     sent = {**DEFAULT_HEADERS, "Accept-Encoding": "identity", **(headers or {}), **target.headers()}
-    key = (target.scheme, target.address, target.port, target.host)
+    key = http1.Key(target.scheme, target.address, target.port, target.host)
     previous = _budget()
     _local.budget = budget
     try:
@@ -159,8 +156,6 @@ def guarded_request(
                 reply = EXCHANGE.send(method.upper(), key, http1.request_line_target(target.url), sent, content,
                                       max_bytes=max_bytes, refuse_larger=refuse_larger)
                 return Response(reply.status_code, httpx.Headers(reply.headers), reply.body, reply.truncated, target)
-            except http1.BodyTooLarge as exc:
-                raise ResponseTooLarge(str(exc)) from None
             except httpx.HTTPError as exc:
                 if budget.expired or budget.left() <= 0:
                     raise httpx.ReadTimeout(f"the total deadline of {total:.3g} s passed "

@@ -14,7 +14,7 @@ What it guarantees:
   (``left_s()``), and the socket is handed to ``on_socket`` (from before the TLS
   handshake) so a watchdog can shut it down whatever the exchange is blocked in;
 * nothing a server sends is held without bound: the response head is refused over
-  :data:`MAX_HEAD_BYTES` (trailers too), a chunk-size line over :data:`MAX_CHUNK_LINE`,
+  :data:`MAX_HEAD_BYTES` (trailers too), a chunk-size line over :data:`MAX_CHUNK_LINE_BYTES`,
   more than :data:`MAX_INTERIM` interim responses; the body is read up to ``max_bytes``;
 * header lines holding CR, LF or NUL, a Content-Length that is not one decimal number,
   and a chunk size that is not hexadecimal are protocol errors, never guessed at;
@@ -44,15 +44,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import quote, urlsplit
 
 import httpx
+
+from broker.errors import StandmeetError
 
 #: A response head (status line and headers) larger than this is refused; so are
 #: trailers larger than this in all.
 MAX_HEAD_BYTES = 64 * 1024
 #: A chunk-size line longer than this is refused.
-MAX_CHUNK_LINE = 1024
+MAX_CHUNK_LINE_BYTES = 1024
 #: More interim (1xx) responses than this before the final one are refused.
 MAX_INTERIM = 16
 #: A pooled connection idle longer than this is closed rather than reused (below the
@@ -61,7 +64,7 @@ KEEPALIVE_S = 4.0
 #: Idle connections kept, in all.
 MAX_IDLE = 32
 #: Bytes asked of the socket per read.
-READ_SIZE = 65536
+READ_BYTES = 65536
 
 #: Characters left as they are in a request's path and query; anything else (spaces,
 #: control characters, quotes, angle brackets, non-ASCII) is percent-encoded, so a URL
@@ -77,7 +80,13 @@ _BAD_IN_LINE = re.compile(rb"[\r\n\0]")
 #: Request headers this module writes itself from what it sends; a caller's are dropped.
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
 
-Key = tuple[str, str, int, str]
+class Key(NamedTuple):
+    """Where a connection goes: a checked address, and the name TLS verifies."""
+
+    scheme: str
+    address: str
+    port: int
+    server_name: str
 
 
 @dataclass(frozen=True)
@@ -90,8 +99,8 @@ class Reply:
     truncated: bool
 
 
-class BodyTooLarge(Exception):
-    """The body is over the cap and the caller asked to refuse it."""
+class ResponseTooLarge(StandmeetError):
+    """The response body is over the cap the caller asked to refuse beyond."""
 
 
 class _Connection:
@@ -162,8 +171,8 @@ class Pool:
             evicted.close()
 
     def _oldest(self) -> _Connection | None:
-        """Remove and return the connection idle the longest (the lock is held; at most
-        :data:`MAX_IDLE` keys hold connections, and only those are kept)."""
+        """Remove and return the connection idle the longest (the lock is held; only keys
+        that hold a connection are kept, so there are at most ``max_idle``)."""
         oldest_key = min(self._idle, key=lambda k: self._idle[k][0].idle_since, default=None)
         if oldest_key is None:
             return None
@@ -200,11 +209,16 @@ def _head_bytes(method: str, target: str, headers: dict[str, str], content: byte
     Headers are taken once per name whatever its case (the last given wins); the framing
     headers are this module's own."""
     if not _TOKEN.fullmatch(method):
-        raise httpx.LocalProtocolError(f"the method {method!r} cannot be sent")
+        raise httpx.LocalProtocolError(f"the method {method!r} cannot be sent: not an HTTP token")
     unique: dict[str, tuple[str, str]] = {}
     for name, value in headers.items():
-        if not _TOKEN.fullmatch(name) or _BAD_IN_VALUE.search(value):
-            raise httpx.LocalProtocolError(f"the header {name!r} cannot be sent")
+        if not _TOKEN.fullmatch(name):
+            raise httpx.LocalProtocolError(f"the header name {name!r} cannot be sent: not an HTTP token")
+        if _BAD_IN_VALUE.search(value):
+            raise httpx.LocalProtocolError(f"the header {name!r} cannot be sent: its value holds CR, LF or NUL")
+        if not value.isascii():
+            raise httpx.LocalProtocolError(f"the header {name!r} cannot be sent: its value holds a character "
+                                           "outside ASCII")
         lower = name.lower()
         if lower not in _FRAMING:
             unique[lower] = (name, value)
@@ -212,16 +226,13 @@ def _head_bytes(method: str, target: str, headers: dict[str, str], content: byte
     lines = [f"{method} {target} HTTP/1.1", *(f"{name}: {value}" for name, value in unique.values())]
     if content is not None or method in ("POST", "PUT", "PATCH"):
         lines.append(f"Content-Length: {len(content or b'')}")
-    try:
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii"), close
-    except UnicodeEncodeError:
-        raise httpx.LocalProtocolError("a request header holds a character outside ASCII") from None
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii"), close
 
 
 class Exchange:
     """One request and its response on one connection, every wait capped by ``left_s()``."""
 
-    def __init__(self, pool: Pool, tls: Callable[[], ssl.SSLContext], left_s: Callable[[], float],
+    def __init__(self, *, pool: Pool, tls: Callable[[], ssl.SSLContext], left_s: Callable[[], float],
                  on_socket: Callable[[socket.socket | None], None]) -> None:
         self._pool, self._tls, self._left_s, self._on_socket = pool, tls, left_s, on_socket
 
@@ -248,10 +259,11 @@ class Exchange:
             if scheme == "https":
                 # wrapped first, handshaken after: the watchdog holds the socket that the
                 # handshake blocks in (wrapping detaches the plain one)
-                sock = self._tls().wrap_socket(raw, server_hostname=server_name, do_handshake_on_connect=False)
-                self._on_socket(sock)
-                self._wait(sock, httpx.ConnectTimeout)
-                sock.do_handshake()  # type: ignore[attr-defined]
+                tls_sock = self._tls().wrap_socket(raw, server_hostname=server_name, do_handshake_on_connect=False)
+                sock = tls_sock
+                self._on_socket(tls_sock)
+                self._wait(tls_sock, httpx.ConnectTimeout)
+                tls_sock.do_handshake()
         except TimeoutError as exc:
             sock.close()
             raise httpx.ConnectTimeout(f"the TLS handshake with {address}:{port} timed out") from exc
@@ -284,8 +296,8 @@ class Exchange:
         keep = False
         try:
             try:
-                self._write(conn, head + content if content and len(content) < READ_SIZE else head)
-                if content and len(content) >= READ_SIZE:
+                self._write(conn, head + content if content and len(content) < READ_BYTES else head)
+                if content and len(content) >= READ_BYTES:
                     self._write(conn, content)
             except httpx.WriteError as exc:
                 # the server may have answered before reading it all (a 413, say): that
@@ -317,7 +329,7 @@ class Exchange:
         """Read more into the connection's buffer; False at the peer's end of stream."""
         self._wait(conn.sock, httpx.ReadTimeout)
         try:
-            data = conn.sock.recv(READ_SIZE)
+            data = conn.sock.recv(READ_BYTES)
         except TimeoutError as exc:
             raise httpx.ReadTimeout("reading the response timed out") from exc
         except OSError as exc:
@@ -390,7 +402,7 @@ class Exchange:
         if lengths and (len(lengths) > 1 or not _DIGITS.fullmatch(next(iter(lengths)))):
             raise httpx.RemoteProtocolError(f"an invalid Content-Length: {sorted(lengths)!r:.80}")
         keep = not close and not (codings and lengths)  # both framings: never trusted for another
-        if method == "HEAD" or status in (204, 304) or status < 200:
+        if method == "HEAD" or status in (204, 304):
             return Reply(status, headers, b"", False), keep
         if codings:
             if codings[-1] == b"chunked":
@@ -407,7 +419,7 @@ class Exchange:
     @staticmethod
     def _over(refuse_larger: bool, max_bytes: int) -> None:
         if refuse_larger:
-            raise BodyTooLarge(f"the response is larger than {max_bytes} bytes")
+            raise ResponseTooLarge(f"the response is larger than {max_bytes} bytes")
 
     def _exactly(self, conn: _Connection, size: int, what: str) -> bytes:
         while len(conn.buffer) < size:
@@ -432,7 +444,7 @@ class Exchange:
     def _chunked(self, conn: _Connection, max_bytes: int, refuse_larger: bool) -> tuple[bytes, bool]:
         body = bytearray()
         while True:
-            size_text = self._until(conn, b"\r\n", MAX_CHUNK_LINE, "chunk size").split(b";", 1)[0].strip(b" \t")
+            size_text = self._until(conn, b"\r\n", MAX_CHUNK_LINE_BYTES, "chunk size").split(b";", 1)[0].strip(b" \t")
             if not _HEX.fullmatch(size_text):
                 raise httpx.RemoteProtocolError(f"an invalid chunk size: {size_text[:40]!r}")
             size = int(size_text, 16)

@@ -117,20 +117,10 @@ class Target:
     port: int
     address: str
 
-    def pinned_url(self) -> str:
-        """The URL with its host replaced by the checked address (Host header kept apart)."""
-        parts = urlsplit(self.url)
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        netloc = f"{host}:{self.port}"
-        return parts._replace(netloc=netloc).geturl()
-
     def headers(self) -> dict[str, str]:
         default = 443 if self.scheme == "https" else 80
         host = f"[{self.host}]" if ":" in self.host else self.host
         return {"Host": host if self.port == default else f"{host}:{self.port}"}
-
-    def extensions(self) -> dict[str, str]:
-        return {"sni_hostname": self.host} if self.scheme == "https" else {}
 
 
 def embedded_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:

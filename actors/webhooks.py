@@ -43,6 +43,7 @@ from actors.netguard import UrlRefused, check_url
 from broker import app, db, deadline, tracing
 from broker.enqueue import build_message, enqueue_messages, finish_queued
 from broker.errors import DeadlineExceeded, StandmeetError
+from broker.ops import record_delivery_messages
 from broker.outbox import emit
 from middleware.keyed_lease import Lease, given_back, lease_of, read_without_lease
 from middleware.snooze import Snooze
@@ -200,13 +201,6 @@ def replay_failed(since: datetime) -> int:
     return len(ids)
 
 
-#: Each delivery names the message that carries it (a batch that makes the delivery
-#: finishes that message while it is still queued).
-NAME_MESSAGES = """
-UPDATE standmeet.webhook_deliveries d SET message_id = m.message_id
-FROM unnest(%(ids)s::bigint[], %(messages)s::uuid[]) AS m(id, message_id) WHERE d.id = m.id
-"""
-
 
 def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> None:
     """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
@@ -214,7 +208,7 @@ def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -
     if not delivery_ids:
         return
     messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids])
-    conn.execute(NAME_MESSAGES, {"ids": delivery_ids, "messages": [m.message_id for m in messages]})
+    record_delivery_messages(conn, delivery_ids, [m.message_id for m in messages])
 
 
 # -- fan-out ------------------------------------------------------------------------------
@@ -573,14 +567,14 @@ def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Atte
 
 def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attempt]) -> None:
     """Record the attempts, the endpoint's health and each delivery's next try, and give
-    the lease back (one statement); in the same transaction, mark done the still-queued
-    messages of the batch's deliveries that reached their end (not one retried later,
-    which its message carries), so they never run. Atomic: a delivery an operator replays
-    meanwhile either waits for this record and finds its message done (and runs it
-    again), or was replayed before it and is recorded as made by it."""
+    the lease back (one statement). The messages of the deliveries that reached their end
+    (not one retried later, which its message carries; the job's own is running) are
+    marked done while still queued, in the same transaction: a message is never done
+    unless its delivery's attempt is recorded, so a delivery sent back to pending meanwhile
+    (an operator's replay reusing that message) is never left with nothing to carry it."""
     now = time.time()
     last = made[-1].outcome
-    finished = [a.due.message_id for a in made[1:] if a.due.message_id is not None and a.state != "pending"]
+    finished = [a.due.message_id for a in made if a.due.message_id is not None and a.state != "pending"]
     params = {
         "delivery": [a.due.delivery_id for a in made], "attempt": [a.due.attempts + 1 for a in made],
         "started": [a.started for a in made], "ms": [a.ms for a in made],
@@ -592,7 +586,7 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attem
         "endpoint": endpoint_id, "healthy": last.ok, "token": token,
         "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None}
     with db.connection() as conn:
-        if finished:
+        if finished:  # two statements, one transaction; otherwise one autocommit statement
             with conn.transaction():
                 conn.execute(SETTLE_ATTEMPTS, params)
                 finish_queued(conn, finished)

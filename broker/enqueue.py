@@ -60,13 +60,12 @@ def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: A
     return enqueue_message(conn, build_message(actor, args, kwargs, options), delay_ms=delay_ms)
 
 
-def finish_queued(conn: psycopg.Connection[Any], message_ids: list[str]) -> int:
+def finish_queued(conn: psycopg.Connection[Any], message_ids: list[str]) -> None:
     """Mark done the messages of ``message_ids`` still queued, without running them: their
-    work was done by another job. Call it in the transaction that records that work, so
-    that whatever sends the work back to be done again (a replay) waits for the record and
-    finds the message done. A message already claimed, or cancelled, is left as it is (a
-    claimed one must find its work made and end). Returns how many were finished."""
-    if not message_ids:
-        return 0
-    row = conn.execute(sql.FINISH_QUEUED, {"ids": message_ids, "awaited": app.awaited_queues()}).fetchone()
-    return int(row[0]) if row else 0
+    work was done by another job. Call it in the transaction that records that work, so a
+    message is never done unless its work is recorded. No hook runs for them (no callback,
+    pipeline step, result or job log line): only for messages that have none. A message
+    already claimed, or cancelled, is left as it is (a claimed one must find its work made
+    and end)."""
+    if message_ids:
+        conn.execute(sql.FINISH_QUEUED, {"ids": message_ids, "awaited": app.awaited_queues()})

@@ -646,6 +646,19 @@ RETURNING id
 #: The actor and queue of a webhook delivery job (declared by the application).
 DELIVER_ACTOR = "webhook.deliver"
 DELIVER_QUEUE = "webhook"
+#: Each delivery names the message that carries it: a job that makes the delivery as part
+#: of its endpoint's batch marks that message done while it is still queued.
+NAME_DELIVERY_MESSAGES = """
+UPDATE standmeet.webhook_deliveries d SET message_id = m.message_id
+FROM unnest(%(ids)s::bigint[], %(messages)b::uuid[]) AS m(id, message_id) WHERE d.id = m.id
+"""
+
+
+def record_delivery_messages(conn: psycopg.Connection[Any], delivery_ids: Sequence[int],
+                             message_ids: Sequence[str]) -> None:
+    """Record on each delivery the id of the message just enqueued for it (same order)."""
+    if delivery_ids:
+        conn.execute(NAME_DELIVERY_MESSAGES, {"ids": list(delivery_ids), "messages": list(message_ids)})
 
 
 def set_endpoint_enabled(conn: psycopg.Connection[Any], endpoint_id: int, enabled: bool, *,
@@ -673,6 +686,7 @@ def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]
                 for i in found
             ]
             conn.execute(sql.ENQUEUE, enqueue_params(messages))
+            record_delivery_messages(conn, found, [m.message_id for m in messages])
     return len(found)
 
 

@@ -1173,12 +1173,20 @@ compact_json = json.JSONEncoder(separators=(",", ":")).encode
 _MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
 
 
+def _encoded_as_dramatiq_would(message: Message) -> bool:
+    """Whether compact_json of :func:`_fields` is the text Dramatiq's encoder writes."""
+    return type(message) is Message and type(dramatiq.get_encoder()) is dramatiq.JSONEncoder
+
+
+def _fields(message: Message) -> dict[str, Any]:
+    return {name: getattr(message, name) for name in _MESSAGE_FIELDS}
+
+
 def message_json(message: Message | MessageProxy) -> str:
     """The message as JSON text, as Dramatiq encodes it."""
     plain = as_message(message)
-    if type(plain) is Message and type(dramatiq.get_encoder()) is dramatiq.JSONEncoder:
-        # the same text as ``plain.encode().decode()``, without the bytes in between
-        return compact_json({name: getattr(plain, name) for name in _MESSAGE_FIELDS})
+    if _encoded_as_dramatiq_would(plain):
+        return compact_json(_fields(plain))  # the same text as plain.encode().decode()
     return plain.encode().decode("utf-8")
 
 
@@ -1209,11 +1217,11 @@ def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None
     """Parameters of :data:`broker.sql.ENQUEUE` for ``messages``, due after ``delay`` ms."""
     batch = [as_message(m) for m in messages]
     priorities = [str(message_priority(m)) for m in batch]
-    if type(dramatiq.get_encoder()) is dramatiq.JSONEncoder and all(type(m) is Message for m in batch):
+    if all(_encoded_as_dramatiq_would(m) for m in batch):
         # one encoder call for the whole array: the same text as joining each message's
         # (a third less time for a batch of thousands)
-        return {"messages": compact_json([{name: getattr(m, name) for name in _MESSAGE_FIELDS} for m in batch]),
-                "priorities": f"{{{','.join(priorities)}}}", "delay_s": (delay or 0) / 1000.0}
+        array = compact_json([_fields(m) for m in batch])
+        return {**batch_params([], priorities, delay_s=(delay or 0) / 1000.0), "messages": array}
     return batch_params([message_json(m) for m in batch], priorities, delay_s=(delay or 0) / 1000.0)
 
 

@@ -414,15 +414,15 @@ WHERE id IN (
 
 #: Queued messages whose work another job did (a webhook batch made their deliveries):
 #: done without running, only while still queued and not cancelled (one a consumer
-#: claimed runs, and finds its work made), with their receipts on awaited queues.
+#: claimed runs, and finds its work made); receipts as in SETTLE_DONE.
 FINISH_QUEUED = """
 WITH finished AS (
     UPDATE dramatiq.queue SET "state" = 'done', error = NULL, mtime = now()
-    WHERE message_id = ANY(%(ids)s::uuid[]) AND "state" = 'queued' AND cancelled_at IS NULL
+    WHERE message_id = ANY(%(ids)b::uuid[]) AND "state" = 'queued' AND cancelled_at IS NULL
     RETURNING queue_name, message_id
-), receipts AS (
-    SELECT pg_notify(standmeet.receipt_channel(queue_name), message_id::text || ':done')
-    FROM finished WHERE queue_name = ANY(%(awaited)s::text[])
 )
-SELECT (SELECT count(*) FROM finished), (SELECT count(*) FROM receipts)
+SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':done', ','))
+FROM (SELECT queue_name, message_id, (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
+      FROM finished WHERE queue_name = ANY(%(awaited)b::text[])) AS receipts
+GROUP BY queue_name, chunk
 """

@@ -232,4 +232,5 @@ def replay(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
             message = Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(delivery_id,),
                               kwargs={}, options={})
         conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        ops.record_delivery_messages(conn, [delivery_id], [message.message_id])
         return message.message_id

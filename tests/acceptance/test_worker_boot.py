@@ -20,8 +20,7 @@ def test_a_worker_freezes_what_it_loaded_at_boot_so_full_collections_skip_it(
     with running(WORKER, subprocess_env, log=tmp_path / "worker.log"):
         # When a job reports what the collector of its process no longer scans
         gc_report.send("frozen")
-        wait_for(lambda: scalar(database_url, "SELECT label FROM test_runs WHERE actor = 'contract.gc_report'"),
-                 timeout_s=30, what="the report")
-        label = scalar(database_url, "SELECT label FROM test_runs WHERE actor = 'contract.gc_report'")
+        label = wait_for(lambda: scalar(database_url, "SELECT label FROM test_runs WHERE actor = 'contract.gc_report'"),
+                         timeout_s=30, what="the report")
     # Then the modules, actors and broker loaded at boot are frozen (tens of thousands of objects)
     assert int(label.split(":")[1]) > 10_000, label

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import psycopg
 from dramatiq.middleware import CurrentMessage
+from dramatiq.worker import WorkerThread
 from standardwebhooks import Webhook
 
 from actors import webhooks
+from broker.dashboard import webhooks as dashboard_webhooks
 from tests.support.db import query, wait_for
 from tests.support.http import http_server
 from tests.support.webserver import Reply, web_server
@@ -108,9 +111,6 @@ def test_a_failure_ends_the_batch_and_the_failed_delivery_keeps_its_retry_schedu
 def test_a_job_whose_delivery_a_batch_already_made_ends_on_the_lease_statement_alone(
     broker, database_url, start_worker, webhook_settings, monkeypatch
 ):
-    import threading
-
-    from dramatiq.worker import WorkerThread
 
     # Given a delivery made already (by another job's batch) whose own job is still queued
     with http_server() as (url, server):
@@ -144,7 +144,7 @@ def test_a_job_whose_delivery_a_batch_already_made_ends_on_the_lease_statement_a
     assert states(database_url, endpoint) == [(event, "succeeded", 1)]
 
 
-def test_the_messages_of_deliveries_a_batch_made_are_done_without_running_and_a_retried_ones_stays(
+def test_the_messages_of_deliveries_a_batch_made_are_done_without_running_and_a_retried_one_keeps_its(
     broker, database_url, start_worker, webhook_settings
 ):
     answered: list[int] = []
@@ -180,10 +180,6 @@ def test_the_messages_of_deliveries_a_batch_made_are_done_without_running_and_a_
 def test_a_delivery_an_operator_replays_while_a_batch_records_it_is_made_again(
     broker, database_url, start_worker, webhook_settings, monkeypatch
 ):
-    import threading
-
-    from broker.dashboard import webhooks as dashboard_webhooks
-
     posted: list[str] = []
 
     def ok(request):
@@ -201,8 +197,10 @@ def test_a_delivery_an_operator_replays_while_a_batch_records_it_is_made_again(
         query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour' WHERE message_id = %s",
               (second_message,))
         # When an operator replays the second delivery from the dashboard just as the batch
-        # marks its message done (its attempt written): whichever of the two waits for the
-        # other's row locks, the other commits first
+        # marks its message done (its attempt written). The batch's transaction holds the
+        # delivery's row, so the replay waits for it; the code before it committed the
+        # attempt alone, the replay was written before the finish, which the wait below
+        # lets commit first (so that order fails here instead of hanging)
         real_finish = webhooks.finish_queued
         replays: list[str | None] = []
         holding, finishing = threading.Event(), threading.Event()

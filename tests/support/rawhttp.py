@@ -63,7 +63,13 @@ def raw_server(script: Script, *, tls: ssl.SSLContext | None = None,
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 while read_body and len(buffer) < length:
-                    buffer += conn.recv(65536)
+                    try:
+                        data = conn.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    buffer += data
                 buffer = buffer[length:] if read_body else b""
                 with lock:
                     index = len(seen.heads)
