@@ -49,12 +49,8 @@ def raw_server(script: Script, *, tls: ssl.SSLContext | None = None,
                     return  # the client refused our certificate
             while True:
                 while b"\r\n\r\n" not in buffer:
-                    try:
-                        data = conn.recv(65536)
-                    except OSError:
-                        return
-                    if not data:
-                        return
+                    if not (data := _received(conn)):
+                        return  # the client went away
                     buffer += data
                 head, buffer = buffer.split(b"\r\n\r\n", 1)
                 length = 0
@@ -63,11 +59,7 @@ def raw_server(script: Script, *, tls: ssl.SSLContext | None = None,
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 while read_body and len(buffer) < length:
-                    try:
-                        data = conn.recv(65536)
-                    except OSError:
-                        return
-                    if not data:
+                    if not (data := _received(conn)):
                         return
                     buffer += data
                 buffer = buffer[length:] if read_body else b""
@@ -100,6 +92,14 @@ def raw_server(script: Script, *, tls: ssl.SSLContext | None = None,
         yield port, seen
     finally:
         listener.close()
+
+
+def _received(conn: socket.socket) -> bytes:
+    """The next bytes the client sent; empty once it closed or reset the connection."""
+    try:
+        return conn.recv(65536)
+    except OSError:
+        return b""
 
 
 def reply(body: bytes = b"ok", *, status: str = "200 OK", headers: str = "") -> bytes:
