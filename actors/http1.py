@@ -140,7 +140,6 @@ class Pool:
 
     def __init__(self, *, max_idle: int = MAX_IDLE) -> None:
         self._idle: dict[Key, list[_Connection]] = {}
-        self._count = 0
         self._max_idle = max_idle
         self._lock = threading.Lock()
 
@@ -154,7 +153,6 @@ class Pool:
                 conn = stack.pop()  # the most recently used: the least likely to be closed
                 if not stack:
                     del self._idle[key]
-                self._count -= 1
             if conn.fresh(now):
                 return conn
             conn.close()
@@ -163,10 +161,9 @@ class Pool:
         conn.idle_since, conn.answered = time.monotonic(), False
         evicted: _Connection | None = None
         with self._lock:
-            if self._count >= self._max_idle:
+            if self._idle_count() >= self._max_idle:
                 evicted = self._oldest()
             self._idle.setdefault(conn.key, []).append(conn)
-            self._count += 1
         if evicted is not None:
             evicted.close()
 
@@ -180,16 +177,18 @@ class Pool:
         conn = stack.pop(0)
         if not stack:
             del self._idle[oldest_key]
-        self._count -= 1
         return conn
+
+    def _idle_count(self) -> int:
+        return sum(map(len, self._idle.values()))  # at most max_idle connections
 
     def idle(self) -> int:
         with self._lock:
-            return self._count
+            return self._idle_count()
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle, self._count = self._idle, {}, 0
+            idle, self._idle = self._idle, {}
         for stack in idle.values():
             for conn in stack:
                 conn.close()
@@ -236,17 +235,19 @@ class Exchange:
                  on_socket: Callable[[socket.socket | None], None]) -> None:
         self._pool, self._tls, self._left_s, self._on_socket = pool, tls, left_s, on_socket
 
-    def _wait(self, sock: socket.socket, error: type[httpx.TimeoutException]) -> None:
+    def _left(self, error: type[httpx.TimeoutException]) -> float:
+        """What remains of the deadline; ``error`` once nothing does."""
         left = self._left_s()
         if left <= 0:
             raise error("the request's total deadline has passed")
-        sock.settimeout(left)
+        return left
+
+    def _wait(self, sock: socket.socket, error: type[httpx.TimeoutException]) -> None:
+        sock.settimeout(self._left(error))
 
     def _connect(self, key: Key) -> _Connection:
         scheme, address, port, server_name = key
-        left = self._left_s()
-        if left <= 0:
-            raise httpx.ConnectTimeout("the request's total deadline has passed")
+        left = self._left(httpx.ConnectTimeout)
         try:
             raw = socket.create_connection((address, port), timeout=left)
         except TimeoutError as exc:

@@ -201,7 +201,6 @@ def replay_failed(since: datetime) -> int:
     return len(ids)
 
 
-
 def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> None:
     """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
     recorded on its delivery."""

@@ -1221,14 +1221,19 @@ def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None
         # one encoder call for the whole array: the same text as joining each message's
         # (a third less time for a batch of thousands)
         array = compact_json([_fields(m) for m in batch])
-        return {**batch_params([], priorities, delay_s=(delay or 0) / 1000.0), "messages": array}
-    return batch_params([message_json(m) for m in batch], priorities, delay_s=(delay or 0) / 1000.0)
+    else:
+        array = f"[{','.join(message_json(m) for m in batch)}]"
+    return _array_params(array, priorities, delay_s=(delay or 0) / 1000.0)
 
 
 def batch_params(texts: Sequence[str], priorities: Sequence[str], *, delay_s: float = 0.0) -> dict[str, Any]:
     """Parameters of :data:`broker.sql.ENQUEUE` for messages already encoded: their JSON
     texts and priorities (as decimal text), in order, all due after ``delay_s``."""
-    return {"messages": f"[{','.join(texts)}]", "priorities": f"{{{','.join(priorities)}}}", "delay_s": delay_s}
+    return _array_params(f"[{','.join(texts)}]", priorities, delay_s=delay_s)
+
+
+def _array_params(array: str, priorities: Sequence[str], *, delay_s: float) -> dict[str, Any]:
+    return {"messages": array, "priorities": f"{{{','.join(priorities)}}}", "delay_s": delay_s}
 
 
 def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None) -> dict[str, Any]:

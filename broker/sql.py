@@ -127,6 +127,17 @@ WHERE p.priority IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses qp WHERE qp.queue_name = %(queue)s)
 """
 
+#: The receipts of what a statement's ``settled`` CTE (queue_name, message_id, state)
+#: finished on awaited queues: one notification per queue and 150 receipts, under
+#: Postgres' 8000-byte payload limit. The tail of every statement that finishes messages.
+RECEIPTS_OF_SETTLED = """
+SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':' || state, ','))
+FROM (SELECT queue_name, message_id, state,
+             (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
+      FROM settled WHERE state IN ('done', 'rejected') AND queue_name = ANY(%(awaited)b::text[])) AS receipts
+GROUP BY queue_name, chunk
+"""
+
 #: Settle finished claims, many at once, each only if it is still the claim it names
 #: (a message rescued and claimed again elsewhere is left alone):
 #:   done      the actor returned
@@ -135,9 +146,8 @@ WHERE p.priority IS NOT NULL
 #:             counts a retry); a cancelled message is rejected instead
 #: In the same statement (one transaction): the messages the settled runs sent from their
 #: after-hooks (pipelines, callbacks) are enqueued, only for claims that were settled;
-#: receipts are sent for final states of awaited queues (one notification per queue and
-#: 150 receipts, under Postgres' 8000-byte payload limit), and consumers of queues that
-#: got messages are woken.
+#: receipts are sent for final states of awaited queues (RECEIPTS_OF_SETTLED), and
+#: consumers of queues that got messages are woken.
 SETTLE = """
 WITH outcome AS (
     SELECT * FROM unnest(%(ids)b::uuid[], %(claims)s::int[], %(outcomes)b::text[],
@@ -169,13 +179,7 @@ WITH outcome AS (
     WHERE f.parent_id IN (SELECT message_id FROM settled)
     ON CONFLICT (message_id) DO NOTHING
     RETURNING q.queue_name
-)
-SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':' || state, ','))
-FROM (SELECT queue_name, message_id, state,
-             (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
-      FROM settled WHERE state IN ('done', 'rejected') AND queue_name = ANY(%(awaited)b::text[])) AS receipts
-GROUP BY queue_name, chunk
-UNION ALL
+)""" + RECEIPTS_OF_SETTLED + """UNION ALL
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT queue_name FROM settled WHERE state = 'queued'
       UNION SELECT queue_name FROM followed) AS woken
@@ -197,13 +201,8 @@ WITH marked AS (
     SET "state" = 'done', error = NULL, worker_id = NULL, started_at = NULL, mtime = now()
     FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS o(message_id, claims)
     WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
-    RETURNING q.queue_name, q.message_id
-)
-SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':done', ','))
-FROM (SELECT queue_name, message_id, (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
-      FROM settled WHERE queue_name = ANY(%(awaited)b::text[])) AS receipts
-GROUP BY queue_name, chunk
-"""
+    RETURNING q.queue_name, q.message_id, 'done' AS state
+)""" + RECEIPTS_OF_SETTLED
 
 #: Record that prefetched claims have started running (they can now be blamed for a
 #: crash of their process).
@@ -414,15 +413,10 @@ WHERE id IN (
 
 #: Queued messages whose work another job did (a webhook batch made their deliveries):
 #: done without running, only while still queued and not cancelled (one a consumer
-#: claimed runs, and finds its work made); receipts as in SETTLE_DONE.
+#: claimed runs, and finds its work made); receipts as in SETTLE.
 FINISH_QUEUED = """
-WITH finished AS (
+WITH settled AS (
     UPDATE dramatiq.queue SET "state" = 'done', error = NULL, mtime = now()
     WHERE message_id = ANY(%(ids)b::uuid[]) AND "state" = 'queued' AND cancelled_at IS NULL
-    RETURNING queue_name, message_id
-)
-SELECT pg_notify(standmeet.receipt_channel(queue_name), string_agg(message_id::text || ':done', ','))
-FROM (SELECT queue_name, message_id, (row_number() OVER (PARTITION BY queue_name) - 1) / 150 AS chunk
-      FROM finished WHERE queue_name = ANY(%(awaited)b::text[])) AS receipts
-GROUP BY queue_name, chunk
-"""
+    RETURNING queue_name, message_id, 'done' AS state
+)""" + RECEIPTS_OF_SETTLED
