@@ -9,7 +9,7 @@ import pytest
 
 from broker.backoff import Backoff
 from broker.pgbroker import Claim, QueueState
-from broker.settings import QueueSettings
+from broker.settings import PREFETCH_MOST, QueueSettings
 
 
 def _claim(i: int, number: int = 1, *, started: bool = True) -> Claim:
@@ -145,7 +145,7 @@ def _run_through(state: QueueState, claims: list[Claim], run_s: float, clock: li
         state.finished(claim.key)
 
 
-def test_by_default_the_prefetch_holds_what_finishes_soon_between_half_the_limit_and_twice_it(monkeypatch):
+def test_by_default_the_prefetch_holds_what_finishes_soon_between_half_the_limit_and_its_ceiling(monkeypatch):
     import broker.pgbroker as pgbroker
 
     clock = [1000.0]
@@ -153,13 +153,21 @@ def test_by_default_the_prefetch_holds_what_finishes_soon_between_half_the_limit
     state = QueueState(QueueSettings("q", max_workers=8, time_limit_s=60, prefetch_setting=-1))
     # Given a queue that starts with half its limit prefetched
     assert state.prefetch == 4
-    # When its jobs take 2 ms each: 8 slots finish far more than the floor within 50 ms
+    # When its jobs take 2 ms each: 8 slots finish 200 within 50 ms
     _run_through(state, [_claim(i) for i in range(40)], 0.002, clock)
-    # Then it prefetches twice its limit (no more)
-    assert state.prefetch == 16
+    # Then it prefetches its ceiling (no more)
+    assert state.prefetch == PREFETCH_MOST == 128
+    # And when they take 20 ms, it holds what 8 slots finish in 50 ms
+    _run_through(state, [_claim(50 + i) for i in range(60)], 0.020, clock)
+    assert state.prefetch == 20
     # And when its jobs then take 10 s each, it falls back to half the limit
     _run_through(state, [_claim(100 + i) for i in range(60)], 10.0, clock)
     assert state.prefetch == 4
+
+
+def test_a_queue_with_many_workers_may_prefetch_twice_its_limit():
+    assert QueueSettings("q", max_workers=100, time_limit_s=60).prefetch_ceiling == 200
+    assert QueueSettings("q", max_workers=8, time_limit_s=60).prefetch_ceiling == PREFETCH_MOST
 
 
 def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
@@ -170,3 +178,4 @@ def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
     state = QueueState(QueueSettings("q", max_workers=8, time_limit_s=60, prefetch_setting=2))
     _run_through(state, [_claim(i) for i in range(40)], 0.002, clock)
     assert state.prefetch == 2
+
