@@ -187,6 +187,22 @@ class QueueState:
         wanted = self.limit * PREFETCH_HORIZON_S / max(mean, 1e-6)
         self.prefetch = int(min(self.settings.prefetch_ceiling, max(self.settings.prefetch_floor, wanted)))
 
+    def take_excess(self) -> list[Claim]:
+        """Claims waiting beyond twice the prefetch, to give back: the prefetch shrank since
+        they were claimed (the queue's jobs now run longer), and another process may start
+        them sooner. The last in line go; the buffer keeps ``prefetch``."""
+        with self.lock:
+            if len(self.buffer) <= 2 * self.prefetch:
+                return []
+            excess = [self.buffer.pop() for _ in range(len(self.buffer) - self.prefetch)]
+        excess.reverse()
+        return excess
+
+    def restore(self, claims: Sequence[Claim]) -> None:
+        """Claims taken by :meth:`take_excess` that could not be given back: last in line again."""
+        with self.lock:
+            self.buffer.extend(claims)
+
     def take_buffer(self) -> list[Claim]:
         with self.lock:
             taken = list(self.buffer)
@@ -996,11 +1012,24 @@ class StandmeetConsumer(Consumer):
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
+        if self.broker.claiming:
+            self._give_back_excess()
         if self.broker.claiming and self._due() and self.state.should_claim():
             if self.claim_once(conn):
                 return self._hand_out()
         self._wait(conn)
         return None
+
+    def _give_back_excess(self) -> None:
+        """Return to the queue, unblamed, what the buffer holds beyond twice the prefetch."""
+        excess = self.state.take_excess()
+        if not excess:
+            return
+        try:
+            self.broker.requeue([c.message for c in excess], [c.number for c in excess])
+        except BaseException:
+            self.state.restore(excess)  # still claimed by this process: kept, to start or give back later
+            raise
 
     def _due(self) -> bool:
         return self.next_due_s is not None and self.next_due_s <= time.monotonic()

@@ -482,3 +482,72 @@ def test_a_claimed_message_is_handed_out_before_the_consumer_asks_when_to_look_a
     consumer.ack(proxy)
     assert broker.settler.flush(5)
     consumer.close()
+
+
+def test_what_a_shrunken_prefetch_no_longer_covers_goes_back_to_the_queue_unblamed(
+        broker, database_url, monkeypatch):
+    from broker import enqueue_many
+
+    # Given a queue running one job with five claimed behind it
+    assert broker.settler.flush(5)
+    state = broker.queue_states["index"]
+    monkeypatch.setattr(state, "limit", 1)
+    monkeypatch.setattr(state, "prefetch", 5)
+    ids = [m.message_id for m in enqueue_many([mark.message(f"shrunk-{i}") for i in range(6)])]
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=50)
+    running = consumer.__next__()
+    assert running is not None and running.message_id == ids[0]
+    assert [c.message.message_id for c in state.buffer] == ids[1:]
+    # When the prefetch shrinks to two (the queue's jobs now run long)
+    monkeypatch.setattr(state, "prefetch", 2)
+    assert consumer.__next__() is None
+    # Then the last three in line are queued again for anyone, with no crash counted,
+    # the first two stay claimed here, and nothing more is claimed
+    assert query(database_url, HELD, (ids[3:],)) == [("queued", None, 0)] * 3
+    assert [c.message.message_id for c in state.buffer] == ids[1:3]
+    assert state.in_flight == {(m, 1) for m in ids[:3]}
+    assert query(database_url, CONSUMED, (ids,)) == [(3,)]
+    consumer.close()
+    _forget(broker, database_url, state, ids)
+
+
+def test_a_give_back_that_fails_keeps_the_claims_in_line(broker, database_url, monkeypatch):
+    from broker import enqueue_many
+
+    # Given a queue running one job with three claimed behind it, and a prefetch of one
+    assert broker.settler.flush(5)
+    state = broker.queue_states["index"]
+    monkeypatch.setattr(state, "limit", 1)
+    monkeypatch.setattr(state, "prefetch", 3)
+    ids = [m.message_id for m in enqueue_many([mark.message(f"kept-{i}") for i in range(4)])]
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=50)
+    running = consumer.__next__()
+    assert running.message_id == ids[0]
+    monkeypatch.setattr(state, "prefetch", 1)
+
+    # When the database cannot be reached to give the last two back
+    tried: list[list[str]] = []
+
+    def unreachable(messages, claims):
+        tried.append([m.message_id for m in messages])
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(broker, "requeue", unreachable)
+    assert consumer.__next__() is None
+    assert tried == [ids[2:]]
+    # Then they are still claimed here, in their order, to start or give back later
+    assert [c.message.message_id for c in state.buffer] == ids[1:]
+    assert query(database_url, CONSUMED, (ids,)) == [(4,)]
+    monkeypatch.undo()
+    consumer.close()
+    _forget(broker, database_url, state, ids)
+
+
+def _forget(broker, database_url: str, state, ids: list[str]) -> None:
+    """What a test claimed by hand leaves neither this process's books nor the queue."""
+    state.take_buffer()
+    state.release([(m, 1) for m in ids])
+    state.drain_wake()
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) RETURNING 1", (ids,))

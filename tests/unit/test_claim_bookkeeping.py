@@ -179,3 +179,34 @@ def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
     _run_through(state, [_claim(i) for i in range(40)], 0.002, clock)
     assert state.prefetch == 2
 
+
+def test_when_the_prefetch_shrinks_below_half_the_buffer_the_last_in_line_are_given_back(monkeypatch):
+    import broker.pgbroker as pgbroker
+
+    clock = [1000.0]
+    monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=60, prefetch_setting=-1))
+    # Given a queue of fast jobs that prefetched its ceiling, one job running
+    _run_through(state, [_claim(i) for i in range(40)], 0.0001, clock)
+    assert state.prefetch == PREFETCH_MOST
+    running = _claim(500)
+    state.hold(running)
+    assert state.next_buffered() is running
+    waiting = [_claim(1000 + i, started=False) for i in range(100)]
+    for claim in waiting:
+        state.hold(claim)
+    assert state.take_excess() == []  # within twice the prefetch: kept
+    # When a job of 10 s ends: the prefetch falls to its floor (1)
+    clock[0] += 10.0
+    state.finished(running.key)
+    assert state.prefetch == 1
+    # Then all but the first in line are offered back, in order, and the buffer keeps one
+    excess = state.take_excess()
+    assert excess == waiting[1:]
+    assert list(state.buffer) == waiting[:1]
+    assert state.take_excess() == []
+    # And claims that could not be given back wait last in line again, still held
+    state.restore(excess)
+    assert list(state.buffer) == waiting
+    assert all(c.key in state.in_flight for c in waiting)
+    state.drain_wake()
