@@ -653,7 +653,10 @@ class StandmeetBroker(dramatiq.Broker):
             if conn is not None:
                 conn.execute(sql.ENQUEUE, params)
             else:
-                self.execute(sql.ENQUEUE, params)
+                try:
+                    self.execute(sql.ENQUEUE_NEW, params)
+                except psycopg.errors.UniqueViolation:  # an id exists: nothing was written
+                    self.execute(sql.ENQUEUE, params)
         except DISCONNECTS as exc:
             raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
         if self._hooks("after_enqueue"):

@@ -62,14 +62,35 @@ def test_a_message_enqueued_again_while_queued_takes_the_new_text_and_a_finished
     queued, done = mark.message("first"), mark.message("finished")
     enqueue_many([queued, done])
     query(database_url, "UPDATE dramatiq.queue SET state = 'done' WHERE message_id = %s", (done.message_id,))
-    # When both are enqueued again with new arguments
-    again = [Message(**{**queued.asdict(), "args": ("second",)}), Message(**{**done.asdict(), "args": ("again",)})]
+    # When both are enqueued again with new arguments, in a batch with a new message
+    new = mark.message("new")
+    again = [Message(**{**queued.asdict(), "args": ("second",)}), new,
+             Message(**{**done.asdict(), "args": ("again",)})]
     enqueue_many(again)
+    ids = [queued.message_id, done.message_id, new.message_id]
     rows = dict(query(database_url, "SELECT message_id::text, message->'args' || jsonb_build_array(state::text)"
-                                    " FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
-                      ([queued.message_id, done.message_id],)))
-    # Then the queued one carries the new text, the finished one is not resurrected
+                                    " FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,)))
+    # Then the queued one carries the new text, the finished one is not resurrected,
+    # and the new one is queued
     assert rows[queued.message_id] == ["second", "queued"]
     assert rows[done.message_id] == ["finished", "done"]
-    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
-          ([queued.message_id, done.message_id],))
+    assert rows[new.message_id] == ["new", "queued"]
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))
+
+
+def test_a_batch_of_new_messages_and_one_that_exists_is_written_whole_on_the_callers_connection_too(
+        broker, database_url):
+    # Given a queued message
+    queued = mark.message("before")
+    enqueue_many([queued])
+    # When it is enqueued again beside a new one, in the caller's transaction
+    new = mark.message("beside")
+    with psycopg.connect(database_url) as conn:
+        enqueue_many([Message(**{**queued.asdict(), "args": ("after",)}), new], conn=conn)
+        conn.execute("SELECT 1")  # the transaction was not aborted
+    ids = [queued.message_id, new.message_id]
+    rows = dict(query(database_url, "SELECT message_id::text, message->'args' FROM dramatiq.queue"
+                                    " WHERE message_id = ANY(%s::uuid[]) AND state = 'queued'", (ids,)))
+    # Then both are queued, the first with its new text
+    assert rows == {queued.message_id: ["after"], new.message_id: ["beside"]}
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))
