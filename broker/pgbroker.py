@@ -5,10 +5,12 @@ What it guarantees:
 * **Claims are bounded per queue.** A consumer claims due messages with one
   ``UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)`` statement (lower
   ``priority`` first, then oldest due), never more than its queue's limit running plus
-  a small prefetch; it claims again when a batch's worth of room is free or a running
-  slot would idle. Runs that finished but whose outcome is not written yet count too,
-  beyond one limit of slack: a process never holds more than ``2 × limit + prefetch``
-  rows ``consumed``. It wakes on NOTIFY, or the moment one of its jobs finishes. No
+  its prefetch (by default what its jobs finish in 50 ms, up to 128); it claims again
+  when a batch's worth of room is free or a running slot would idle. Runs that finished
+  but whose outcome is not written yet count too, beyond one limit of slack: a process
+  never holds more than ``2 × limit`` + the prefetch's ceiling rows ``consumed``. What
+  the buffer would hold longer than a second (its jobs turned slow, or hang) goes back
+  to the queue, unblamed. It wakes on NOTIFY, or the moment one of its jobs finishes. No
   advisory lock outlives the statement, so the locks held stay bounded at any backlog.
 * **One settle path.** Every outcome of a run — done, retry with back-off, snooze,
   reject — is one statement bound to the claim it settles (``message_id`` *and* claim
@@ -54,7 +56,7 @@ from broker import app, detach, sql, tracing
 from broker.backoff import Backoff
 from broker.errors import ConfigError, Deferred
 from broker.pgpool import DISCONNECTS, Outage, close_quietly, connect, open_send_pool
-from broker.settings import PREFETCH_HORIZON_S, QueueSettings, Settings
+from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
 
 logger = logging.getLogger("standmeet.broker")
 
@@ -108,6 +110,8 @@ class QueueState:
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
+        #: claims taken from the buffer to give back, until the give-back is written
+        self.returning: list[Claim] = []
         #: the consumer sleeps on the wake pipe (set and read under ``lock``)
         self.waiting = False
         #: a running job ended (or outcomes were written) since the consumer last looked
@@ -130,8 +134,8 @@ class QueueState:
 
     def free(self) -> int:
         """How many more messages this process may claim now: its rows ``consumed`` in the
-        database never exceed ``2 × limit + prefetch`` (finished ones included), however
-        far the settler is behind."""
+        database never exceed ``2 × limit`` + the prefetch's ceiling (finished ones
+        included), however far the settler is behind."""
         with self.lock:
             return self._free()
 
@@ -187,26 +191,43 @@ class QueueState:
         wanted = self.limit * PREFETCH_HORIZON_S / max(mean, 1e-6)
         self.prefetch = int(min(self.settings.prefetch_ceiling, max(self.settings.prefetch_floor, wanted)))
 
-    def take_excess(self) -> list[Claim]:
-        """Claims waiting beyond twice the prefetch, to give back: the prefetch shrank since
-        they were claimed (the queue's jobs now run longer), and another process may start
-        them sooner. The last in line go; the buffer keeps ``prefetch``."""
-        with self.lock:
-            if len(self.buffer) <= 2 * self.prefetch:
-                return []
-            excess = [self.buffer.pop() for _ in range(len(self.buffer) - self.prefetch)]
-        excess.reverse()
-        return excess
+    def take_excess(self, now: float | None = None) -> list[Claim]:
+        """Claims to give back to the queue, for another process to start sooner: those a
+        queue with the default prefetch holds that would wait in its buffer longer than
+        PREFETCH_HOLD_S (by the mean run time; or because no slot has freed for that long),
+        with any whose give-back is not known to have been written. The last in line go;
+        the prefetch shrinks to what stays, so they are not claimed again at once.
 
-    def restore(self, claims: Sequence[Claim]) -> None:
-        """Claims taken by :meth:`take_excess` that could not be given back: last in line again."""
+        A claim once offered is never started here (its give-back may have committed
+        unseen): it stays counted until :meth:`release` confirms it gone."""
+        now = time.monotonic() if now is None else now
         with self.lock:
-            self.buffer.extend(claims)
+            keep = self._keep(now)
+            if keep < len(self.buffer):
+                self.prefetch = min(self.prefetch, keep)
+                while len(self.buffer) > keep:
+                    self.returning.append(self.buffer.pop())
+            return list(self.returning)
+
+    def _keep(self, now: float) -> int:
+        """How many buffered claims start within PREFETCH_HOLD_S (under ``lock``)."""
+        if not self.buffer or not self.settings.adaptive_prefetch:
+            return len(self.buffer)
+        per_claim_s = self.mean_run_s or 0.0
+        if len(self.running) >= self.limit and self._handed_at:
+            stuck_s = now - max(self._handed_at.values())  # since a slot last freed
+            if stuck_s >= PREFETCH_HOLD_S:
+                per_claim_s = max(per_claim_s, stuck_s)
+        if len(self.buffer) * per_claim_s <= PREFETCH_HOLD_S * self.limit:
+            return len(self.buffer)
+        return max(self.settings.prefetch_floor, int(self.limit * PREFETCH_HOLD_S / per_claim_s))
 
     def take_buffer(self) -> list[Claim]:
+        """Every claim not started here (the buffer, and those being given back)."""
         with self.lock:
-            taken = list(self.buffer)
+            taken = [*self.buffer, *self.returning]
             self.buffer.clear()
+            self.returning.clear()
             return taken
 
     def finished(self, key: tuple[str, int], *, hand_off: bool = False) -> Claim | None:
@@ -254,7 +275,10 @@ class QueueState:
 
     def release(self, keys: Iterable[tuple[str, int]]) -> None:
         """Settled (or given back): the claims no longer count against the queue."""
+        keys = set(keys)
         with self.lock:
+            if self.returning:
+                self.returning = [c for c in self.returning if c.key not in keys]
             for key in keys:
                 self.in_flight.discard(key)
                 self.running.discard(key)
@@ -1024,15 +1048,11 @@ class StandmeetConsumer(Consumer):
         return None
 
     def _give_back_excess(self) -> None:
-        """Return to the queue, unblamed, what the buffer holds beyond twice the prefetch."""
+        """Return to the queue, unblamed, what the buffer would hold too long. If the database
+        cannot be reached, they stay this process's, unstarted, and go on the next try."""
         excess = self.state.take_excess()
-        if not excess:
-            return
-        try:
+        if excess:
             self.broker.requeue([c.message for c in excess], [c.number for c in excess])
-        except BaseException:
-            self.state.restore(excess)  # still claimed by this process: kept, to start or give back later
-            raise
 
     def _due(self) -> bool:
         return self.next_due_s is not None and self.next_due_s <= time.monotonic()

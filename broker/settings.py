@@ -238,6 +238,12 @@ PREFETCH_HORIZON_S = 0.05
 #: shutdown gives back at most this many.
 PREFETCH_MOST = 128
 
+#: A queue with the default prefetch gives back what its buffer would hold longer than
+#: this (by its mean run time, or because no running slot has freed for this long): a
+#: queue whose jobs turned slow or hang never keeps claims another process could start.
+#: Far above the prefetch's horizon, so a short stall of the process gives nothing back.
+PREFETCH_HOLD_S = 1.0
+
 
 def queue_variable_name(queue: str) -> str:
     """The <NAME> part of a queue's variables: upper-cased, non-alphanumerics as ``_``."""

@@ -20,7 +20,7 @@ RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
 #: What ENQUEUE does with an id that exists: a queued message takes the new text; one
 #: that is running or has finished is never resurrected (a re-relayed event cannot run
 #: its job twice).
-_ON_CONFLICT_KEEP_STARTED = """ON CONFLICT (message_id) DO UPDATE SET
+_ON_CONFLICT_KEEP_STARTED = """    ON CONFLICT (message_id) DO UPDATE SET
         message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
     WHERE q."state" = 'queued'"""
 
@@ -31,7 +31,9 @@ WITH enqueued AS (
     SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
            now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority
     FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[])) AS m(body, priority)
-    {on_conflict}
+"""
+
+_ENQUEUE_WAKE = """
     RETURNING q.queue_name
 )
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
@@ -44,14 +46,16 @@ FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 #: each sent as a single text: arrays of many strings cost more to send than the rest of
 #: building them. The row's queue and id are the body's own; an existing id is kept as
 #: ``_ON_CONFLICT_KEEP_STARTED`` says.
-ENQUEUE = _ENQUEUE_ROWS.format(on_conflict=_ON_CONFLICT_KEEP_STARTED)
+ENQUEUE = _ENQUEUE_ROWS + _ON_CONFLICT_KEEP_STARTED + _ENQUEUE_WAKE
 
 #: ENQUEUE for a batch whose ids are all new, as fresh Dramatiq messages' are: a plain
 #: insert, without the speculative insertion ON CONFLICT makes of every row (about a
 #: tenth of a batch's time). One id that exists fails the whole statement with a unique
-#: violation, and ENQUEUE then writes the batch. Only on the broker's own autocommit
-#: connection: in a caller's transaction the error would abort it.
-ENQUEUE_NEW = _ENQUEUE_ROWS.format(on_conflict="")
+#: violation, and ENQUEUE then writes the batch: a clash costs the server an error line
+#: in its log and the rows written before it (dead until vacuumed), so a caller that
+#: re-sends ids on purpose is better served by ENQUEUE. Only on the broker's own
+#: autocommit connection: in a caller's transaction the error would abort it.
+ENQUEUE_NEW = _ENQUEUE_ROWS + _ENQUEUE_WAKE
 
 #: ENQUEUE for one message, with plain parameters: a single send dumps no arrays and
 #: unnests nothing (the same rules: an existing id is never resurrected).

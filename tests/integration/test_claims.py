@@ -484,63 +484,78 @@ def test_a_claimed_message_is_handed_out_before_the_consumer_asks_when_to_look_a
     consumer.close()
 
 
-def test_what_a_shrunken_prefetch_no_longer_covers_goes_back_to_the_queue_unblamed(
-        broker, database_url, monkeypatch):
+def _slow_queue(broker, monkeypatch, label: str) -> tuple[object, list[str], object, object]:
+    """The index queue with two slots, one running, four claims behind it, and a mean run
+    time of 10 s: what it holds past a second should go back."""
+    import dataclasses
+
     from broker import enqueue_many
 
-    # Given a queue running one job with five claimed behind it
     assert broker.settler.flush(5)
     state = broker.queue_states["index"]
+    monkeypatch.setattr(state, "settings", dataclasses.replace(state.settings, max_workers=2, prefetch_setting=-1))
     monkeypatch.setattr(state, "limit", 1)
-    monkeypatch.setattr(state, "prefetch", 5)
-    ids = [m.message_id for m in enqueue_many([mark.message(f"shrunk-{i}") for i in range(6)])]
+    monkeypatch.setattr(state, "prefetch", 4)
+    ids = [m.message_id for m in enqueue_many([mark.message(f"{label}-{i}") for i in range(5)])]
     broker.claiming = True
     consumer = broker.consume("index", timeout=50)
     running = consumer.__next__()
     assert running is not None and running.message_id == ids[0]
     assert [c.message.message_id for c in state.buffer] == ids[1:]
-    # When the prefetch shrinks to two (the queue's jobs now run long)
-    monkeypatch.setattr(state, "prefetch", 2)
+    monkeypatch.setattr(state, "mean_run_s", 10.0)
+    return state, ids, consumer, running
+
+
+def test_what_a_queue_would_hold_past_a_second_goes_back_to_the_queue_unblamed(
+        broker, database_url, monkeypatch):
+    # Given a queue running one job with four claimed behind it, whose jobs now take 10 s
+    state, ids, consumer, running = _slow_queue(broker, monkeypatch, "slow")
+    # When its consumer next looks
     assert consumer.__next__() is None
-    # Then the last three in line are queued again for anyone, with no crash counted,
-    # the first two stay claimed here, and nothing more is claimed
-    assert query(database_url, HELD, (ids[3:],)) == [("queued", None, 0)] * 3
-    assert [c.message.message_id for c in state.buffer] == ids[1:3]
-    assert state.in_flight == {(m, 1) for m in ids[:3]}
-    assert query(database_url, CONSUMED, (ids,)) == [(3,)]
+    # Then all but the first in line are queued again for anyone, with no crash counted;
+    # the first stays claimed here, and nothing more is claimed
+    assert query(database_url, HELD, (ids[2:],)) == [("queued", None, 0)] * 3
+    assert [c.message.message_id for c in state.buffer] == ids[1:2]
+    assert state.in_flight == {(m, 1) for m in ids[:2]}
+    assert query(database_url, CONSUMED, (ids,)) == [(2,)]
     consumer.close()
     _forget(broker, database_url, state, ids)
 
 
-def test_a_give_back_that_fails_keeps_the_claims_in_line(broker, database_url, monkeypatch):
-    from broker import enqueue_many
+def test_a_give_back_whose_outcome_is_unknown_is_never_started_here_and_is_tried_again(
+        broker, database_url, monkeypatch):
+    # Given a queue whose buffer holds three claims past a second
+    state, ids, consumer, running = _slow_queue(broker, monkeypatch, "unknown")
+    execute = broker.execute
 
-    # Given a queue running one job with three claimed behind it, and a prefetch of one
-    assert broker.settler.flush(5)
-    state = broker.queue_states["index"]
-    monkeypatch.setattr(state, "limit", 1)
-    monkeypatch.setattr(state, "prefetch", 3)
-    ids = [m.message_id for m in enqueue_many([mark.message(f"kept-{i}") for i in range(4)])]
-    broker.claiming = True
-    consumer = broker.consume("index", timeout=50)
-    running = consumer.__next__()
-    assert running.message_id == ids[0]
-    monkeypatch.setattr(state, "prefetch", 1)
+    def committed_then_cut_off(query_text, params=None):
+        rows = execute(query_text, params)
+        if query_text == sql.REQUEUE:
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return rows
 
-    # When the database cannot be reached to give the last two back
-    tried: list[list[str]] = []
-
-    def unreachable(messages, claims):
-        tried.append([m.message_id for m in messages])
-        raise psycopg.OperationalError("server closed the connection unexpectedly")
-
-    monkeypatch.setattr(broker, "requeue", unreachable)
-    assert consumer.__next__() is None
-    assert tried == [ids[2:]]
-    # Then they are still claimed here, in their order, to start or give back later
-    assert [c.message.message_id for c in state.buffer] == ids[1:]
-    assert query(database_url, CONSUMED, (ids,)) == [(4,)]
-    monkeypatch.undo()
+    # When the give-back commits but its answer is lost
+    monkeypatch.setattr(broker, "execute", committed_then_cut_off)
+    try:
+        consumer._give_back_excess()
+    except psycopg.OperationalError:
+        pass
+    else:
+        raise AssertionError("the give-back's error was swallowed")
+    monkeypatch.setattr(broker, "execute", execute)
+    # and another process claims those messages and runs them
+    other = str(uuid.uuid4())
+    query(database_url, sql.CLAIM, {"queue": "index", "n": 10, "n_start": 10, "worker_id": other})
+    assert sorted(r[0] for r in query(database_url, "SELECT message_id::text FROM dramatiq.queue"
+                                                    " WHERE worker_id = %s", (other,))) == sorted(ids[2:])
+    # Then this process never starts them, though its slot frees
+    state.finished((running.message_id, running.standmeet_claim))
+    assert [c.message.message_id for c in (state.next_buffered(), state.next_buffered()) if c] == ids[1:2]
+    # and its next try leaves the other process's claims alone and forgets them
+    consumer._give_back_excess()
+    assert state.returning == [] and not any((m, 1) in state.in_flight for m in ids[2:])
+    assert query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE worker_id = %s"
+                               " AND state = 'consumed' AND claims = 2", (other,)) == [(3,)]
     consumer.close()
     _forget(broker, database_url, state, ids)
 

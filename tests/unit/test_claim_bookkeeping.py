@@ -180,33 +180,101 @@ def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
     assert state.prefetch == 2
 
 
-def test_when_the_prefetch_shrinks_below_half_the_buffer_the_last_in_line_are_given_back(monkeypatch):
+
+def _busy_queue(monkeypatch, *, run_s: float) -> tuple[QueueState, list[float], list[Claim], list[Claim]]:
+    """A queue of limit 2 whose jobs took ``run_s`` each, both slots running, and as many
+    claims buffered as its prefetch allows; the clock is the test's."""
     import broker.pgbroker as pgbroker
 
     clock = [1000.0]
     monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
     state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=60, prefetch_setting=-1))
-    # Given a queue of fast jobs that prefetched its ceiling, one job running
-    _run_through(state, [_claim(i) for i in range(40)], 0.0001, clock)
-    assert state.prefetch == PREFETCH_MOST
-    running = _claim(500)
-    state.hold(running)
-    assert state.next_buffered() is running
-    waiting = [_claim(1000 + i, started=False) for i in range(100)]
+    _run_through(state, [_claim(i) for i in range(40)], run_s, clock)
+    running = [_claim(500), _claim(501)]
+    for claim in running:
+        state.hold(claim)
+        assert state.next_buffered() is claim
+    waiting = [_claim(1000 + i, started=False) for i in range(state.prefetch)]
     for claim in waiting:
         state.hold(claim)
-    assert state.take_excess() == []  # within twice the prefetch: kept
-    # When a job of 10 s ends: the prefetch falls to its floor (1)
-    clock[0] += 10.0
-    state.finished(running.key)
-    assert state.prefetch == 1
-    # Then all but the first in line are offered back, in order, and the buffer keeps one
-    excess = state.take_excess()
-    assert excess == waiting[1:]
-    assert list(state.buffer) == waiting[:1]
+    return state, clock, running, waiting
+
+
+def test_a_short_stall_of_the_process_gives_nothing_back(monkeypatch):
+    # Given a queue of 0.5 ms jobs holding its ceiling of prefetched claims
+    state, clock, running, waiting = _busy_queue(monkeypatch, run_s=0.0005)
+    assert len(waiting) == PREFETCH_MOST
+    # When the process stalls for 60 ms with both jobs running, which then end
+    clock[0] += 0.060
     assert state.take_excess() == []
-    # And claims that could not be given back wait last in line again, still held
-    state.restore(excess)
-    assert list(state.buffer) == waiting
-    assert all(c.key in state.in_flight for c in waiting)
+    for claim in running:
+        state.finished(claim.key)
+    # Then every claim stays in line: the buffer would still empty within a second
+    assert state.take_excess() == [] and len(state.buffer) == PREFETCH_MOST
+    state.drain_wake()
+
+
+def test_what_jobs_turned_slow_would_hold_past_a_second_goes_back_last_in_line_first(monkeypatch):
+    # Given a queue of fast jobs holding its ceiling of prefetched claims
+    state, clock, running, waiting = _busy_queue(monkeypatch, run_s=0.0001)
+    # When a job of 10 s ends: the mean run time is now about a second
+    clock[0] += 10.0
+    state.finished(running[0].key)
+    handed = state.next_buffered()
+    assert handed is waiting[0]
+    # Then what would wait past a second goes, the last in line first; the buffer keeps
+    # its floor, the prefetch shrinks to it, and nothing more would be claimed
+    excess = state.take_excess()
+    assert excess == waiting[:0:-1][: len(waiting) - 2]
+    assert list(state.buffer) == waiting[1:2] == [waiting[1]]
+    assert state.prefetch == 1 and state.free() <= 0
+    state.drain_wake()
+
+
+def test_claims_behind_jobs_that_hang_go_back_once_no_slot_has_freed_for_a_second(monkeypatch):
+    # Given a queue of fast jobs holding its ceiling, both slots running
+    state, clock, running, waiting = _busy_queue(monkeypatch, run_s=0.0001)
+    # When neither job ends for 0.9 s, nothing goes; after 1.5 s, the buffer is cut down
+    clock[0] += 0.9
+    assert state.take_excess() == []
+    clock[0] += 0.6
+    excess = state.take_excess()
+    assert len(excess) == PREFETCH_MOST - 1 and list(state.buffer) == waiting[:1]
+    assert state.prefetch == 1
+    state.drain_wake()
+
+
+def test_claims_being_given_back_are_never_started_here_and_count_until_confirmed(monkeypatch):
+    state, clock, running, waiting = _busy_queue(monkeypatch, run_s=0.0001)
+    clock[0] += 2.0
+    excess = state.take_excess()
+    assert excess
+    # When the give-back's outcome is unknown (the connection broke), and slots free up
+    for claim in running:
+        state.finished(claim.key)
+    started = [state.next_buffered() for _ in range(4)]
+    # Then only the claim kept in the buffer starts; the others are offered again, still held
+    assert started == [waiting[0], None, None, None]
+    assert state.take_excess() == excess
+    assert all(c.key in state.in_flight for c in excess)
+    # And once the give-back is confirmed, they no longer count
+    state.release([c.key for c in excess])
+    assert state.take_excess() == [] and not any(c.key in state.in_flight for c in excess)
+    # (at shutdown, whatever is still being given back goes with the buffer)
+    state.returning.append(excess[0])
+    assert state.take_buffer() == [excess[0]]
+    state.drain_wake()
+
+
+def test_an_explicit_prefetch_is_never_cut(monkeypatch):
+    import broker.pgbroker as pgbroker
+
+    clock = [1000.0]
+    monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
+    state = QueueState(QueueSettings("q", max_workers=1, time_limit_s=60, prefetch_setting=5))
+    for i in range(6):
+        state.hold(_claim(i))
+    assert state.next_buffered() is not None
+    clock[0] += 60.0
+    assert state.take_excess() == [] and len(state.buffer) == 5
     state.drain_wake()
