@@ -84,6 +84,9 @@ class DatabaseCollector(Collector):
     def collect(self) -> Iterator[Any]:
         depth = GaugeMetricFamily("standmeet_queue_depth", "Jobs in a queue by state.",
                                   labels=["queue_name", "state"])
+        prefetched = GaugeMetricFamily("standmeet_queue_prefetched",
+                                       "Jobs of a queue claimed ahead by a worker process, waiting for a "
+                                       "free slot (counted in its running depth).", labels=["queue_name"])
         oldest = GaugeMetricFamily("standmeet_oldest_queued_age_seconds",
                                    "How long the oldest due job of a queue has waited (0: none).",
                                    labels=["queue_name"])
@@ -107,11 +110,12 @@ class DatabaseCollector(Collector):
             for state, value in (("queued", q.queued), ("delayed", q.delayed), ("running", q.running),
                                  ("rejected_24h", q.rejected)):
                 depth.add_metric([q.name, state], value)
+            prefetched.add_metric([q.name], q.prefetched)
             oldest.add_metric([q.name], q.oldest_queued_age_s or 0.0)
         alive.add_metric([], sum(1 for w in workers if w.alive))
         lag.add_metric([], outbox or 0.0)
         up.add_metric([], 1)
-        yield from (depth, oldest, alive, lag, up)
+        yield from (depth, prefetched, oldest, alive, lag, up)
 
 
 def registry_for(url: str, *, multiprocess_dir: str | None, rescue_after_s: float) -> CollectorRegistry:

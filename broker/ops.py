@@ -53,7 +53,7 @@ class QueueStatus(_Row):
     name: str
     queued: int                       # due now
     delayed: int                      # due later
-    running: int                      # claimed by a worker process
+    running: int                      # claimed by a worker process (started, or prefetched)
     rejected: int                     # rejected in the last 24 h
     done_5m: int
     done_1h: int
@@ -61,6 +61,8 @@ class QueueStatus(_Row):
     paused: bool
     paused_at: datetime | None = None
     paused_by: str | None = None
+    #: of ``running``, those claimed ahead that wait for a free slot in their process
+    prefetched: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +205,7 @@ WITH active AS (
            count(*) FILTER (WHERE "state" = 'queued' AND eta <= now()) AS queued,
            count(*) FILTER (WHERE "state" = 'queued' AND eta > now()) AS delayed,
            count(*) FILTER (WHERE "state" = 'consumed') AS running,
+           count(*) FILTER (WHERE "state" = 'consumed' AND started_at IS NULL) AS prefetched,
            EXTRACT(EPOCH FROM now() - min(eta) FILTER (WHERE "state" = 'queued' AND eta <= now()))::float8
                AS oldest_queued_age_s
     FROM dramatiq.queue
@@ -227,7 +230,7 @@ SELECT n.queue_name,
        coalesce(a.queued, 0), coalesce(a.delayed, 0), coalesce(a.running, 0),
        coalesce(f.rejected, 0), coalesce(f.done_5m, 0), coalesce(f.done_1h, 0),
        a.oldest_queued_age_s,
-       p.queue_name IS NOT NULL, p.paused_at, p.paused_by
+       p.queue_name IS NOT NULL, p.paused_at, p.paused_by, coalesce(a.prefetched, 0)
 FROM names n
 LEFT JOIN active a USING (queue_name)
 LEFT JOIN finished f USING (queue_name)
@@ -280,7 +283,7 @@ def queue_overview(conn: psycopg.Connection[Any], *,
     by a live worker (older finished rows alone would cost a scan of the whole table)."""
     rows = conn.execute(QUEUE_OVERVIEW, {"rescue_after_s": rescue_after_s}).fetchall()
     return [QueueStatus(r[0], int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]),
-                        _float(r[7]), bool(r[8]), r[9], r[10]) for r in rows]
+                        _float(r[7]), bool(r[8]), r[9], r[10], prefetched=int(r[11])) for r in rows]
 
 
 def worker_overview(conn: psycopg.Connection[Any], *,

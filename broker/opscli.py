@@ -157,11 +157,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _running(running: int, prefetched: int) -> str:
+    """The running count, saying how many of them wait in a worker's prefetch."""
+    return f"{running} ({prefetched} prefetched)" if prefetched else str(running)
+
+
 def _print_status(doc: dict[str, Any]) -> None:
     out = _console()
     t = _table("queue", "queued", "delayed", "running", "rejected 24h", "done 5m", "done 1h", "oldest due", "paused")
     for q in doc["queues"]:
-        t.add_row(q["name"], str(q["queued"]), str(q["delayed"]), str(q["running"]), str(q["rejected"]),
+        t.add_row(q["name"], str(q["queued"]), str(q["delayed"]), _running(q["running"], q["prefetched"]),
+                  str(q["rejected"]),
                   str(q["done_5m"]), str(q["done_1h"]), _age(q["oldest_queued_age_s"]),
                   f"paused by {q['paused_by'] or '?'}" if q["paused"] else "")
     out.print(t)
@@ -313,7 +319,7 @@ def cmd_queues_list(args: argparse.Namespace) -> int:
         return 0
     t = _table("queue", "queued", "delayed", "running", "paused")
     for q in queues:
-        t.add_row(q.name, str(q.queued), str(q.delayed), str(q.running),
+        t.add_row(q.name, str(q.queued), str(q.delayed), _running(q.running, q.prefetched),
                   f"since {_when(q.paused_at)} by {q.paused_by or '?'}" if q.paused else "")
     _console().print(t)
     return 0

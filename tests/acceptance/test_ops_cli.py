@@ -53,7 +53,7 @@ def test_status_reports_queues_workers_and_periodic_jobs_and_check_fails_on_what
         assert "index" in ok(cli(subprocess_env, "status"))
     names = {q["name"]: q for q in doc["queues"]}
     assert {"index", "notify", "webhook", "maintenance", "fetch"} <= set(names)
-    for key in ("name", "queued", "delayed", "running", "rejected", "oldest_queued_age_s", "paused"):
+    for key in ("name", "queued", "delayed", "running", "prefetched", "rejected", "oldest_queued_age_s", "paused"):
         assert key in names["index"]
     (me,) = [w for w in doc["workers"] if w["pid"] == worker.pid]
     for key in ("id", "host", "pid", "queues", "last_heartbeat_age_s", "running"):

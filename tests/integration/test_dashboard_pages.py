@@ -102,6 +102,28 @@ def test_the_overview_shows_each_queue_by_state_with_throughput(broker, database
     assert "Pause" in row.group(1)
 
 
+def test_the_overview_says_how_many_running_jobs_wait_in_a_prefetch(broker, database_url, dashboard):
+    import uuid
+
+    from broker import sql
+    from broker.pgbroker import enqueue_params
+
+    # Given three messages claimed by a worker process: one started, two claimed ahead
+    messages = [Message(queue_name="dash_prefetch", actor_name="dash.none", args=(i,), kwargs={}, options={})
+                for i in range(3)]
+    query(database_url, sql.ENQUEUE, enqueue_params(messages))
+    query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": str(uuid.uuid4())})
+    try:
+        with dashboard() as client:
+            page = client.get("/")
+        row = re.search(r'<tr id="queue-dash_prefetch">(.*?)</tr>', page.text, re.S)
+        # Then its row shows them running, two of them prefetched
+        assert row, page.text
+        assert re.search(r">3</a> <span [^>]*>\(2 prefetched\)</span>", row.group(1)), row.group(1)
+    finally:
+        query(database_url, "DELETE FROM dramatiq.queue WHERE queue_name = 'dash_prefetch'")
+
+
 def test_the_jobs_page_filters_by_state_queue_actor_id_and_text_in_the_arguments(broker, database_url, dashboard,
                                                                                  start_worker):
     start_worker(queues=[QUEUE], threads=2)
@@ -434,6 +456,7 @@ def test_metrics_are_the_database_derived_gauges_in_prometheus_text(broker, data
     assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "rejected_24h")))] >= 1
     assert samples[("standmeet_queue_depth", (("queue_name", QUEUE), ("state", "delayed")))] >= 1
     assert ("standmeet_oldest_queued_age_seconds", (("queue_name", QUEUE),)) in samples
+    assert samples[("standmeet_queue_prefetched", (("queue_name", QUEUE),))] >= 0
     assert samples[("standmeet_workers_alive", ())] >= 1
     assert samples[("standmeet_outbox_lag_seconds", ())] >= 0
     assert samples[("standmeet_database_up", ())] == 1
