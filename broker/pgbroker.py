@@ -195,8 +195,9 @@ class QueueState:
         """Claims to give back to the queue, for another process to start sooner: those a
         queue with the default prefetch holds that would wait in its buffer longer than
         PREFETCH_HOLD_S (by the mean run time; or because no slot has freed for that long),
-        with any whose give-back is not known to have been written. The last in line go;
-        the prefetch shrinks to what stays, so they are not claimed again at once.
+        with any whose give-back is not known to have been written. The last in line go,
+        down to half the limit; the prefetch shrinks to what stays, so they are not claimed
+        again at once.
 
         A claim once offered is never started here (its give-back may have committed
         unseen): it stays counted until :meth:`release` confirms it gone."""
@@ -221,6 +222,11 @@ class QueueState:
         if len(self.buffer) * per_claim_s <= PREFETCH_HOLD_S * self.limit:
             return len(self.buffer)
         return max(self.settings.prefetch_floor, int(self.limit * PREFETCH_HOLD_S / per_claim_s))
+
+    def give_back_later(self, claims: Iterable[Claim]) -> None:
+        """Claims whose give-back failed: offered again by :meth:`take_excess`, never started."""
+        with self.lock:
+            self.returning.extend(claims)
 
     def take_buffer(self) -> list[Claim]:
         """Every claim not started here (the buffer, and those being given back)."""
@@ -866,7 +872,9 @@ class StandmeetBroker(dramatiq.Broker):
                 try:
                     self.requeue([c.message for c in buffered], [c.number for c in buffered])
                 except DISCONNECTS as exc:
-                    # Still ours: the graceful stop gives them back, or rescue does.
+                    # Still ours, never started here: offered again by the consumer if this
+                    # process claims again, by the graceful stop otherwise, or by rescue.
+                    state.give_back_later(buffered)
                     logger.warning("could not give back %d prefetched message(s) yet: %s", len(buffered), exc)
             state.wake()
 
@@ -1012,6 +1020,9 @@ class StandmeetConsumer(Consumer):
         #: a claim found less than it asked for: when the next message is due is not known yet
         self.next_due_unknown = False
         self.backoff = Backoff(start_s=0.1, cap_s=5.0)
+        #: a give-back that failed is tried again no sooner than this (monotonic)
+        self.give_back_after = 0.0
+        self.give_back_backoff = Backoff(start_s=0.1, cap_s=5.0)
         self.channel = sql.ENQUEUE_CHANNEL.format(queue=state.name)
 
     def __iter__(self) -> StandmeetConsumer:
@@ -1048,11 +1059,22 @@ class StandmeetConsumer(Consumer):
         return None
 
     def _give_back_excess(self) -> None:
-        """Return to the queue, unblamed, what the buffer would hold too long. If the database
-        cannot be reached, they stay this process's, unstarted, and go on the next try."""
+        """Return to the queue, unblamed, what the buffer would hold too long. If that fails,
+        they stay this process's, unstarted, and are offered again on the next pass."""
+        if time.monotonic() < self.give_back_after:
+            return
         excess = self.state.take_excess()
-        if excess:
+        if not excess:
+            return
+        try:
             self.broker.requeue([c.message for c in excess], [c.number for c in excess])
+            self.give_back_backoff.reset()
+            self.broker.outage.ok()
+        except DISCONNECTS as exc:
+            # The send pool failed, not this consumer's connection: go on claiming (other
+            # claims, other keys) and offer these again after a back-off.
+            self.broker.outage.failed("give back", exc)
+            self.give_back_after = time.monotonic() + self.give_back_backoff.next_s()
 
     def _due(self) -> bool:
         return self.next_due_s is not None and self.next_due_s <= time.monotonic()

@@ -239,9 +239,9 @@ PREFETCH_HORIZON_S = 0.05
 PREFETCH_MOST = 128
 
 #: A queue with the default prefetch gives back what its buffer would hold longer than
-#: this (by its mean run time, or because no running slot has freed for this long): a
-#: queue whose jobs turned slow or hang never keeps claims another process could start.
-#: Far above the prefetch's horizon, so a short stall of the process gives nothing back.
+#: this (by its mean run time, or because no running slot has freed for this long), down
+#: to half its limit: a queue whose jobs turned slow, or all hang, keeps no more claims
+#: than that. Far above the prefetch's horizon, so a short stall gives nothing back.
 PREFETCH_HOLD_S = 1.0
 
 

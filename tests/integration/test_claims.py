@@ -536,13 +536,10 @@ def test_a_give_back_whose_outcome_is_unknown_is_never_started_here_and_is_tried
 
     # When the give-back commits but its answer is lost
     monkeypatch.setattr(broker, "execute", committed_then_cut_off)
-    try:
-        consumer._give_back_excess()
-    except psycopg.OperationalError:
-        pass
-    else:
-        raise AssertionError("the give-back's error was swallowed")
+    consumer._give_back_excess()
     monkeypatch.setattr(broker, "execute", execute)
+    assert [c.message.message_id for c in state.returning] == ids[:1:-1]  # to be offered again
+    assert consumer.give_back_after > time.monotonic()  # after a back-off
     # and another process claims those messages and runs them
     other = str(uuid.uuid4())
     query(database_url, sql.CLAIM, {"queue": "index", "n": 10, "n_start": 10, "worker_id": other})
@@ -552,6 +549,7 @@ def test_a_give_back_whose_outcome_is_unknown_is_never_started_here_and_is_tried
     state.finished((running.message_id, running.standmeet_claim))
     assert [c.message.message_id for c in (state.next_buffered(), state.next_buffered()) if c] == ids[1:2]
     # and its next try leaves the other process's claims alone and forgets them
+    consumer.give_back_after = 0.0
     consumer._give_back_excess()
     assert state.returning == [] and not any((m, 1) in state.in_flight for m in ids[2:])
     assert query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE worker_id = %s"
@@ -566,3 +564,27 @@ def _forget(broker, database_url: str, state, ids: list[str]) -> None:
     state.release([(m, 1) for m in ids])
     state.drain_wake()
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) RETURNING 1", (ids,))
+
+
+def test_prefetched_messages_that_shutdown_could_not_give_back_are_offered_again_never_started(
+        broker, database_url, monkeypatch):
+    # Given a queue running one job with four claimed behind it
+    state, ids, consumer, running = _slow_queue(broker, monkeypatch, "stopped")
+    monkeypatch.setattr(state, "mean_run_s", None)
+
+    # When shutdown cannot give them back (the database is unreachable)
+    def unreachable(messages, claims):
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(broker, "requeue", unreachable)
+    broker.stop_claiming()
+    monkeypatch.undo()
+    # Then they are still this process's, never to start here, and a consumer that
+    # claims again (a worker booted anew) gives them back
+    assert [c.message.message_id for c in state.returning] == ids[1:]
+    assert state.next_buffered() is None and all((m, 1) in state.in_flight for m in ids[1:])
+    broker.claiming = True
+    consumer._give_back_excess()
+    assert state.returning == [] and query(database_url, HELD, (ids[1:],)) == [("queued", None, 0)] * 4
+    consumer.close()
+    _forget(broker, database_url, state, ids)
