@@ -85,8 +85,8 @@ class DatabaseCollector(Collector):
         depth = GaugeMetricFamily("standmeet_queue_depth", "Jobs in a queue by state.",
                                   labels=["queue_name", "state"])
         prefetched = GaugeMetricFamily("standmeet_queue_prefetched",
-                                       "Jobs of a queue claimed ahead by a worker process, waiting for a "
-                                       "free slot (counted in its running depth).", labels=["queue_name"])
+                                       "Jobs of a queue claimed by a worker process and not yet started "
+                                       "(counted in its running depth).", labels=["queue_name"])
         oldest = GaugeMetricFamily("standmeet_oldest_queued_age_seconds",
                                    "How long the oldest due job of a queue has waited (0: none).",
                                    labels=["queue_name"])

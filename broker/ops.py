@@ -61,7 +61,7 @@ class QueueStatus(_Row):
     paused: bool
     paused_at: datetime | None = None
     paused_by: str | None = None
-    #: of ``running``, those claimed ahead that wait for a free slot in their process
+    #: of ``running``, those claimed by a worker process and not yet started
     prefetched: int = 0
 
 
@@ -76,7 +76,8 @@ class WorkerStatus(_Row):
     alive: bool
     stopped_at: datetime | None
     running: int                                 # messages it holds (claimed, not settled)
-    running_jobs: list[tuple[str, str]]          # (message id, actor)
+    running_jobs: list[tuple[str, str]]          # (message id, actor) of those it has started
+    prefetched: int = 0                          # of ``running``, those claimed, not yet started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +244,12 @@ SELECT w.id::text, w.hostname, w.pid, w.queues, w.started_at,
        EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8,
        w.stopped_at IS NULL AND w.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s),
        w.stopped_at,
-       coalesce(held.jobs, '[]'::jsonb)
+       coalesce(held.jobs, '[]'::jsonb), coalesce(held.prefetched, 0)
 FROM standmeet.worker_processes w
 LEFT JOIN LATERAL (
     SELECT jsonb_agg(jsonb_build_array(q.message_id::text, q.message->>'actor_name') ORDER BY q.mtime, q.message_id)
-           AS jobs
+               FILTER (WHERE q.started_at IS NOT NULL) AS jobs,
+           count(*) FILTER (WHERE q.started_at IS NULL) AS prefetched
     FROM dramatiq.queue q
     WHERE q.worker_id = w.id AND q."state" = 'consumed'
 ) held ON true
@@ -293,8 +295,9 @@ def worker_overview(conn: psycopg.Connection[Any], *,
     out = []
     for r in rows:
         jobs = [(str(j[0]), str(j[1])) for j in (r[8] or [])]
+        prefetched = int(r[9])
         out.append(WorkerStatus(r[0], r[1], int(r[2]), list(r[3]), r[4], float(r[5]), bool(r[6]), r[7],
-                                len(jobs), jobs))
+                                len(jobs) + prefetched, jobs, prefetched=prefetched))
     return out
 
 

@@ -158,7 +158,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _running(running: int, prefetched: int) -> str:
-    """The running count, saying how many of them wait in a worker's prefetch."""
+    """The running count, saying how many of them are claimed and not yet started."""
     return f"{running} ({prefetched} prefetched)" if prefetched else str(running)
 
 
@@ -177,7 +177,7 @@ def _print_status(doc: dict[str, Any]) -> None:
         more = f" +{len(w['running_jobs']) - 4}" if len(w["running_jobs"]) > 4 else ""
         t.add_row(w["id"][:8], w["host"], str(w["pid"]), ",".join(w["queues"]), _when(w["started_at"]),
                   _age(w["last_heartbeat_age_s"]) + " ago", "yes" if w["alive"] else "no",
-                  f"{w['running']}" + (f": {jobs}{more}" if jobs else ""))
+                  _running(w["running"], w["prefetched"]) + (f": {jobs}{more}" if jobs else ""))
     out.print(t)
     t = _table("periodic job", "last run", "next due", "last state")
     for p in doc["periodic"]:

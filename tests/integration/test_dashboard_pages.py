@@ -102,24 +102,31 @@ def test_the_overview_shows_each_queue_by_state_with_throughput(broker, database
     assert "Pause" in row.group(1)
 
 
-def test_the_overview_says_how_many_running_jobs_wait_in_a_prefetch(broker, database_url, dashboard):
-    import uuid
-
+def test_the_overview_and_workers_pages_say_how_many_running_jobs_are_not_yet_started(
+        broker, database_url, dashboard):
     from broker import sql
     from broker.pgbroker import enqueue_params
 
-    # Given three messages claimed by a worker process: one started, two claimed ahead
+    # Given three messages claimed by this worker process: one started, two claimed ahead
+    broker.prove_alive()
     messages = [Message(queue_name="dash_prefetch", actor_name="dash.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
     query(database_url, sql.ENQUEUE, enqueue_params(messages))
-    query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": str(uuid.uuid4())})
+    query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id})
     try:
         with dashboard() as client:
             page = client.get("/")
+            workers = client.get("/workers").text
         row = re.search(r'<tr id="queue-dash_prefetch">(.*?)</tr>', page.text, re.S)
-        # Then its row shows them running, two of them prefetched
+        # Then the queue's row shows them running, two of them prefetched
         assert row, page.text
         assert re.search(r">3</a> <span [^>]*>\(2 prefetched\)</span>", row.group(1)), row.group(1)
+        # and the workers page lists the started one, and says how many are not yet started
+        started = query(database_url, "SELECT message_id::text FROM dramatiq.queue"
+                                      " WHERE queue_name = 'dash_prefetch' AND started_at IS NOT NULL")
+        assert len(started) == 1 and started[0][0][:8] in workers
+        assert not [m for m in messages if m.message_id != started[0][0] and m.message_id[:8] in workers]
+        assert re.search(r"and \d+ claimed, not yet started", workers), workers
     finally:
         query(database_url, "DELETE FROM dramatiq.queue WHERE queue_name = 'dash_prefetch'")
 

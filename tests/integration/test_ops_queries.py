@@ -365,22 +365,26 @@ def test_operator_actions_are_recorded_with_who_what_and_from_where(broker, conn
         "jobs.retry", {"message_ids": ["a"]}, "ops@host", "cli", 1)
 
 
-def test_the_queue_overview_says_how_many_of_the_running_jobs_wait_in_a_prefetch(broker, database_url, conn):
-    import uuid
-
+def test_the_overviews_say_how_many_of_the_running_jobs_are_claimed_and_not_yet_started(
+        broker, database_url, conn):
     from broker import sql
     from broker.pgbroker import enqueue_params
 
-    # Given three messages of a queue, claimed by one worker process: one started, two
+    # Given three messages of a queue, claimed by this worker process: one started, two
     # claimed ahead of a free slot
+    broker.prove_alive()
     messages = [dramatiq.Message(queue_name="ops_prefetch", actor_name="ops.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
     conn.execute(sql.ENQUEUE, enqueue_params(messages))
-    conn.execute(sql.CLAIM, {"queue": "ops_prefetch", "n": 3, "n_start": 1, "worker_id": str(uuid.uuid4())})
+    conn.execute(sql.CLAIM, {"queue": "ops_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id})
     try:
         # Then all three count as running, two of them as prefetched
         (status,) = [q for q in ops.queue_overview(conn) if q.name == "ops_prefetch"]
         assert (status.queued, status.running, status.prefetched) == (0, 3, 2)
         assert status.asdict()["prefetched"] == 2
+        # and the worker holds three, runs the started one, and has two not yet started
+        (me,) = [w for w in ops.worker_overview(conn) if w.id == broker.worker_id]
+        started = [mid for mid, _ in me.running_jobs if mid in {m.message_id for m in messages}]
+        assert len(started) == 1 and me.prefetched >= 2 and me.running >= 3
     finally:
         conn.execute("DELETE FROM dramatiq.queue WHERE queue_name = 'ops_prefetch'")
