@@ -86,7 +86,7 @@ def connect(url: str, *, application_name: str, async_commit: bool = False) -> p
 
     extra: dict[str, Any] = {"options": ASYNC_COMMIT_OPTIONS} if async_commit else {}
     return psycopg.connect(
-        url, autocommit=True, application_name=application_name,
+        url, autocommit=True, application_name=application_name, prepare_threshold=0,
         connect_timeout=CONNECT_TIMEOUT_S, **KEEPALIVES, **extra,
     )
 
@@ -99,7 +99,7 @@ def open_send_pool(url: str, *, max_size: int, wait_s: float = DEFAULT_POOL_WAIT
         max_size=max_size,
         open=True,
         timeout=wait_s,
-        kwargs={"autocommit": True, "application_name": "standmeet-broker",
+        kwargs={"autocommit": True, "application_name": "standmeet-broker", "prepare_threshold": 0,
                 "connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES},
         name="standmeet-broker",
     )
