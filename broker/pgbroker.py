@@ -10,8 +10,9 @@ What it guarantees:
   but whose outcome is not written yet count too, beyond one limit of slack: a process
   never holds more than ``2 × limit`` + the prefetch's ceiling rows ``consumed``. What
   the buffer would hold longer than a second (its jobs turned slow, or hang) goes back
-  to the queue, unblamed. It wakes on NOTIFY, or the moment one of its jobs finishes. No
-  advisory lock outlives the statement, so the locks held stay bounded at any backlog.
+  to the queue unblamed, down to half the limit. It wakes on NOTIFY, or the moment one
+  of its jobs finishes. No advisory lock outlives the statement, so the locks held stay
+  bounded at any backlog.
 * **One settle path.** Every outcome of a run — done, retry with back-off, snooze,
   reject — is one statement bound to the claim it settles (``message_id`` *and* claim
   number), written by the broker's settler thread, never by the worker thread (which

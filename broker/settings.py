@@ -232,10 +232,10 @@ class QueueSettings:
 #: never holds long jobs that another one could start sooner.
 PREFETCH_HORIZON_S = 0.05
 
-#: The default prefetch of a queue whose jobs end within a millisecond stops here (or at
-#: twice its limit, if that is more): one claim then fills the buffer for about as long
-#: as a claim takes at thousands of jobs a second, so no slot waits on a round trip, and
-#: shutdown gives back at most this many.
+#: The default prefetch of a queue of short jobs stops here (or at twice its limit, if
+#: that is more): claiming up to half of it at a time keeps every slot busy while the
+#: next claim is on its way, at thousands of jobs a second; shutdown gives back at most
+#: this many.
 PREFETCH_MOST = 128
 
 #: A queue with the default prefetch gives back what its buffer would hold longer than
