@@ -192,7 +192,7 @@ class QueueState:
         wanted = self.limit * PREFETCH_HORIZON_S / max(mean, 1e-6)
         self.prefetch = int(min(self.settings.prefetch_ceiling, max(self.settings.prefetch_floor, wanted)))
 
-    def take_excess(self, now: float | None = None) -> list[Claim]:
+    def take_excess(self) -> list[Claim]:
         """Claims to give back to the queue, for another process to start sooner: those a
         queue with the default prefetch holds that would wait in its buffer longer than
         PREFETCH_HOLD_S (by the mean run time; or because no slot has freed for that long),
@@ -202,9 +202,8 @@ class QueueState:
 
         A claim once offered is never started here (its give-back may have committed
         unseen): it stays counted until :meth:`release` confirms it gone."""
-        now = time.monotonic() if now is None else now
         with self.lock:
-            keep = self._keep(now)
+            keep = self._keep(time.monotonic())
             if keep < len(self.buffer):
                 self.prefetch = min(self.prefetch, keep)
                 while len(self.buffer) > keep:

@@ -6,9 +6,10 @@ import time
 import uuid
 
 import psycopg
+from dramatiq.broker import MessageProxy
 
 from broker import sql
-from broker.pgbroker import enqueue_params
+from broker.pgbroker import QueueState, StandmeetConsumer, enqueue_params
 from tests.support.db import query
 from tests.support.jobs import mark
 
@@ -484,7 +485,7 @@ def test_a_claimed_message_is_handed_out_before_the_consumer_asks_when_to_look_a
     consumer.close()
 
 
-def _slow_queue(broker, monkeypatch, label: str) -> tuple[object, list[str], object, object]:
+def _slow_queue(broker, monkeypatch, label: str) -> tuple[QueueState, list[str], StandmeetConsumer, MessageProxy]:
     """The index queue with two slots, one running, four claims behind it, and a mean run
     time of 10 s: what it holds past a second should go back."""
     import dataclasses
@@ -563,7 +564,7 @@ def _forget(broker, database_url: str, state, ids: list[str]) -> None:
     state.take_buffer()
     state.release([(m, 1) for m in ids])
     state.drain_wake()
-    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) RETURNING 1", (ids,))
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))
 
 
 def test_prefetched_messages_that_shutdown_could_not_give_back_are_offered_again_never_started(
