@@ -75,6 +75,7 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
     ``url`` overrides the database; otherwise ``DATABASE_URL`` or the embedded server.
     """
+    from broker import pgpool
     from broker.rate_limits import PostgresRateLimiterBackend
     from broker.results import PostgresResultBackend
     from middleware import default_middleware
@@ -82,6 +83,10 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     settings = settings or Settings.from_env()
     url = url or resolve_database_url(settings)
     log_database(settings, url)
+    pgpool.use_settings(settings)
+    # found out once, before any connection is made, and said: what it implies for LISTEN,
+    # prepared statements and session state
+    logger.info("database connection: %s", pgpool.topology_for(url).describe())
     results = PostgresResultBackend(url=url, pool_max_size=2)
     rate_limiter = PostgresRateLimiterBackend(url=url, pool_max_size=2)
     broker = StandmeetBroker(settings=settings, url=url, backends=(results, rate_limiter),

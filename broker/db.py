@@ -4,6 +4,13 @@ A job borrows a connection for a short piece of work and gives it back before an
 network call. The helper sets ``statement_timeout`` to what remains of the
 job's time limit, so a long query is stopped by Postgres where the async exception
 of the time limit could not reach it.
+
+On a connection whose session is this process's own (direct, or a session pooler) the
+deadline is a session setting of the borrowed connection, which stays in autocommit.
+Through a transaction pooler a session setting would outlive the job on a server
+connection another client gets next, so there the borrowed connection runs in one
+transaction, its deadline ``SET LOCAL``: committed when the block ends, rolled back if it
+raises.
 """
 
 from __future__ import annotations
@@ -16,13 +23,18 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker import deadline, services
 from broker.errors import DatabaseUnavailable
-from broker.pgpool import close_quietly, open_app_pool
+from broker.pgpool import (
+    SET_LOCAL_STATEMENT_TIMEOUT,
+    SET_STATEMENT_TIMEOUT,
+    close_quietly,
+    open_app_pool,
+    topology_for,
+)
 
 __all__ = ["close_quietly", "connection", "open_pool"]
 
 open_pool = open_app_pool
 
-SET_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, false)"
 
 
 @contextmanager
@@ -32,26 +44,36 @@ def connection(*, timeout_s: float | None = None) -> Iterator[psycopg.Connection
     Use ``with conn.transaction():`` inside for multi-statement work. Return the
     connection (leave the ``with``) before calling the network.
     """
-    pool = services.current().app_pool
+    found = services.current()
+    pool = found.app_pool
     limit = deadline.remaining_s()
     if timeout_s is not None:
         limit = timeout_s if limit is None else min(limit, timeout_s)
-    conn = _checkout(pool, _ms(limit))
+    session = topology_for(found.url).session_state
+    conn = _checkout(pool, _ms(limit), session=session)
     try:
-        yield conn
+        if session:
+            yield conn
+        else:
+            with conn.transaction():
+                conn.execute(SET_LOCAL_STATEMENT_TIMEOUT, (str(_ms(limit)),))
+                yield conn
     finally:
         pool.putconn(conn)
 
 
-def _checkout(pool: ConnectionPool, statement_timeout_ms: int) -> psycopg.Connection:
-    """A pooled connection with its statement_timeout set; that first statement doubles as
-    the health check: a connection killed while idle (server restart,
-    pg_terminate_backend) is dropped and replaced once, instead of failing the job."""
+def _checkout(pool: ConnectionPool, statement_timeout_ms: int, *, session: bool = True) -> psycopg.Connection:
+    """A pooled connection, its statement_timeout set for the session where the session is
+    ours. The pool hands out only connections that look alive; the first statement is
+    the real check: a connection killed while idle (server restart, pg_terminate_backend)
+    is dropped and replaced once, instead of failing the job."""
     for attempt in (1, 2):
         try:
             conn = pool.getconn()
         except PoolTimeout as exc:
             raise DatabaseUnavailable(f"no application connection became free: {exc}") from exc
+        if not session:
+            return conn  # the deadline is SET LOCAL in the block's own transaction
         try:
             conn.execute(SET_STATEMENT_TIMEOUT, (str(statement_timeout_ms),))
             return conn

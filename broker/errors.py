@@ -4,8 +4,9 @@
 
     StandmeetError                     base of everything we raise on purpose
     ├── ConfigError                    a setting is missing, malformed or out of range
-    │   └── StartupRefused             a start-up check failed: the process refuses to start
-    │       └── BudgetError            the connection budget does not hold
+    │   ├── StartupRefused             a start-up check failed: the process refuses to start
+    │   │   └── BudgetError            the connection budget does not hold
+    │   └── ModuleNotLoaded            a module named to load cannot be imported
     ├── DatabaseError                  Postgres could not be reached or answered badly
     │   └── DatabaseUnavailable        no connection could be made (server down, bad URL)
     ├── MigrationError                 a schema migration failed; nothing of it was applied
@@ -19,6 +20,10 @@
     └── Deferred  (also dramatiq.Retry) the job asks to run later; not a failure
         └── middleware.Snooze          run again after N seconds, retry count untouched
 
+    dramatiq Interrupt (a BaseException: a job's ``except Exception`` cannot swallow it)
+    └── CutOff                         the worker could not prove it lives, and stepped down:
+                                       its running jobs stop and run again (no retry counted)
+
 psycopg and psycopg2 errors are translated at the boundary with ``raise … from exc``,
 so callers only ever see this tree (and Dramatiq's own ``ConnectionError`` inside the
 consumer, which Dramatiq's worker knows how to restart from).
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 from dramatiq.errors import Retry
 from dramatiq.middleware import MiddlewareError
+from dramatiq.middleware.threading import Interrupt
 
 
 class StandmeetError(Exception):
@@ -47,7 +53,13 @@ class StartupRefused(ConfigError, MiddlewareError):
 
 
 class BudgetError(StartupRefused):
-    """The sum of the served queues' workers and the relay exceeds half the pool."""
+    """The sum of the served queues' workers and the relay exceeds half the pool, or the
+    processes `run` would start need more connections than the server can give."""
+
+
+class ModuleNotLoaded(ConfigError):
+    """A module named on the command line (or in STANDMEET_APP_MODULES) cannot be imported:
+    it is missing, or its import raised. The message names it and says why, in one line."""
 
 
 class DatabaseError(StandmeetError):
@@ -89,6 +101,13 @@ class DeadlineExceeded(JobError):
 
 class JobCancelled(JobError):
     """An operator cancelled the running job (seen at its next deadline check)."""
+
+
+class CutOff(Interrupt):
+    """Raised in a running job when its worker could not confirm its heartbeat for long
+    enough that another process may soon rescue the job: the run stops here, before it
+    could overlap a second run elsewhere, and runs again (no retry is counted: the job is
+    not at fault)."""
 
 
 class Deferred(StandmeetError, Retry):

@@ -13,6 +13,7 @@ from importlib import resources
 
 import psycopg
 
+from broker import pgpool
 from broker.errors import DatabaseUnavailable, MigrationError
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -69,7 +70,7 @@ def available_migrations() -> list[Migration]:
 def migrate(url: str) -> list[Migration]:
     """Apply every pending migration; return the ones this call applied."""
     try:
-        conn = psycopg.connect(url)
+        conn = psycopg.connect(url, **pgpool.connect_kwargs(url))
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to migrate: {exc}") from exc
     applied: list[Migration] = []

@@ -52,14 +52,35 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, MiddlewareError
+from dramatiq.middleware.threading import raise_thread_exception
 
 from broker import app, detach, sql, tracing
 from broker.backoff import Backoff
-from broker.errors import ConfigError, Deferred
-from broker.pgpool import DISCONNECTS, Outage, close_quietly, connect, open_send_pool
+from broker.errors import ConfigError, CutOff, Deferred
+from broker.pgpool import (
+    DISCONNECTS,
+    TRANSACTION,
+    Outage,
+    close_quietly,
+    connect,
+    open_send_pool,
+    topology_for,
+)
 from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
+from broker.wakeups import WakeListener
 
 logger = logging.getLogger("standmeet.broker")
+
+
+class _QuietCutOffs(logging.Filter):
+    """Dramatiq's worker logs each interrupted job with its traceback; a step-down says
+    once, itself, which jobs it interrupted and that they run again."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], CutOff))
+
+
+logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_QuietCutOffs())
 
 #: Weight of the latest run in a queue's mean run time.
 RUN_TIME_WEIGHT = 0.1
@@ -228,6 +249,23 @@ class QueueState:
         with self.lock:
             self.returning.extend(claims)
 
+    def held(self) -> list[tuple[str, int]]:
+        """Every claim this process holds of the queue: running, buffered or being given back."""
+        with self.lock:
+            return [*self.in_flight, *(c.key for c in self.returning if c.key not in self.in_flight)]
+
+    def forget(self, keys: set[tuple[str, int]]) -> None:
+        """Claims taken back by another process: never started here. A running one ends as
+        usual, and its outcome is fenced off by its claim number."""
+        if not keys:
+            return
+        with self.lock:
+            self.buffer = deque(c for c in self.buffer if c.key not in keys)
+            self.returning = [c for c in self.returning if c.key not in keys]
+            for key in keys:
+                if key not in self.running:
+                    self.in_flight.discard(key)
+
     def take_buffer(self) -> list[Claim]:
         """Every claim not started here (the buffer, and those being given back)."""
         with self.lock:
@@ -368,6 +406,8 @@ class Settler:
         self._pending: list[Outcome] = []
         self._started: list[tuple[str, int]] = []
         self._busy = False
+        #: the outcomes being written now (out of ``_pending`` until written or put back)
+        self._writing: list[Outcome] = []
         self._conn: psycopg.Connection[Any] | None = None
         self._thread: detach.Detached | None = None
         self.written = 0
@@ -399,6 +439,11 @@ class Settler:
             self._cond.notify_all()
         return thread.join(timeout_s)
 
+    def pending_claims(self) -> list[tuple[tuple[str, int], str]]:
+        """The claims whose outcome waits to be written, with their queue."""
+        with self._cond:
+            return [((o.message_id, o.claim), o.queue_name) for o in (*self._writing, *self._pending)]
+
     def pending(self) -> int:
         with self._cond:
             return len(self._pending) + len(self._started) + (1 if self._busy else 0)
@@ -425,10 +470,11 @@ class Settler:
                 outcomes, self._pending = self._pending, []
                 started, self._started = self._started, []
                 self._busy = True
+                self._writing = outcomes
             try:
                 self.settle_once(outcomes, started)
                 backoff.reset()
-            except DISCONNECTS as exc:
+            except Exception as exc:  # never dies: kept, retried with back-off, said once
                 self.broker.outage.failed("settle", exc)
                 close_quietly(self._conn)
                 self._conn = None
@@ -436,6 +482,7 @@ class Settler:
                     self._pending[:0] = outcomes
                     self._started[:0] = started
                     self._busy = False
+                    self._writing = []
                     self._cond.notify_all()
                 if self.broker.abandon_settles:
                     return  # closing: what is left stays consumed and runs again
@@ -443,14 +490,20 @@ class Settler:
                 continue
             with self._cond:
                 self._busy = False
+                self._writing = []
                 self._cond.notify_all()
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             # Synchronous: once written, an outcome is forgotten here; a settle lost in a server
             # crash would leave its message consumed by this live process, rescued by nobody.
-            self._conn = connect(self.broker.url, application_name="standmeet-settler")
-            self.broker.prove_alive(self._conn)
+            conn = connect(self.broker.url, application_name="standmeet-settler", at_first_use=True)
+            try:
+                self.broker.prove_alive(conn)
+            except BaseException:
+                close_quietly(conn)
+                raise
+            self._conn = conn
         return self._conn
 
     def settle_once(self, outcomes: Sequence[Outcome], started: Sequence[tuple[str, int]]) -> int:
@@ -574,6 +627,19 @@ class StandmeetBroker(dramatiq.Broker):
         self.worker_id = str(uuid.uuid4())
         self.outage = Outage("worker")
         self.claiming = True
+        #: what stands between this process and Postgres: whether consumers LISTEN on
+        #: their own connection, on a listener of the process, or poll
+        self.topology = topology_for(url)
+        self._wakeups: WakeListener | None = None
+        #: set while this process cannot prove it lives (see :meth:`guard_once`)
+        self.stepped_down = False
+        #: when a heartbeat was last confirmed (monotonic); None before the first
+        self.confirmed_at: float | None = None
+        self._guard: detach.Detached | None = None
+        self._step_lock = threading.Lock()
+        self._beat_conn: psycopg.Connection[Any] | None = None
+        #: the worker thread running each message (thread id -> proxy), to interrupt them
+        self._job_threads: dict[int, MessageProxy] = {}
         self.closing = False
         #: set on close once the settler gave up waiting for the database
         self.abandon_settles = False
@@ -715,7 +781,9 @@ class StandmeetBroker(dramatiq.Broker):
         return hooks
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        if signal == "worker_boot" and args:
+        if signal == "process_message":
+            self._job_threads[threading.get_ident()] = args[0]
+        elif signal == "worker_boot" and args:
             # before its threads start: a job may end before Worker.start() returns
             self._workers = [*self._workers, args[0]]
         elif signal == "worker_shutdown" and args:
@@ -743,11 +811,15 @@ class StandmeetBroker(dramatiq.Broker):
             self._emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
+        self._job_threads.pop(threading.get_ident(), None)
         exception = kwargs.get("exception")
         # A job that asked to run later (Snooze) is not a failure: report it as skipped,
         # so no retry is counted, no failure callback fires, and every middleware
         # releases what it acquired in ``after_skip_message``.
-        if signal == "process_message" and isinstance(exception, Deferred):
+        # A job interrupted because this process stepped down (cut off from the database)
+        # is not at fault either: it runs again, with no retry counted (see step_down).
+        cut_off = signal == "process_message" and isinstance(exception, CutOff)
+        if signal == "process_message" and (cut_off or isinstance(exception, Deferred)):
             signal, kwargs = "skip_message", {}
         context = getattr(proxy, "standmeet_settle", None)
         if context is None and claim_of(proxy) is not None:
@@ -763,6 +835,8 @@ class StandmeetBroker(dramatiq.Broker):
             self._emit_after(signal, *args, **kwargs)
         finally:
             _local.settling = None
+        if cut_off and context is not None and context.requeue_delay_ms is None:
+            context.requeue_delay_ms = 0
 
     def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
         """Hand a finished run's outcome to the settler and free its running slot.
@@ -795,7 +869,7 @@ class StandmeetBroker(dramatiq.Broker):
                               delay_s=self.settings.min_backoff_ms / 1000.0, followups=followups)
         proxy.standmeet_settle = None  # type: ignore[attr-defined]
         # The slot is free: this thread hands the next buffered claim to the worker itself.
-        consumer_thread = self._consumer_thread(proxy.queue_name) if self.claiming else None
+        consumer_thread = self._consumer_thread(proxy.queue_name) if self.may_claim else None
         following = state.finished(key, hand_off=consumer_thread is not None)
         if following is not None:
             self._hand_to_worker(state, following, consumer_thread)
@@ -861,7 +935,29 @@ class StandmeetBroker(dramatiq.Broker):
             raise QueueNotFound(queue_name)
         with self._lock:
             self.served.add(queue_name)
+            if not self.listens_on_claims and self.topology.listen_url is not None:
+                if self._wakeups is None:
+                    self._wakeups = WakeListener(self.topology.listen_url, outage=self.outage)
+                state = self.queue_states[queue_name]
+                self._wakeups.add(sql.ENQUEUE_CHANNEL.format(queue=queue_name), state.wake)
         return StandmeetConsumer(self, self.queue_states[queue_name], timeout_ms=timeout)
+
+    @property
+    def listens_on_claims(self) -> bool:
+        """Consumers LISTEN on their own claim connection (direct or session-pooled, with no
+        other listen URL); otherwise a listener of the process wakes them, or they poll."""
+        topology = self.topology
+        return topology.mode != TRANSACTION and topology.listen_url == self.url
+
+    @property
+    def wake_poll_s(self) -> float | None:
+        """How often idle consumers look for work when no notification can reach them."""
+        return None if self.topology.listen_url is not None else self.topology.poll_s
+
+    @property
+    def may_claim(self) -> bool:
+        """Claiming and starting claims: not while shutting down, nor while stepped down."""
+        return self.claiming and not self.stepped_down
 
     def stop_claiming(self) -> None:
         """Claim nothing more (shutdown), and give back at once what was prefetched."""
@@ -896,8 +992,11 @@ class StandmeetBroker(dramatiq.Broker):
             conn.execute(sql.HEARTBEAT, params)
         else:
             self.execute(sql.HEARTBEAT, params)
+        self.confirmed_at = time.monotonic()
         self.outage.ok()
         self._start_heartbeat()
+        if self.stepped_down:
+            self._step_up()
 
     def ensure_registered(self) -> None:
         self.prove_alive()
@@ -908,13 +1007,85 @@ class StandmeetBroker(dramatiq.Broker):
                 self._heartbeat = detach.every(
                     f"heartbeat-{self.worker_id[:8]}", self.settings.heartbeat_s, self.heartbeat_once
                 )
+                self._guard = detach.every(
+                    f"liveness-guard-{self.worker_id[:8]}", min(0.5, self.settings.heartbeat_s / 2), self.guard_once
+                )
+            if self._wakeups is not None:
+                self._wakeups.start()
+
+    # -- stepping down when cut off -------------------------------------------------
+
+    def guard_once(self) -> bool:
+        """Step down if no heartbeat was confirmed for ``step_down_after_s``: no I/O here, so
+        a thread stuck on a dead connection cannot stop it. True if it stepped down now."""
+        confirmed = self.confirmed_at
+        if (self.stepped_down or confirmed is None or self.closing or not self.claiming
+                or time.monotonic() - confirmed < self.settings.step_down_after_s):
+            return False
+        self.step_down(time.monotonic() - confirmed)
+        return True
+
+    def step_down(self, silent_s: float) -> None:
+        """Stop claiming and starting claims, and interrupt the running jobs (retryable):
+        another process may rescue them once this one's heartbeat is older than the rescue
+        window, and a run must not go on here then. Prefetched claims are kept unstarted;
+        what this process still holds when it can prove it lives again is checked then."""
+        self.stepped_down = True
+        running = list(self._job_threads.items())
+        for thread_id, _proxy in running:
+            raise_thread_exception(thread_id, CutOff)
+        logger.warning(
+            "stepping down: no heartbeat confirmed for %.1f s (another process may rescue this one's jobs after "
+            "%g s): claiming stopped, %d running job(s) interrupted; they run again",
+            silent_s, self.settings.rescue_after_s, len(running))
+
+    def _step_up(self) -> None:
+        """This process proved it lives again: say which of its claims were taken back
+        meanwhile (their late outcomes are fenced off by the claim number), then claim again."""
+        with self._step_lock:  # several threads may prove it at once: one says it
+            if self.stepped_down:
+                self._step_up_once()
+
+    def _step_up_once(self) -> None:
+        held = list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
+                                     for key in state.held()), *self.settler.pending_claims()]))
+        lost: list[tuple[str, int, str]] = []
+        if held:
+            try:
+                kept = {(row[0], int(row[1])) for row in self.execute(
+                    sql.STILL_HELD, {"ids": [key[0] for key, _ in held], "claims": [key[1] for key, _ in held],
+                                     "worker_id": self.worker_id})}
+            except DISCONNECTS:
+                return  # not proven after all: the next heartbeat tries again
+            lost = [(key[0], key[1], queue) for key, queue in held if key not in kept]
+        for message_id, number, queue_name in lost:
+            logger.warning("lost claim %d of message %s (queue %r): taken back while this process was cut off; "
+                           "its outcome here is not written", number, message_id, queue_name)
+        for state in self.queue_states.values():
+            state.forget({(m, n) for m, n, q in lost if q == state.name})
+        self.stepped_down = False
+        logger.warning("stepping up: heartbeat confirmed again; %d claim(s) lost, claiming again", len(lost))
+        for state in self.queue_states.values():
+            state.wake()
 
     def heartbeat_once(self) -> dict[str, tuple[int, int]]:
-        """Prove this process alive, and rescue the messages of dead ones."""
+        """Prove this process alive, and rescue the messages of dead ones.
+
+        The heartbeat has a connection of its own, kept for the process's life: behind a
+        session pooler whose server connections are all taken, a heartbeat waiting for one
+        would make this live process look dead to the others."""
         try:
-            self.prove_alive()
+            conn = self._beat_conn
+            if conn is None or conn.closed:
+                conn = self._beat_conn = connect(self.url, application_name="standmeet-heartbeat", at_first_use=True)
+            try:
+                self.prove_alive(conn)
+            except BaseException:
+                close_quietly(conn)
+                self._beat_conn = None
+                raise
             return self.rescue_once()
-        except DISCONNECTS as exc:
+        except psycopg.Error as exc:
             self.outage.failed("heartbeat", exc)  # one line per outage, not one per beat
             return {}
 
@@ -995,6 +1166,11 @@ class StandmeetBroker(dramatiq.Broker):
         self.settler.close()
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=2)
+        if self._guard is not None:
+            self._guard.stop(timeout_s=1)
+        close_quietly(self._beat_conn)
+        if self._wakeups is not None:
+            self._wakeups.stop()
         if self._heartbeat is not None or self.served:
             try:
                 self.execute(sql.STOP_WORKER, {"worker_id": self.worker_id})
@@ -1029,14 +1205,15 @@ class StandmeetConsumer(Consumer):
         return self
 
     def __next__(self) -> MessageProxy | None:
-        # Shutting down: start nothing more; the buffer went back to the queue.
-        if self.broker.claiming:
+        # Shutting down: start nothing more; the buffer went back to the queue. Stepped
+        # down: start nothing until this process has proved it lives again.
+        if self.broker.may_claim:
             proxy = self._hand_out()
             if proxy is not None:
                 return proxy
         try:
             return self._claim_or_wait()
-        except DISCONNECTS as exc:
+        except psycopg.Error as exc:  # any database error: said once, retried with back-off
             self.broker.outage.failed(f"consumer {self.state.name}", exc)
             self._drop_connection()
             self._wait_on_pipe(self.backoff.next_s())
@@ -1050,9 +1227,9 @@ class StandmeetConsumer(Consumer):
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
-        if self.broker.claiming:
+        if self.broker.may_claim:
             self._give_back_excess()
-        if self.broker.claiming and self._due() and self.state.should_claim():
+        if self.broker.may_claim and self._due() and self.state.should_claim():
             if self.claim_once(conn):
                 return self._hand_out()
         self._wait(conn)
@@ -1099,7 +1276,7 @@ class StandmeetConsumer(Consumer):
         if len(rows) < want:
             # nothing more is due now: when to look again is asked before the consumer
             # sleeps, after what was claimed has been handed out (not before it)
-            self.next_due_s = time.monotonic() + self.state.settings.poll_s
+            self.next_due_s = time.monotonic() + self.poll_s
             self.next_due_unknown = True
         else:
             self.next_due_s = 0.0  # there may be more: claim again when a slot frees
@@ -1114,7 +1291,7 @@ class StandmeetConsumer(Consumer):
         self.next_due_unknown = False
         now = time.monotonic()  # the statement's now(): its seconds count from before the round trip
         seconds = conn.execute(sql.NEXT_DUE, {"queue": self.state.name}).fetchone()
-        poll_s = self.state.settings.poll_s
+        poll_s = self.poll_s
         if seconds is None or seconds[0] is None:
             self.next_due_s = now + poll_s
         else:
@@ -1155,11 +1332,17 @@ class StandmeetConsumer(Consumer):
                                          "delay_s": settings.unknown_actor_delay_s,
                                          "max_claims": settings.unknown_actor_max_claims})
 
+    @property
+    def poll_s(self) -> float:
+        """The fallback poll: the queue's, or quicker when no notification can reach us."""
+        unheard = self.broker.wake_poll_s
+        return self.state.settings.poll_s if unheard is None else min(unheard, self.state.settings.poll_s)
+
     def _wait(self, conn: psycopg.Connection[Any]) -> None:
-        if self.next_due_unknown and self.broker.claiming:
+        if self.next_due_unknown and self.broker.may_claim:
             self.look_up_next_due(conn)
         timeout = self.timeout_s
-        if not self.broker.claiming:
+        if not self.broker.may_claim:
             timeout = SHUTDOWN_POLL_S  # let the consumer thread see that it must stop
         elif self.next_due_s is not None and self.state.should_claim():
             # a due time matters only with room to claim; when full, a finishing job wakes us
@@ -1198,11 +1381,12 @@ class StandmeetConsumer(Consumer):
         if self.conn is not None and not self.conn.closed:
             return self.conn
         conn = connect(self.broker.url, application_name=f"standmeet-consumer-{self.state.name}"[:63],
-                       async_commit=True)
+                       at_first_use=True)
         try:
             # Before the first claim, and after every outage: rescue must know we live.
             self.broker.prove_alive(conn)
-            conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
+            if self.broker.listens_on_claims:  # else the process's listener wakes us, or we poll
+                conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
         except BaseException:
             close_quietly(conn)
             raise

@@ -1,10 +1,21 @@
-"""The broker's connections (psycopg 3): a small pool for sends, dedicated ones for the rest.
+"""The broker's connections (psycopg 3): how every connection of the runtime is made.
 
-* Every consumer owns one dedicated connection (its LISTEN and its claims), and so does
-  the settler: none of them is taken from a pool, so however many queues a process
-  serves, sending a message never waits on a consumer's connection.
-* Sends, heartbeats and rescue share :func:`open_send_pool`, a ``psycopg_pool`` pool
-  whose size does not depend on the number of queues.
+* Every connection the runtime opens gets its options from :func:`connect_kwargs`:
+  keepalives and ``tcp_user_timeout`` (a cut-off server is noticed in seconds), a connect
+  timeout, and prepared statements only where the connection is known to allow them.
+* What stands between this process and Postgres is found out once per URL
+  (:func:`topology_for`): a direct connection, or a pooler (PgBouncer) in session or
+  transaction mode. Through a transaction pooler nothing relies on session state
+  (deadlines are ``SET LOCAL``, locks are transaction-scoped), statements are not
+  prepared unless ``STANDMEET_PREPARED_STATEMENTS=on``, and LISTEN goes over
+  ``STANDMEET_LISTEN_DATABASE_URL`` or, without one, wake-ups poll.
+* Every consumer owns one dedicated connection (its claims), and so does the settler:
+  none of them is taken from a pool, so however many queues a process serves, sending a
+  message never waits on a consumer's connection. Sends, heartbeats and rescue share
+  :func:`open_send_pool`, a ``psycopg_pool`` pool whose size does not depend on the
+  number of queues.
+* Pooled connections are checked when handed out (:func:`check_cheaply`): one that died
+  with a restarted server is replaced, not handed to a job.
 
 :class:`Outage` tells one story per outage: one line when the database goes away and
 one when it is back, whatever the number of threads that noticed.
@@ -13,11 +24,14 @@ one when it is back, whatever the number of threads that noticed.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 logger = logging.getLogger("standmeet.broker")
@@ -31,10 +45,204 @@ DISCONNECTS: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycop
 DEFAULT_POOL_WAIT_S = 10.0
 #: An outage is over once things have worked this long after its last failure.
 OUTAGE_QUIET_S = 0.5
-#: TCP keepalives, so a connection to a vanished server is noticed within seconds.
+#: TCP keepalives, so an idle connection to a vanished server is noticed within seconds.
 KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 2}
 #: A connection attempt gives up after this long (libpq's connect_timeout).
 CONNECT_TIMEOUT_S = 5
+
+DIRECT, SESSION, TRANSACTION = "direct", "session", "transaction"
+#: How a topology that could not be probed is described (and not remembered).
+UNPROBED = "assumed direct"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What stands between this process and one database URL, and what follows from it."""
+
+    #: direct | session | transaction
+    mode: str
+    #: whether statements may be prepared on the server
+    prepare: bool
+    #: where LISTEN goes (None: nowhere; wake-ups poll every ``poll_s``)
+    listen_url: str | None
+    #: how it was known: "told" (STANDMEET_POOLER) or what the probe saw
+    how: str = "told"
+    poll_s: float = 0.05
+
+    @property
+    def session_state(self) -> bool:
+        """Whether a session-level setting stays with this client (not through a transaction pooler)."""
+        return self.mode != TRANSACTION
+
+    def describe(self) -> str:
+        if self.mode == DIRECT:
+            where = "a direct connection"
+        else:
+            where = f"a pooler in {self.mode} mode"
+        listen = ("LISTEN on the same connection" if self.listen_url is not None and self.mode != TRANSACTION
+                  else "LISTEN on STANDMEET_LISTEN_DATABASE_URL" if self.listen_url is not None
+                  else f"no LISTEN: wake-ups and receipts poll every {self.poll_s * 1000:g} ms "
+                       "(set STANDMEET_LISTEN_DATABASE_URL to a direct connection)")
+        prepared = "statements prepared" if self.prepare else "no prepared statements"
+        return f"{where} ({self.how}); {prepared}; {listen}"
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What the settings say of the topology (the process's, installed by ``configure``)."""
+
+    pooler: str = "auto"
+    prepared_statements: str = "auto"
+    listen_url: str | None = None
+    poll_s: float = 0.05
+    tcp_user_timeout_ms: int = 5_000
+
+    @classmethod
+    def of(cls, settings: Any) -> Hints:
+        return cls(pooler=settings.pooler, prepared_statements=settings.prepared_statements,
+                   listen_url=settings.listen_database_url, poll_s=settings.unlistened_poll_s,
+                   tcp_user_timeout_ms=settings.tcp_user_timeout_ms)
+
+
+_hints: Hints | None = None
+_topologies: dict[str, Topology] = {}
+_topology_lock = threading.Lock()
+
+
+def use_settings(settings: Any) -> None:
+    """Take the pooler, prepared-statement and LISTEN settings of this process."""
+    global _hints
+    hints = Hints.of(settings)
+    with _topology_lock:
+        if hints != _hints:
+            _hints = hints
+            _topologies.clear()
+
+
+def hints() -> Hints:
+    global _hints
+    if _hints is None:
+        from broker.settings import Settings
+
+        try:
+            _hints = Hints.of(Settings.current())
+        except Exception:  # a malformed setting is reported by whoever reads the settings
+            _hints = Hints()
+    return _hints
+
+
+def base_kwargs(*, prepare: bool, at_first_use: bool = False) -> dict[str, Any]:
+    """Options every runtime connection gets: keepalives, tcp_user_timeout, connect timeout;
+    statements prepared (at psycopg's default fifth use, or ``at_first_use``) or never."""
+    kwargs: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES}
+    if not prepare:
+        kwargs["prepare_threshold"] = None
+    elif at_first_use:
+        kwargs["prepare_threshold"] = 0
+    timeout_ms = hints().tcp_user_timeout_ms
+    if timeout_ms:
+        kwargs["tcp_user_timeout"] = timeout_ms
+    return kwargs
+
+
+def topology_for(url: str) -> Topology:
+    """What stands between this process and ``url``: told by STANDMEET_POOLER, or found out
+    once (per URL and process) by :func:`probe`. A process's start says it once
+    (``broker.configure``)."""
+    with _topology_lock:
+        found = _topologies.get(url)
+    if found is not None:
+        return found
+    h = hints()
+    if h.pooler == "auto":
+        mode, how = probe(url)
+    else:
+        mode, how = h.pooler, "told by STANDMEET_POOLER"
+    if h.prepared_statements == "auto":
+        prepare = mode != TRANSACTION
+    else:
+        prepare = h.prepared_statements == "on"
+    listen_url = h.listen_url or (url if mode != TRANSACTION else None)
+    topology = Topology(mode=mode, prepare=prepare, listen_url=listen_url, how=how, poll_s=h.poll_s)
+    if how.startswith(UNPROBED):
+        return topology  # nothing was learnt: the next connection looks again
+    with _topology_lock:
+        return _topologies.setdefault(url, topology)
+
+
+def probe(url: str) -> tuple[str, str]:
+    """Direct, or through a pooler, and in which mode: ``(mode, how it was seen)``.
+
+    A pooler announces a backend pid of its own at connect (PgBouncer's cancel key), so
+    ``pg_backend_pid()`` differs from it. Its mode shows with a second client: in
+    transaction mode, a server connection the first client released serves the second
+    one's transaction, and the first client then gets another. When that cannot be seen
+    (the pooler had several idle server connections), transaction mode is assumed: it is
+    the one that forbids the most. An unreachable server is taken as direct for now
+    (nothing was learnt, nothing is remembered: the next connection looks again)."""
+    kwargs = {**base_kwargs(prepare=False), "autocommit": True, "application_name": "standmeet-probe"}
+    try:
+        first = psycopg.connect(url, **kwargs)
+    except psycopg.Error:
+        return DIRECT, f"{UNPROBED}: the server did not answer the probe"
+    try:
+        with first:
+            own = _backend_pid(first)
+            if own == first.info.backend_pid:
+                return DIRECT, "detected"
+            with psycopg.connect(url, **kwargs) as second, second.transaction():
+                other = _backend_pid(second)
+                again = _backend_pid(first)
+            if other == own or again != own:
+                return TRANSACTION, "detected: server connections move between clients"
+            return TRANSACTION, "a pooler detected; its mode unseen, transaction mode assumed"
+    except psycopg.Error:
+        return DIRECT, f"{UNPROBED}: the probe failed"
+
+
+def _backend_pid(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return int(row[0]) if row else -1
+
+
+def connect_kwargs(url: str, *, at_first_use: bool = False) -> dict[str, Any]:
+    """The options of a connection to ``url``: :func:`base_kwargs` as its topology allows
+    (the broker's own connections, which run a few statements very often, prepare them
+    ``at_first_use``)."""
+    return base_kwargs(prepare=topology_for(url).prepare, at_first_use=at_first_use)
+
+
+def listen_url(url: str) -> str | None:
+    """Where this process LISTENs for notifications sent on ``url``'s database; None when
+    it cannot (transaction pooling with no STANDMEET_LISTEN_DATABASE_URL): poll instead."""
+    return topology_for(url).listen_url
+
+
+def poll_s(url: str) -> float:
+    """How often to look for work when notifications cannot be heard."""
+    return topology_for(url).poll_s
+
+
+def server_of(url: str) -> str:
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.Error:
+        return "?"
+    return f"{params.get('host') or 'local socket'}:{params.get('port') or 5432}"
+
+
+def check_cheaply(conn: psycopg.Connection[Any]) -> None:
+    """Hand out only live connections, at the cost of a system call: an idle connection has
+    nothing to read, so one that does (a server's goodbye, an end of file) is checked for
+    real, and discarded by the pool if it is dead (the pool then takes or makes another)."""
+    if conn.closed or conn.broken:
+        raise psycopg.OperationalError("the connection is closed")
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError) as exc:
+        raise psycopg.OperationalError(f"the connection's socket is gone: {exc}") from exc
+    if readable:
+        ConnectionPool.check_connection(conn)
 
 
 class Outage:
@@ -64,9 +272,10 @@ class Outage:
                 return
             self.down_since = self.last_failure
         text = str(exc).strip()
+        what = "database unreachable" if isinstance(exc, DISCONNECTS) else f"database error {type(exc).__name__}"
         logger.warning(
-            "%s: database unreachable (%s: %s); retrying with back-off",
-            self.name, where, text.splitlines()[0] if text else type(exc).__name__,
+            "%s: %s (%s: %s); retrying with back-off",
+            self.name, what, where, text.splitlines()[0] if text else type(exc).__name__,
         )
 
     def ok(self) -> None:
@@ -80,29 +289,16 @@ class Outage:
         logger.warning("%s: database reachable again after %.1f s", self.name, time.monotonic() - since)
 
 
-def connect(url: str, *, application_name: str, async_commit: bool = False) -> psycopg.Connection[Any]:
-    """A dedicated autocommit connection (a consumer's, the settler's, a listener's)."""
-    from broker.sql import ASYNC_COMMIT_OPTIONS
-
-    extra: dict[str, Any] = {"options": ASYNC_COMMIT_OPTIONS} if async_commit else {}
-    return psycopg.connect(
-        url, autocommit=True, application_name=application_name, prepare_threshold=0,
-        connect_timeout=CONNECT_TIMEOUT_S, **KEEPALIVES, **extra,
-    )
+def connect(url: str, *, application_name: str, autocommit: bool = True,
+            at_first_use: bool = False) -> psycopg.Connection[Any]:
+    """A dedicated connection (a consumer's, the settler's, a listener's, the relay's)."""
+    return psycopg.connect(url, autocommit=autocommit, application_name=application_name,
+                           **connect_kwargs(url, at_first_use=at_first_use))
 
 
 def open_send_pool(url: str, *, max_size: int, wait_s: float = DEFAULT_POOL_WAIT_S) -> ConnectionPool:
     """The broker's pool for sends, heartbeats and rescue; connections are made on demand."""
-    return ConnectionPool(
-        url,
-        min_size=0,
-        max_size=max_size,
-        open=True,
-        timeout=wait_s,
-        kwargs={"autocommit": True, "application_name": "standmeet-broker", "prepare_threshold": 0,
-                "connect_timeout": CONNECT_TIMEOUT_S, **KEEPALIVES},
-        name="standmeet-broker",
-    )
+    return open_pool(url, max_size=max_size, timeout_s=wait_s, name="standmeet-broker", at_first_use=True)
 
 
 #: How long a job waits for a pooled application connection before failing (retryable).
@@ -111,14 +307,43 @@ APP_CHECKOUT_TIMEOUT_S = 10.0
 
 def open_app_pool(url: str, *, max_size: int) -> ConnectionPool:
     """The application's pool, for jobs and requests; connections are made on demand."""
+    return open_pool(url, max_size=max_size, timeout_s=APP_CHECKOUT_TIMEOUT_S, name="standmeet-app")
+
+
+def open_pool(url: str, *, max_size: int, timeout_s: float, name: str, min_size: int = 0,
+              statement_timeout_ms: int | None = None, at_first_use: bool = False) -> ConnectionPool:
+    """A ``psycopg_pool`` pool of the runtime: its connections made as :func:`connect_kwargs`
+    says, each checked cheaply when handed out (:func:`check_cheaply`).
+
+    With ``statement_timeout_ms``, every statement on a borrowed connection stops after that
+    long: a session setting where the session is ours; through a transaction pooler, a
+    ``SET LOCAL`` that opens the borrowing's one transaction (committed when the borrower
+    gives the connection back, rolled back if it raised)."""
+    kwargs: dict[str, Any] = {"autocommit": True, "application_name": name,
+                              **connect_kwargs(url, at_first_use=at_first_use)}
+    check: Any = check_cheaply
+    configure: Any = None
+    if statement_timeout_ms is not None:
+        timeout = str(int(statement_timeout_ms))
+        if topology_for(url).session_state:
+            def configure(conn: psycopg.Connection[Any]) -> None:
+                conn.execute(SET_STATEMENT_TIMEOUT, (timeout,))
+        else:
+            kwargs["autocommit"] = False
+
+            def check(conn: psycopg.Connection[Any]) -> None:
+                check_cheaply(conn)
+                conn.execute(SET_LOCAL_STATEMENT_TIMEOUT, (timeout,))
     return ConnectionPool(
-        url,
-        min_size=0,
-        max_size=max_size,
-        open=True,
-        kwargs={"application_name": "standmeet-app", "autocommit": True},
-        timeout=APP_CHECKOUT_TIMEOUT_S,
+        url, min_size=min_size, max_size=max_size, open=True, timeout=timeout_s, check=check,
+        configure=configure, kwargs=kwargs, name=name,
     )
+
+
+#: A session's statement timeout (only where the session is this process's own).
+SET_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, false)"
+#: The current transaction's statement timeout (through a transaction pooler).
+SET_LOCAL_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 
 
 def close_quietly(conn: psycopg.Connection[Any] | None) -> None:

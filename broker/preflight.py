@@ -10,6 +10,7 @@ from __future__ import annotations
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from broker import pgpool
 from broker.errors import DatabaseError, DatabaseUnavailable
 from broker.settings import masked_url
 
@@ -44,7 +45,7 @@ def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> N
 
     where = server_of(url)
     try:
-        conn = psycopg.connect(url, connect_timeout=connect_timeout_s, autocommit=True)
+        conn = psycopg.connect(url, autocommit=True, **{**pgpool.connect_kwargs(url), "connect_timeout": connect_timeout_s})
     except psycopg.Error as exc:
         raise DatabaseUnavailable(
             f"cannot reach the database at {where} ({masked_url(url)}): {first_line(exc)}") from None

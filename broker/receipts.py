@@ -12,7 +12,12 @@ ids *before* it commits (so a fast job cannot finish unseen), then waits up to 2
 At most 64 waiters per channel: the 65th is told ``False`` at once, without queuing.
 No waiter opens a connection or polls. If the listener loses its connection, it
 reconnects and then asks the database once for the jobs still awaited, so a receipt
-sent while it was away is not missed.
+sent while it was away is not missed. It never dies for good: any error is said once and
+retried with back-off.
+
+Through a transaction pooler a LISTEN is heard by nobody: the listener then LISTENs on
+``STANDMEET_LISTEN_DATABASE_URL``, or, with none, asks the database for the awaited jobs
+every ``STANDMEET_UNLISTENED_POLL_S`` while any request waits (one query for all of them).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import psycopg
 
 from broker import detach, metrics, sql
 from broker.backoff import Backoff
-from broker.pgpool import Outage, close_quietly
+from broker.pgpool import Outage, close_quietly, connect, listen_url, poll_s
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -127,12 +132,18 @@ class Listener:
 
     def listen_once(self, stop: threading.Event, timeout_s: float = 1.0) -> int:
         """Connect if needed, then dispatch the notifications of up to ``timeout_s``."""
+        where = listen_url(self.url)
         if self._conn is None or self._conn.closed:
-            conn = psycopg.connect(self.url, autocommit=True, application_name="standmeet-receipts")
-            conn.execute("LISTEN " + self.channel)
+            conn = connect(where or self.url, application_name="standmeet-receipts")
+            if where is not None:
+                conn.execute("LISTEN " + self.channel)
             self._conn = conn
             self._connected.set()
             self.recheck()  # receipts sent while we were not listening
+        if where is None:  # nothing can be heard: ask, while anyone waits
+            if not stop.wait(poll_s(self.url)):
+                return self.recheck()
+            return 0
         dispatched = 0
         for notify in self._conn.notifies(timeout=timeout_s):
             for receipt in notify.payload.split(","):  # one notification per settled batch
@@ -143,13 +154,16 @@ class Listener:
                 break
         return dispatched
 
-    def recheck(self) -> None:
+    def recheck(self) -> int:
+        """Dispatch the awaited messages that have finished; returns how many."""
         with self._lock:
             ids = list(self._by_message)
         if not ids or self._conn is None:
-            return
-        for message_id, state in self._conn.execute(FINISHED, {"ids": ids}).fetchall():
+            return 0
+        rows = self._conn.execute(FINISHED, {"ids": ids}).fetchall()
+        for message_id, state in rows:
             self.dispatch(message_id, state)
+        return len(rows)
 
     def run(self, stop: threading.Event) -> None:
         backoff = Backoff(start_s=0.05, cap_s=2.0)
@@ -158,7 +172,7 @@ class Listener:
                 self.listen_once(stop)
                 self.outage.ok()
                 backoff.reset()
-            except psycopg.OperationalError as exc:
+            except Exception as exc:  # never dies: said once, retried with back-off
                 self.outage.failed("listen", exc)
                 self._connected.clear()
                 self._close()

@@ -43,7 +43,7 @@ from dramatiq.results.backend import DEFAULT_TIMEOUT, MResult, Result
 from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from broker import detach
+from broker import detach, pgpool
 from broker.errors import ConfigError, DatabaseError, DatabaseUnavailable
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -123,7 +123,7 @@ def prune_expired(
         raise ConfigError(f"batch must be at least 1, got {batch}")
     with translated_errors(what):
         if isinstance(conn_or_url, str):
-            with psycopg.connect(conn_or_url, autocommit=True) as conn:
+            with pgpool.connect(conn_or_url, application_name="standmeet-prune") as conn:
                 return conn.execute(query, {"batch": batch}).rowcount
         if conn_or_url.autocommit:
             return conn_or_url.execute(query, {"batch": batch}).rowcount
@@ -176,17 +176,8 @@ class Database:
             return self._given_pool
         with self._lock:
             if self._own_pool is None:
-                self._own_pool = ConnectionPool(
-                    self.url,
-                    min_size=0,
-                    max_size=self._pool_max_size,
-                    open=False,
-                    kwargs={"autocommit": True, "application_name": self.application_name},
-                    check=ConnectionPool.check_connection,
-                    timeout=self._checkout_timeout_s,
-                    name=self.application_name,
-                )
-                self._own_pool.open(wait=False)
+                self._own_pool = pgpool.open_pool(self.url, max_size=self._pool_max_size,
+                                                  timeout_s=self._checkout_timeout_s, name=self.application_name)
             return self._own_pool
 
     @contextmanager
@@ -285,13 +276,17 @@ class NotificationListener:
                     event.set()
 
     def _run(self, stop: threading.Event) -> None:
+        where = pgpool.listen_url(self._url)
+        if where is None:  # through a transaction pooler with no listen URL: waiters look again
+            self.listening.set()
+            while not stop.wait(pgpool.poll_s(self._url)):
+                self._wake_all()
+            return
         failing = False
         while not stop.is_set():
             conn: psycopg.Connection[Any] | None = None
             try:
-                conn = psycopg.connect(
-                    self._url, autocommit=True, application_name=self._application_name
-                )
+                conn = pgpool.connect(where, application_name=self._application_name)
                 conn.execute(LISTEN.format(sql.Identifier(self._channel)))
                 self.listening.set()
                 if failing:

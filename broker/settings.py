@@ -56,6 +56,10 @@ RELAY_CONNECTIONS = 1
 #: How logs are written: "text" (one line each) or "json" (one object a line, for shippers).
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
+#: What stands between the processes and Postgres (``auto``: found out at start-up).
+PoolerMode = Literal["auto", "direct", "session", "transaction"]
+#: Whether statements are prepared on the server (``auto``: only on a direct connection).
+PreparedMode = Literal["auto", "on", "off"]
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given: one folder
 #: per user (platformdirs' user data folder), whatever the working directory.
 DEFAULT_EMBEDDED_DIR = str(Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata")
@@ -312,6 +316,34 @@ class Settings(Declared):
         "required to listen beyond loopback")
     dashboard_hide_args: bool = Field(
         False, description="`1`: the dashboard never shows job arguments or webhook payloads, nor searches them")
+    pooler: PoolerMode = Field(
+        "auto", description="what stands between the processes and Postgres: `auto` (found out at start-up), "
+        "`direct`, `session` or `transaction` (PgBouncer's pool modes); through a transaction pooler nothing "
+        "relies on session state, LISTEN needs `STANDMEET_LISTEN_DATABASE_URL`, and statements are not prepared")
+    prepared_statements: PreparedMode = Field(
+        "auto", description="`auto`: statements are prepared only on a direct or session-pooled connection; "
+        "`on`: also through a transaction pooler that tracks them (PgBouncer 1.21+ `max_prepared_statements`); "
+        "`off`: never")
+    listen_database_url: str | None = Field(
+        None, json_schema_extra=shown("(the main URL, unless it is transaction-pooled)"),
+        description="a connection that can LISTEN (direct or session-pooled), for wake-ups and receipts "
+        "when `DATABASE_URL` goes through a transaction pooler; unset there, wake-ups poll")
+    unlistened_poll_s: float = Field(
+        0.05, ge=0.01, le=5.0, description="with no connection that can LISTEN, how often idle consumers, "
+        "the relay and receipt waiters look for work")
+    tcp_user_timeout_ms: int = Field(
+        5_000, ge=0, description="a connection whose sent data stays unacknowledged this long is dead "
+        "(libpq `tcp_user_timeout`; keepalives cover idle ones): a cut-off host finds out in seconds, "
+        "not the kernel's ~15 minutes; `0`: the kernel's default")
+    server_connections_reserve: int = Field(
+        10, ge=0, description="connections of the server's `max_connections` that `run` leaves to others "
+        "(web requests, operators, migrations) when it checks `--processes`")
+    outbox_unrouted_max_age_s: float = Field(
+        300.0, ge=0, description="an outbox event that no live process routes for this long fails "
+        "`status --check`")
+    queue_unserved_max_age_s: float = Field(
+        60.0, ge=0, description="due work of a queue that no live worker serves, this old, fails "
+        "`status --check` and shows as \"no worker\"")
     #: the STANDMEET_QUEUE_* variables, for queues declared later by any module
     queue_env: Mapping[str, str] = Field(default_factory=dict, json_schema_extra={"env": False})
 
@@ -319,6 +351,17 @@ class Settings(Declared):
     @classmethod
     def _database_url(cls, raw: Any) -> str | None:
         return _database_url({"DATABASE_URL": str(raw) if raw is not None else ""}, "DATABASE_URL")
+
+    @field_validator("listen_database_url", mode="before")
+    @classmethod
+    def _listen_url(cls, raw: Any) -> str | None:
+        name = PREFIX + "LISTEN_DATABASE_URL"
+        return _database_url({name: str(raw) if raw is not None else ""}, name)
+
+    @field_validator("pooler", "prepared_statements", mode="before")
+    @classmethod
+    def _lower_choice(cls, raw: Any) -> Any:
+        return raw.strip().lower() if isinstance(raw, str) else raw
 
     @field_validator("embedded_dir", mode="after")
     @classmethod
@@ -375,8 +418,11 @@ class Settings(Declared):
         """Every declared queue's limits."""
         return {name: self.queue(name) for name in sorted(app.REGISTRY.queues)}
 
-    def with_database_url(self, url: str) -> Settings:
-        return replace(self, database_url=url)
+    @property
+    def step_down_after_s(self) -> float:
+        """A worker that cannot confirm its heartbeat for this long (half the rescue window)
+        stops claiming and interrupts its running jobs, before anyone may rescue them."""
+        return self.rescue_after_s / 2
 
 
 #: The per-queue variables as the README shows them: (suffix, default, bounds, meaning); the

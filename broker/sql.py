@@ -73,12 +73,14 @@ WITH enqueued AS (
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
 """
 
-#: The settings of each consumer's connection: claims commit asynchronously (no WAL flush
-#: wait). Losing one in a server crash only means a message runs again (at least once),
-#: never that one is lost. Settles, enqueues (on the broker's pool and on callers'
-#: connections) stay synchronous: a settle the settler counts as written is forgotten by
-#: its process, so losing one would leave its message consumed by a live worker.
-ASYNC_COMMIT_OPTIONS = "-c synchronous_commit=off"
+#: Claims commit asynchronously (no WAL flush wait): the claim statement turns
+#: ``synchronous_commit`` off for its own transaction (``set_config(…, true)``), never for
+#: the session, so it holds through a transaction pooler and leaks into nothing. Losing a
+#: claim in a server crash only means a message runs again (at least once), never that one
+#: is lost. Settles and enqueues stay synchronous: a settle the settler counts as written
+#: is forgotten by its process, so losing one would leave its message consumed by a live
+#: worker.
+_ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
 
 #: Claim up to ``n`` due messages of a queue for this worker process, lower priority
 #: number first, then oldest due. Rows locked by a concurrent claimer are skipped, not
@@ -87,7 +89,7 @@ ASYNC_COMMIT_OPTIONS = "-c synchronous_commit=off"
 #: A suspect (a message whose worker died running it beside others) is claimed only
 #: when no other message of its set runs anywhere, one at a time: the advisory lock
 #: of its set (held for this statement only) keeps two claimers from racing.
-#: A paused queue is claimed from by nobody.
+#: A paused queue is claimed from by nobody. The claim commits asynchronously (_ASYNC_COMMIT).
 CLAIM = """
 WITH normal AS (
     SELECT message_id, priority, eta FROM dramatiq.queue
@@ -115,7 +117,7 @@ WITH normal AS (
 UPDATE dramatiq.queue q
 SET "state" = 'consumed', mtime = now(), worker_id = %(worker_id)s, claims = q.claims + 1,
     started_at = CASE WHEN picked.rn <= %(n_start)s THEN now() END
-FROM picked
+FROM picked, """ + _ASYNC_COMMIT + """
 WHERE q.message_id = picked.message_id
 RETURNING q.message::text, q.claims, picked.rn, q.message_id::text, q.queue_name
 """
@@ -275,6 +277,14 @@ ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL,
 """
 REGISTER_WORKER = HEARTBEAT
 
+#: Which of some claims this process still holds (after it was cut off, to say which it lost).
+STILL_HELD = """
+SELECT q.message_id::text, q.claims FROM dramatiq.queue q
+JOIN unnest(%(ids)b::uuid[], %(claims)s::int[]) AS h(message_id, claims)
+  ON q.message_id = h.message_id AND q.claims = h.claims
+WHERE q."state" = 'consumed' AND q.worker_id = %(worker_id)s
+"""
+
 #: A graceful stop: the process is recorded as stopped and every message it still holds
 #: (a job cut off at the shutdown timeout) goes back to its queue without blame.
 STOP_WORKER = """
@@ -298,10 +308,13 @@ FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 #:     ``max_crashes`` it is rejected with the reason;
 #:   * started beside others, no suspect among them: each becomes a suspect of that set,
 #:     no crash counted; started beside a suspect: innocent, no blame.
-#: Nothing is rescued within ``after_s`` of the server's own start: every process lost
-#: its connection then, and needs the time to prove it is alive.
+#: Nothing is rescued within ``after_s`` of the server becoming this database's (its
+#: start, or a standby's promotion: ``standmeet.server_epoch_since()``, migration 0017):
+#: every process lost its connection then, and needs the time to prove it is alive.
 RESCUE = """
-WITH orphaned AS (
+WITH epoch AS MATERIALIZED (
+    SELECT standmeet.server_epoch_since() AS since
+), orphaned AS (
     SELECT q.message_id, q.worker_id, q.started_at IS NOT NULL AS started, q.suspect_of,
            coalesce(w.stopped_at IS NOT NULL, false) AS graceful
     FROM dramatiq.queue q
@@ -309,7 +322,7 @@ WITH orphaned AS (
     WHERE q."state" = 'consumed'
       AND (w.id IS NULL OR w.stopped_at IS NOT NULL
            OR w.heartbeat_at < now() - make_interval(secs => %(after_s)s))
-      AND pg_postmaster_start_time() < now() - make_interval(secs => %(after_s)s)
+      AND (SELECT since FROM epoch) < now() - make_interval(secs => %(after_s)s)
     FOR UPDATE OF q SKIP LOCKED
 ), per_worker AS (
     SELECT worker_id,

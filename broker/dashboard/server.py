@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import jinja2
-from psycopg_pool import ConnectionPool
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Mount
@@ -22,6 +21,7 @@ from broker.dashboard.app import (
     pretty_json,
 )
 from broker.dashboard.security import BasicAuth, Csrf, SecurityHeaders
+from broker.pgpool import open_pool
 
 
 def create_app(config: DashboardConfig) -> Starlette:
@@ -29,11 +29,8 @@ def create_app(config: DashboardConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        pool = ConnectionPool(
-            config.database_url, min_size=0, max_size=config.pool_max_size, open=True, timeout=config.connect_timeout_s,
-            kwargs={"autocommit": True, "application_name": "standmeet-dashboard",
-                    "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"},
-        )
+        pool = open_pool(config.database_url, max_size=config.pool_max_size, timeout_s=config.connect_timeout_s,
+                         name="standmeet-dashboard", statement_timeout_ms=STATEMENT_TIMEOUT_MS)
         app.state.pool = pool
         try:
             yield

@@ -161,7 +161,11 @@ def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(b
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
 
 
-def test_settles_commit_synchronously_and_claims_asynchronously(broker, database_url):
+def test_settles_commit_synchronously_and_claims_asynchronously_without_session_state(broker, database_url):
+    import psycopg
+
+    from broker import sql
+
     # Given the broker's settler and a consumer, connected as they run
     broker.claiming = True
     consumer = broker.consume("index", timeout=100)
@@ -169,10 +173,23 @@ def test_settles_commit_synchronously_and_claims_asynchronously(broker, database
     settler_conn = broker.settler._connection()
     # Then a settle is durable once written (the settler forgets it then: a settle lost in
     # a server crash would leave its message consumed by a live worker, rescued by nobody),
-    # while a lost claim only makes its message run again
+    # and neither connection carries a setting of its own: through a transaction pooler a
+    # session setting would reach other clients' transactions
     assert settler_conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-    assert consumer_conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    assert consumer_conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
     consumer.close()
+    # While the claim statement's own transaction commits asynchronously: a lost claim only
+    # makes its message run again
+    message = mark.send("claimed-asynchronously")
+    with psycopg.connect(database_url) as conn:
+        claimed = conn.execute(sql.CLAIM, {"queue": message.queue_name, "n": 1, "n_start": 1,
+                                           "worker_id": "00000000-0000-0000-0000-000000000000"}).fetchall()
+        assert len(claimed) == 1
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        conn.rollback()
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        conn.execute("DELETE FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
+        conn.commit()
 
 
 #: The server ends the settler's session (as a failover or an administrator would).

@@ -8,6 +8,7 @@ clock.
 from __future__ import annotations
 
 import uuid
+from contextlib import nullcontext
 
 import psycopg
 import pytest
@@ -28,11 +29,13 @@ WHERE message_id = %s
 """
 
 
-def _held_by_dead_worker(url: str, runs: list[tuple[bool, str | None, int]], *, graceful: bool = False) -> list[str]:
+def _held_by_dead_worker(url: str | psycopg.Connection, runs: list[tuple[bool, str | None, int]], *,
+                         graceful: bool = False) -> list[str]:
     """Messages held by a dead worker: one per (started, suspect_of, crashes)."""
     worker = str(uuid.uuid4())
     messages = [mark.message(f"rescue-{i}") for i in range(len(runs))]
-    with psycopg.connect(url, autocommit=True) as conn:
+    opened = psycopg.connect(url, autocommit=True) if isinstance(url, str) else nullcontext(url)
+    with opened as conn:
         conn.execute(DEAD_WORKER, (worker, None))
         if graceful:
             conn.execute("UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %s", (worker,))
@@ -149,25 +152,42 @@ def test_a_live_workers_claims_are_never_taken_back(broker, database_url):
 
 
 #: The server ends the sessions of this process's pool (heartbeats and rescue run on it).
-KILL_POOL = """
+#: The server ends the broker pool's sessions and takes no new ones (as a partition, or
+#: a server refusing connections, would): a dead connection alone no longer makes an
+#: outage, since the pool replaces it when it is handed out.
+CUT_OFF = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 WHERE datname = current_database() AND application_name = 'standmeet-broker'
 """
 
 
-@pytest.mark.slow  # waits out a real timer of a second or more
-def test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window(broker, database_url):
+def _allow_connections(admin_url: str, database_url: str, allowed: bool) -> None:
+    from psycopg import sql as pgsql
+
+    from tests.support.db import conninfo_dbname
+
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(pgsql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS {}").format(
+            pgsql.Identifier(conninfo_dbname(database_url)), pgsql.Literal(allowed)))
+
+
+def test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window(broker, database_url, admin_url):
     import time
 
-    from tests.support.db import scalar, wait_for
+    from tests.support.db import wait_for
 
-    # Given this process cut off from the database (the server ended its sessions)
+    # Given this process cut off from the database (its sessions ended, none taken)
     broker.prove_alive()
     before = broker.outage.ended_at
-    assert scalar(database_url, KILL_POOL) >= 1
-    wait_for(lambda: broker.heartbeat_once() == {} and broker.outage.down, timeout_s=10, what="the outage")
-    # and meanwhile a dead worker's started job, which rescue would requeue at once
-    ids = _held_by_dead_worker(database_url, [(True, None, 0)])
+    with psycopg.connect(database_url, autocommit=True) as keeper:
+        _allow_connections(admin_url, database_url, False)
+        try:
+            assert keeper.execute(CUT_OFF).fetchone()[0] >= 1
+            wait_for(lambda: broker.heartbeat_once() == {} and broker.outage.down, timeout_s=10, what="the outage")
+            # and meanwhile a dead worker's started job, which rescue would requeue at once
+            ids = _held_by_dead_worker(keeper, [(True, None, 0)])
+        finally:
+            _allow_connections(admin_url, database_url, True)
     # When this process gets the database back
     wait_for(lambda: broker.heartbeat_once() == {} and broker.outage.ended_at != before,
              timeout_s=10, what="the outage to end")
@@ -194,3 +214,28 @@ def test_a_registration_committed_late_with_an_older_queue_list_hides_no_queue(d
         conn.execute("DELETE FROM standmeet.worker_processes WHERE id = %s", (worker,))
     # Then the process is still recorded as serving every queue
     assert queues == ["index", "mail", "notify"]
+
+
+def test_rescue_judges_nobody_for_a_whole_window_after_the_server_changed_identity(broker, database_url):
+    from tests.support.db import scalar, wait_for
+
+    # Given the server's identity recorded as another's, as a standby promoted in a
+    # primary's place finds the primary's (replicated) row, its start time long past
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE standmeet.server_epoch SET identity = 'the old primary', since = now() - interval '1 day'")
+        # and a dead worker's started job, which rescue would otherwise requeue at once
+        ids = _held_by_dead_worker(conn, [(True, None, 0)])
+        # When rescue runs on the new server
+        assert broker.rescue_once() == {}
+        seen_at = conn.execute("SELECT since FROM standmeet.server_epoch").fetchone()[0]
+    # Then it recorded the new identity, and judged nobody: every process needs a whole
+    # rescue window to reconnect and prove it lives
+    assert scalar(database_url, "SELECT identity = pg_postmaster_start_time()::text FROM standmeet.server_epoch")
+    assert _rows(database_url, ids)[0][0] == "consumed"
+    # and rescues the dead worker's job once the new server has been this database's that long
+    window = broker.settings.rescue_after_s
+    wait_for(lambda: broker.rescue_once() is not None and _rows(database_url, ids)[0][0] == "queued",
+             timeout_s=3 * window, interval_s=0.1, what="the job to be rescued")
+    waited = scalar(database_url, "SELECT extract(epoch FROM mtime - %s)::float8 FROM dramatiq.queue "
+                                  "WHERE message_id = %s", (seen_at, ids[0]))
+    assert waited >= window

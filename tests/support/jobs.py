@@ -183,3 +183,22 @@ from broker.outbox import route  # noqa: E402
 route("test.ping", "test.noop", _ping)
 #: test.crash events run test.mark with the event's label (retried through an outage).
 route("test.crash", "test.mark", _ping)
+
+
+#: How each run of ``test.held_through_a_cut`` ended, in this process: it needs no
+#: database, which may be out of reach while it runs.
+CUT_RUNS: list[str] = []
+
+
+@dramatiq.actor(actor_name="test.held_through_a_cut", queue_name="index", max_retries=0)
+def held_through_a_cut(key: str, seconds: float) -> None:
+    """The first run of ``key`` sleeps ``seconds`` (cooperatively: an interruption lands),
+    later ones end at once; each run's end is kept in :data:`CUT_RUNS`."""
+    first = not any(run.startswith(f"{key}:") for run in CUT_RUNS)
+    try:
+        if first:
+            cooperative_sleep(seconds)
+    except BaseException as exc:
+        CUT_RUNS.append(f"{key}:{type(exc).__name__}")
+        raise
+    CUT_RUNS.append(f"{key}:done")

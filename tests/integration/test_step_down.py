@@ -1,0 +1,110 @@
+"""A worker cut off from the database steps down before anyone may take its jobs over.
+
+Another process rescues a worker's claims once its heartbeat is older than the rescue
+window. A worker that cannot confirm its heartbeat for half that window stops claiming and
+interrupts its running jobs (they run again, with no retry counted), so that a job never
+runs here and elsewhere at once; when it can prove it lives again it says which claims it
+lost meanwhile, and their late outcomes are fenced off by the claim number.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg import sql as pgsql
+
+from tests.support.db import conninfo_dbname, scalar, wait_for
+from tests.support.jobs import CUT_RUNS, held_through_a_cut
+
+END_SESSIONS = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+"""
+
+
+@contextmanager
+def cut_off(admin_url: str, database_url: str) -> Iterator[psycopg.Connection]:
+    """The database ends every session of this process and takes no new one (as a network
+    partition would); the connection yielded, opened before, still reaches it."""
+    name = pgsql.Identifier(conninfo_dbname(database_url))
+    with psycopg.connect(database_url, autocommit=True) as keeper, \
+            psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(pgsql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(name))
+        try:
+            keeper.execute(END_SESSIONS)
+            yield keeper
+        finally:
+            admin.execute(pgsql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS true").format(name))
+
+
+def _state(database_url: str, message_id: str) -> tuple[str, int] | None:
+    from tests.support.db import query
+
+    rows = query(database_url, "SELECT state::text, claims FROM dramatiq.queue WHERE message_id = %s", (message_id,))
+    return (rows[0][0], int(rows[0][1])) if rows else None
+
+
+def _started(database_url: str, message_id: str) -> bool:
+    return bool(scalar(database_url, "SELECT started_at IS NOT NULL AND state = 'consumed' FROM dramatiq.queue "
+                                     "WHERE message_id = %s", (message_id,)))
+
+
+def test_a_cut_off_worker_interrupts_its_jobs_before_the_rescue_window_and_runs_them_again_after(
+    broker, database_url, admin_url, start_worker, caplog
+):
+    # Given a worker running a long job
+    start_worker(queues=["index"], threads=2)
+    message = held_through_a_cut.send("cut-a", 60.0)
+    wait_for(lambda: _started(database_url, message.message_id), timeout_s=10, what="the job to start")
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # When the database ends this process's sessions and refuses new ones
+        with cut_off(admin_url, database_url):
+            cut_at = time.monotonic()
+            # Then the job is interrupted within the rescue window, and claiming stops
+            wait_for(lambda: "cut-a:CutOff" in CUT_RUNS, timeout_s=broker.settings.rescue_after_s,
+                     what="the running job to be interrupted")
+            assert time.monotonic() - cut_at < broker.settings.rescue_after_s
+            assert broker.stepped_down and not broker.may_claim
+        stepping_down = [r.getMessage() for r in caplog.records if "stepping down" in r.getMessage()]
+        assert len(stepping_down) == 1 and "1 running job(s) interrupted" in stepping_down[0]
+        # When the database takes the process back
+        wait_for(lambda: not broker.stepped_down, timeout_s=10, what="the worker to step up")
+        # Then nothing was lost: the job runs again, to the end, with no retry counted
+        wait_for(lambda: _state(database_url, message.message_id) == ("done", 2), timeout_s=10,
+                 what="the job to run again and finish")
+    assert CUT_RUNS.count("cut-a:done") == 1
+    assert not [r for r in caplog.records if "lost claim" in r.getMessage()]
+    assert scalar(database_url, "SELECT message->'options'->>'retries' FROM dramatiq.queue WHERE message_id = %s",
+                  (message.message_id,)) in (None, "0")
+
+
+def test_a_worker_back_from_a_cut_says_which_claims_it_lost_and_writes_no_stale_settle(
+    broker, database_url, admin_url, start_worker, caplog
+):
+    # Given a worker running a long job
+    start_worker(queues=["index"], threads=2)
+    message = held_through_a_cut.send("cut-b", 60.0)
+    wait_for(lambda: _started(database_url, message.message_id), timeout_s=10, what="the job to start")
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        with cut_off(admin_url, database_url) as keeper:
+            wait_for(lambda: "cut-b:CutOff" in CUT_RUNS, timeout_s=broker.settings.rescue_after_s,
+                     what="the running job to be interrupted")
+            # and, meanwhile, another host rescued and claimed the job (as rescue would,
+            # once this process's heartbeat was older than the window)
+            keeper.execute("UPDATE dramatiq.queue SET claims = claims + 1, worker_id = gen_random_uuid(), "
+                           "mtime = now() WHERE message_id = %s", (message.message_id,))
+        # When the process is back
+        wait_for(lambda: not broker.stepped_down, timeout_s=10, what="the worker to step up")
+        # Then it says which claim it lost
+        lost = [r.getMessage() for r in caplog.records if "lost claim" in r.getMessage()]
+        assert len(lost) == 1 and message.message_id in lost[0]
+    # and its interrupted run's outcome is not written over the other host's claim
+    assert broker.settler.flush(5)
+    assert _state(database_url, message.message_id) == ("consumed", 2)
+    assert "cut-b:done" not in CUT_RUNS
+    scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
+                         "RETURNING 1", (message.message_id,))
