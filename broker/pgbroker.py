@@ -522,11 +522,12 @@ class Settler:
         s_ids, s_claims = [k[0] for k in started], [k[1] for k in started]
         if plain:
             conn.execute(sql.SETTLE_DONE, {"ids": [o.message_id for o in plain], "claims": [o.claim for o in plain],
+                                           "worker_id": self.broker.worker_id,
                                            "s_ids": s_ids, "s_claims": s_claims, "awaited": list(awaited)})
         elif started:
-            conn.execute(sql.MARK_STARTED, {"ids": s_ids, "claims": s_claims})
+            conn.execute(sql.MARK_STARTED, {"ids": s_ids, "claims": s_claims, "worker_id": self.broker.worker_id})
         if other:
-            conn.execute(sql.SETTLE, settle_params(other, awaited))
+            conn.execute(sql.SETTLE, {**settle_params(other, awaited), "worker_id": self.broker.worker_id})
         self.broker.outage.ok()
         self.written += len(outcomes)
         per_queue: dict[str, int] = {}
@@ -996,7 +997,7 @@ class StandmeetBroker(dramatiq.Broker):
         self.outage.ok()
         self._start_heartbeat()
         if self.stepped_down:
-            self._step_up()
+            self._step_up(conn)
 
     def ensure_registered(self) -> None:
         self.prove_alive()
@@ -1039,24 +1040,26 @@ class StandmeetBroker(dramatiq.Broker):
             "%g s): claiming stopped, %d running job(s) interrupted; they run again",
             silent_s, self.settings.rescue_after_s, len(running))
 
-    def _step_up(self) -> None:
+    def _step_up(self, conn: psycopg.Connection[Any] | None) -> None:
         """This process proved it lives again: say which of its claims were taken back
         meanwhile (their late outcomes are fenced off by the claim number), then claim again."""
         with self._step_lock:  # several threads may prove it at once: one says it
             if self.stepped_down:
-                self._step_up_once()
+                self._step_up_once(conn)
 
-    def _step_up_once(self) -> None:
+    def _step_up_once(self, conn: psycopg.Connection[Any] | None) -> None:
         held = list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
                                      for key in state.held()), *self.settler.pending_claims()]))
         lost: list[tuple[str, int, str]] = []
         if held:
-            try:
-                kept = {(row[0], int(row[1])) for row in self.execute(
-                    sql.STILL_HELD, {"ids": [key[0] for key, _ in held], "claims": [key[1] for key, _ in held],
-                                     "worker_id": self.worker_id})}
+            params = {"ids": [key[0] for key, _ in held], "claims": [key[1] for key, _ in held],
+                      "worker_id": self.worker_id}
+            try:  # on the connection that just proved it: the pool may still be reconnecting
+                rows = (conn.execute(sql.STILL_HELD, params).fetchall() if conn is not None
+                        else self.execute(sql.STILL_HELD, params))
             except DISCONNECTS:
                 return  # not proven after all: the next heartbeat tries again
+            kept = {(row[0], int(row[1])) for row in rows}
             lost = [(key[0], key[1], queue) for key, queue in held if key not in kept]
         for message_id, number, queue_name in lost:
             logger.warning("lost claim %d of message %s (queue %r): taken back while this process was cut off; "
@@ -1100,7 +1103,8 @@ class StandmeetBroker(dramatiq.Broker):
             return {}
         rows = self.execute(
             sql.RESCUE,
-            {"after_s": self.settings.rescue_after_s, "max_crashes": self.settings.max_crashes},
+            {"after_s": self.settings.rescue_after_s, "max_crashes": self.settings.max_crashes,
+             "worker_id": self.worker_id},
         )
         result = {row[0]: (int(row[1]), int(row[2])) for row in rows}
         for listener in self.rescue_listeners:  # e.g. the metrics' rescue counter

@@ -158,7 +158,9 @@ GROUP BY queue_name, chunk
 """
 
 #: Settle finished claims, many at once, each only if it is still the claim it names
-#: (a message rescued and claimed again elsewhere is left alone):
+#: (a message rescued and claimed again elsewhere is left alone). A claim is named by its
+#: number *and* its worker process: after a failover that lost the last claims the old
+#: primary took, the same number can be taken again by another process.
 #:   done      the actor returned
 #:   rejected  failed for good, with the reason
 #:   queued    run again after a delay: a retry with back-off or a snooze (which never
@@ -185,7 +187,7 @@ WITH outcome AS (
                      ELSE q.error END,
         worker_id = NULL, started_at = NULL, mtime = now()
     FROM outcome o
-    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
+    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
     RETURNING q.queue_name, q.message_id, q."state"::text AS state
 ), followed AS (
     INSERT INTO dramatiq.queue AS q
@@ -213,13 +215,13 @@ SETTLE_DONE = """
 WITH marked AS (
     UPDATE dramatiq.queue q SET started_at = now()
     FROM unnest(%(s_ids)b::uuid[], %(s_claims)s::int[]) AS s(message_id, claims)
-    WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed'
+    WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
       AND q.started_at IS NULL
 ), settled AS (
     UPDATE dramatiq.queue q
     SET "state" = 'done', error = NULL, worker_id = NULL, started_at = NULL, mtime = now()
     FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS o(message_id, claims)
-    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
+    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
     RETURNING q.queue_name, q.message_id, 'done' AS state
 )""" + RECEIPTS_OF_SETTLED
 
@@ -228,7 +230,7 @@ WITH marked AS (
 MARK_STARTED = """
 UPDATE dramatiq.queue q SET started_at = now()
 FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS s(message_id, claims)
-WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed'
+WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
   AND q.started_at IS NULL
 """
 
@@ -308,6 +310,8 @@ FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 #:     ``max_crashes`` it is rejected with the reason;
 #:   * started beside others, no suspect among them: each becomes a suspect of that set,
 #:     no crash counted; started beside a suspect: innocent, no blame.
+#: A process never rescues its own claims (it lives: it is running this; its heartbeat
+#: may only look old because its thread was held up).
 #: Nothing is rescued within ``after_s`` of the server becoming this database's (its
 #: start, or a standby's promotion: ``standmeet.server_epoch_since()``, migration 0017):
 #: every process lost its connection then, and needs the time to prove it is alive.
@@ -319,7 +323,7 @@ WITH epoch AS MATERIALIZED (
            coalesce(w.stopped_at IS NOT NULL, false) AS graceful
     FROM dramatiq.queue q
     LEFT JOIN standmeet.worker_processes w ON w.id = q.worker_id
-    WHERE q."state" = 'consumed'
+    WHERE q."state" = 'consumed' AND q.worker_id IS DISTINCT FROM %(worker_id)s::uuid
       AND (w.id IS NULL OR w.stopped_at IS NOT NULL
            OR w.heartbeat_at < now() - make_interval(secs => %(after_s)s))
       AND (SELECT since FROM epoch) < now() - make_interval(secs => %(after_s)s)
@@ -390,14 +394,6 @@ WHERE message_id IN (
 )
 """
 
-#: Claim a periodic job's period; a row back means this scheduler enqueues it.
-CLAIM_PERIOD = """
-INSERT INTO standmeet.periodic_runs (job, period_start, message_id)
-VALUES (%(job)s, %(period_start)s, %(message_id)s)
-ON CONFLICT (job, period_start) DO NOTHING
-RETURNING message_id
-"""
-
 #: Channel the relay listens on; emit notifies it (at commit).
 OUTBOX_CHANNEL = "standmeet_outbox"
 
@@ -407,29 +403,6 @@ WITH inserted AS (
     RETURNING id
 )
 SELECT id, pg_notify(standmeet.outbox_channel(), '') FROM inserted
-"""
-
-#: One relay pass takes up to ``limit`` pending rows, oldest first, and marks them relayed
-#: in the same statement (rows, not a cursor: concurrent relays skip each other's rows),
-#: each with the number of messages its topic's routes make (``counts``: topic -> n).
-#: The pass's transaction then writes their messages; an event that cannot be relayed is
-#: put back as failed (RELAY_FAIL) before it commits, so nothing is marked that was not
-#: written. Rows come back in no particular order: the relay sorts them by id.
-RELAY_CLAIM = """
-UPDATE standmeet.outbox AS o
-SET relayed_at = now(), relay_txid = txid_current(), messages = (%(counts)s::jsonb ->> o.topic)::int
-FROM (SELECT id FROM standmeet.outbox
-      WHERE relayed_at IS NULL AND error IS NULL
-      ORDER BY id
-      LIMIT %(limit)s
-      FOR UPDATE SKIP LOCKED) AS pending
-WHERE o.id = pending.id
-RETURNING o.id, o.topic, o.payload
-"""
-
-RELAY_FAIL = """
-UPDATE standmeet.outbox SET error = %(error)s, relayed_at = NULL, relay_txid = NULL, messages = NULL
-WHERE id = %(id)s
 """
 
 PRUNE_OUTBOX = """

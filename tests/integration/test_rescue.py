@@ -11,7 +11,6 @@ import uuid
 from contextlib import nullcontext
 
 import psycopg
-import pytest
 
 from broker import sql
 from broker.pgbroker import enqueue_params
@@ -239,3 +238,22 @@ def test_rescue_judges_nobody_for_a_whole_window_after_the_server_changed_identi
     waited = scalar(database_url, "SELECT extract(epoch FROM mtime - %s)::float8 FROM dramatiq.queue "
                                   "WHERE message_id = %s", (seen_at, ids[0]))
     assert waited >= window
+
+
+def test_a_process_never_rescues_its_own_claims_even_when_its_heartbeat_looks_old(broker, database_url):
+    # Given a started job claimed by this process, whose heartbeat looks as old as a dead
+    # one's (its heartbeat thread was held up, e.g. waiting for a connection)
+    broker.prove_alive()
+    message = mark.message("held-by-a-slow-heartbeat")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params([message], delay=60_000))
+        conn.execute(HOLD, (broker.worker_id, True, None, 0, message.message_id))
+        conn.execute("UPDATE standmeet.worker_processes SET heartbeat_at = now() - interval '1 hour' WHERE id = %s",
+                     (broker.worker_id,))
+        # When its own rescue runs
+        broker.rescue_once()
+        # Then its claim stays its own
+        assert _rows(database_url, [message.message_id])[0][0] == "consumed"
+        conn.execute("UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s",
+                     (message.message_id,))
+    broker.prove_alive()

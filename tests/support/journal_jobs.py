@@ -2,7 +2,7 @@
 database outage, and the journal says what each run really did.
 
 The journal file is named by ``STANDMEET_TEST_JOURNAL``; each line is
-``<event> <message id> <pid> <retries>``, event one of start, returned, raised.
+``<event> <message id> <pid> <retries>``, event one of start, returned, raised, interrupted.
 """
 
 from __future__ import annotations
@@ -25,10 +25,20 @@ def _note(event: str) -> None:
 
 
 @dramatiq.actor(actor_name="test.journal", queue_name="index", max_retries=20, min_backoff=10, max_backoff=100)
-def journal(ms: int, fail_first: bool = False) -> None:
-    """Runs ``ms`` milliseconds; with ``fail_first``, its first run raises at the end."""
+def journal(ms: int, fail_first: bool = False, then_ms: int | None = None) -> None:
+    """Runs ``ms`` milliseconds (``then_ms`` on any later run, if given); with
+    ``fail_first``, its first run raises at the end. A run interrupted by its worker (a
+    time limit, a step-down) is noted ``interrupted``."""
+    message = CurrentMessage.get_current_message()
+    if then_ms is not None and message is not None and any(
+            e[0] == "start" and e[1] == message.message_id for e in read_journal(os.environ["STANDMEET_TEST_JOURNAL"])):
+        ms = then_ms
     _note("start")
-    cooperative_sleep(ms / 1000)
+    try:
+        cooperative_sleep(ms / 1000)
+    except BaseException:
+        _note("interrupted")
+        raise
     message = CurrentMessage.get_current_message()
     if fail_first and message is not None and not message.options.get("retries"):
         _note("raised")
