@@ -53,6 +53,8 @@ class PeriodicJob:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def period_start(self, now: datetime) -> datetime:
+        """The start of the period ``now`` is in. Schedulers only align their ticks with it:
+        which period a tick claims is computed from the database's clock (``periodic.tick``)."""
         epoch = now.timestamp()
         start = epoch - (epoch % self.interval_s)
         return datetime.fromtimestamp(start, timezone.utc)

@@ -12,6 +12,7 @@ import logging
 import dramatiq
 
 from broker import db, deadline, sql
+from broker.outbox import PRUNE_RELAYS
 from broker.pgbroker import current_broker
 from broker.rate_limits import PRUNE_EXPIRED_RATE_LIMITS
 from broker.results import PRUNE_EXPIRED_RESULTS
@@ -52,9 +53,12 @@ def rescue() -> None:
 
 @dramatiq.actor(actor_name="maintenance.prune_outbox", queue_name="maintenance")
 def prune_outbox() -> None:
-    """Delete relayed outbox rows older than the retention, batch by batch."""
+    """Delete relayed outbox rows older than the retention, batch by batch, and the rows of
+    relays stopped or silent for a day."""
     prune_in_batches(sql.PRUNE_OUTBOX, retention_s=current_broker().settings.outbox_retention_hours * 3600,
                      what="relayed outbox row(s)")
+    with db.connection() as conn:
+        conn.execute(PRUNE_RELAYS)
 
 
 @dramatiq.actor(actor_name="maintenance.prune_expired", queue_name="maintenance")

@@ -20,9 +20,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import detach, ops
+from broker import detach, ops, pgpool
 
 logger = logging.getLogger(f"standmeet.{__name__}")
+
+#: The gauges' reads stop after the collector's timeout: a deadline of their own
+#: transaction, never a setting left on the session (it may be a pooler's).
+SET_LOCAL_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 
 LABELS = ("queue_name", "actor_name")
 
@@ -90,17 +94,30 @@ class DatabaseCollector(Collector):
         oldest = GaugeMetricFamily("standmeet_oldest_queued_age_seconds",
                                    "How long the oldest due job of a queue has waited (0: none).",
                                    labels=["queue_name"])
+        unserved = GaugeMetricFamily("standmeet_queue_unserved",
+                                     "1 when a queue has due jobs and no live worker process serves it.",
+                                     labels=["queue_name"])
         alive = GaugeMetricFamily("standmeet_workers_alive", "Worker processes with a fresh heartbeat.")
         lag = GaugeMetricFamily("standmeet_outbox_lag_seconds",
                                 "How long the oldest unrelayed outbox event has waited (0: none).")
+        unrouted = GaugeMetricFamily("standmeet_outbox_unrouted",
+                                     "Pending outbox events of a topic that no live process routes.",
+                                     labels=["topic"])
+        unrouted_age = GaugeMetricFamily("standmeet_outbox_unrouted_oldest_age_seconds",
+                                         "How long the oldest event of a topic no live process routes has waited.",
+                                         labels=["topic"])
+        failed = GaugeMetricFamily("standmeet_outbox_failed",
+                                   "Outbox events kept with an error, relayed again only when retried.")
+        relays = GaugeMetricFamily("standmeet_relays_alive", "Outbox relays with a fresh heartbeat.")
         up = GaugeMetricFamily("standmeet_database_up", "1 when the gauges above could be read.")
         try:
-            with psycopg.connect(self.url, autocommit=True, connect_timeout=max(1, int(self.timeout_s)),
-                                 application_name="standmeet-metrics") as conn:
-                conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(int(self.timeout_s * 1000)),))
+            kwargs = {**pgpool.connect_kwargs(self.url), "connect_timeout": max(1, int(self.timeout_s))}
+            with psycopg.connect(self.url, autocommit=True, application_name="standmeet-metrics", **kwargs) as conn, \
+                    conn.transaction():  # read-only; the deadline is this transaction's, not the session's
+                conn.execute(SET_LOCAL_STATEMENT_TIMEOUT, (str(int(self.timeout_s * 1000)),))
                 queues = ops.queue_overview(conn, rescue_after_s=self.rescue_after_s)
                 workers = ops.worker_overview(conn, rescue_after_s=self.rescue_after_s)
-                outbox = ops.outbox_lag_s(conn)
+                outbox = ops.outbox_overview(conn, rescue_after_s=self.rescue_after_s)
         except psycopg.Error as exc:
             logger.warning("metrics: could not read the database: %s", str(exc).strip().splitlines()[0])
             up.add_metric([], 0)
@@ -112,10 +129,16 @@ class DatabaseCollector(Collector):
                 depth.add_metric([q.name, state], value)
             prefetched.add_metric([q.name], q.prefetched)
             oldest.add_metric([q.name], q.oldest_queued_age_s or 0.0)
+            unserved.add_metric([q.name], 1 if q.unserved else 0)
         alive.add_metric([], sum(1 for w in workers if w.alive))
-        lag.add_metric([], outbox or 0.0)
+        lag.add_metric([], outbox.lag_s or 0.0)
+        for topic in outbox.unrouted:
+            unrouted.add_metric([topic.topic], topic.events)
+            unrouted_age.add_metric([topic.topic], topic.oldest_age_s)
+        failed.add_metric([], outbox.failed)
+        relays.add_metric([], sum(1 for r in outbox.relays if r.alive))
         up.add_metric([], 1)
-        yield from (depth, prefetched, oldest, alive, lag, up)
+        yield from (depth, prefetched, oldest, unserved, alive, lag, unrouted, unrouted_age, failed, relays, up)
 
 
 def registry_for(url: str, *, multiprocess_dir: str | None, rescue_after_s: float) -> CollectorRegistry:

@@ -1,11 +1,13 @@
-"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, webhook deliveries.
+"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, the outbox, webhook deliveries.
 
-    standmeet-jobs status [--json] [--check [--max-age-s N]]
+    standmeet-jobs status [--json] [--check [--max-age-s N] [--queues Q …]]
     standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--limit N] [--json]
     standmeet-jobs jobs show ID [--show-args] [--json]
     standmeet-jobs jobs retry ID … | jobs retry --state rejected [--queue Q] [--actor A] [--since T]
     standmeet-jobs jobs cancel ID … | jobs cancel --queue Q [--state queued|delayed|running] [--actor A]
     standmeet-jobs queues list | pause Q | resume Q
+    standmeet-jobs outbox list [--failed] [--topic T] [--limit N] [--json]
+    standmeet-jobs outbox retry ID … | outbox retry --failed [--topic T]
     standmeet-jobs webhooks deliveries [ENDPOINT_ID] [--limit N] [--json]
 
 A table by default (rich), ``--json`` for scripts. They read the database only (the
@@ -27,7 +29,7 @@ from typing import Any
 
 import psycopg
 
-from broker import ops
+from broker import ops, pgpool
 from broker.embedded import resolve_database_url
 from broker.errors import DatabaseUnavailable, StandmeetError
 from broker.settings import Settings, masked_url
@@ -45,10 +47,14 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("status", help="queues, worker processes, periodic jobs and the outbox at a glance")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 when a due job waited too long or a queue has no live worker (health probes)")
+                   help="exit 1 when a due job waited too long, due work has no live worker "
+                   "(STANDMEET_QUEUE_UNSERVED_MAX_AGE_S), a queue has no live worker, or outbox events no "
+                   "live process routes waited too long (STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S): health probes")
     p.add_argument("--max-age-s", type=float, default=DEFAULT_MAX_AGE_S,
                    help=f"with --check: the longest a due job may wait (default {DEFAULT_MAX_AGE_S:g})")
-    p.add_argument("--queues", nargs="*", help="with --check: the queues that need a live worker (default: all)")
+    p.add_argument("--queues", nargs="*",
+                   help="with --check: the queues that need a live worker even with nothing due (default: the "
+                   "declared ones); every queue with due work is checked whatever this says")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("jobs", help="list, show, retry and cancel jobs")
@@ -98,6 +104,21 @@ def add_commands(sub: Any) -> None:
     q.add_argument("queue")
     q.set_defaults(func=cmd_queues_resume)
 
+    p = sub.add_parser("outbox", help="events not relayed yet (pending, unrouted, failed); re-relay failed ones")
+    outbox = p.add_subparsers(metavar="ACTION")
+    q = outbox.add_parser("list", help="events not relayed, oldest first: pending, unrouted (no live process "
+                          "routes their topic) or failed (with the reason)")
+    q.add_argument("--failed", action="store_true", help="only failed events")
+    q.add_argument("--topic", help="only this topic's")
+    q.add_argument("--limit", type=int, default=50)
+    q.add_argument("--json", action="store_true", help="a JSON list")
+    q.set_defaults(func=cmd_outbox_list)
+    q = outbox.add_parser("retry", help="failed events back to pending: a relay that routes their topic "
+                          "relays them again")
+    q.add_argument("ids", nargs="*", metavar="ID")
+    q.add_argument("--failed", action="store_true", help="retry every failed event …")
+    q.add_argument("--topic", help="… of this topic")
+    q.set_defaults(func=cmd_outbox_retry)
 
 
 def add_webhook_deliveries(webhooks: Any) -> None:
@@ -112,30 +133,48 @@ def add_webhook_deliveries(webhooks: Any) -> None:
 # -- status ------------------------------------------------------------------------------
 
 def status_document(conn: psycopg.Connection[Any], settings: Settings) -> dict[str, Any]:
-    """What ``status --json`` prints: queues, workers, periodic jobs, the outbox lag."""
+    """What ``status --json`` prints: queues (with their live workers), workers, periodic
+    jobs, the outbox (its lag, failed events, topics no live process routes, relays)."""
     queues = ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)
+    known = {q.name for q in queues}
+    queues += [ops.QueueStatus(name, 0, 0, 0, 0, 0, 0, None, False) for name in settings.queues if name not in known]
     workers = ops.worker_overview(conn, rescue_after_s=settings.rescue_after_s)
     periodic = ops.periodic_overview(conn, periodic_intervals())
+    outbox = ops.outbox_overview(conn, rescue_after_s=settings.rescue_after_s)
     return {
-        "queues": [ops.jsonable(q) for q in queues],
+        "queues": [ops.jsonable(q) for q in sorted(queues, key=lambda q: q.name)],
         "workers": [{**ops.jsonable(w), "running_jobs": [{"id": i, "actor": a} for i, a in w.running_jobs]}
                     for w in workers],
         "periodic": [ops.jsonable(p) for p in periodic],
-        "outbox_lag_s": ops.outbox_lag_s(conn),
+        "outbox_lag_s": outbox.lag_s,
+        "outbox": {**ops.jsonable(outbox), "routed_topics": outbox.routed_topics},
     }
 
 
-def health_problems(doc: dict[str, Any], *, max_age_s: float, required: Sequence[str]) -> list[str]:
-    """Why ``status --check`` fails: one line per problem (none: healthy)."""
+def health_problems(doc: dict[str, Any], *, max_age_s: float, required: Sequence[str],
+                    unserved_max_age_s: float = 60.0, unrouted_max_age_s: float = 300.0) -> list[str]:
+    """Why ``status --check`` fails: one line per problem (none: healthy). Every queue with
+    due work is checked, whatever ``required`` says (the queues that need a live worker
+    even with nothing due)."""
     problems = []
+    unserved = set()
     for q in doc["queues"]:
         age = q["oldest_queued_age_s"]
-        if age is not None and age > max_age_s and not q["paused"]:
+        if q["unserved"] and age is not None and age > unserved_max_age_s:
+            unserved.add(q["name"])
+            problems.append(f"queue {q['name']}: {q['queued']} due job(s) and no live worker process serves it; "
+                            f"the oldest has waited {age:.0f} s (more than {unserved_max_age_s:g} s)")
+        elif age is not None and age > max_age_s and not q["paused"]:
             problems.append(f"queue {q['name']}: the oldest due job has waited {age:.0f} s (more than {max_age_s:g} s)")
     served = {name for w in doc["workers"] if w["alive"] for name in w["queues"]}
     for name in required:
-        if name not in served:
+        if name not in served and name not in unserved:
             problems.append(f"queue {name}: no live worker process serves it")
+    for topic in doc["outbox"]["unrouted"]:
+        if topic["oldest_age_s"] > unrouted_max_age_s:
+            problems.append(f"outbox topic {topic['topic']}: {topic['events']} event(s) that no live process "
+                            f"routes; the oldest has waited {topic['oldest_age_s']:.0f} s "
+                            f"(more than {unrouted_max_age_s:g} s)")
     return problems
 
 
@@ -143,8 +182,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     with _connect(settings) as conn:
         doc = status_document(conn, settings)
-    problems = health_problems(doc, max_age_s=args.max_age_s, required=args.queues or list(settings.queues)) \
-        if args.check else []
+    problems = health_problems(doc, max_age_s=args.max_age_s, required=args.queues or list(settings.queues),
+                               unserved_max_age_s=settings.queue_unserved_max_age_s,
+                               unrouted_max_age_s=settings.outbox_unrouted_max_age_s) if args.check else []
     if args.json:
         print(json.dumps({**doc, **({"problems": problems} if args.check else {})}, indent=2))
     else:
@@ -164,12 +204,13 @@ def _running(running: int, prefetched: int) -> str:
 
 def _print_status(doc: dict[str, Any]) -> None:
     out = _console()
-    t = _table("queue", "queued", "delayed", "running", "rejected 24h", "done 5m", "done 1h", "oldest due", "paused")
+    t = _table("queue", "queued", "delayed", "running", "rejected 24h", "done 5m", "done 1h", "oldest due",
+               "workers", "paused")
     for q in doc["queues"]:
         t.add_row(q["name"], str(q["queued"]), str(q["delayed"]), _running(q["running"], q["prefetched"]),
                   str(q["rejected"]),
                   str(q["done_5m"]), str(q["done_1h"]), _age(q["oldest_queued_age_s"]),
-                  f"paused by {q['paused_by'] or '?'}" if q["paused"] else "")
+                  _serving(q), f"paused by {q['paused_by'] or '?'}" if q["paused"] else "")
     out.print(t)
     t = _table("worker", "host", "pid", "queues", "started", "heartbeat", "alive", "running")
     for w in doc["workers"]:
@@ -185,6 +226,20 @@ def _print_status(doc: dict[str, Any]) -> None:
     out.print(t)
     lag = doc["outbox_lag_s"]
     out.print(f"outbox: {'nothing waiting' if lag is None else 'oldest unrelayed event waited ' + _age(lag)}")
+    outbox = doc["outbox"]
+    for topic in outbox["unrouted"]:
+        out.print(f"outbox: {topic['events']} event(s) of topic {topic['topic']} that no live process routes "
+                  f"(oldest {_age(topic['oldest_age_s'])})")
+    if outbox["failed"]:
+        out.print(f"outbox: {outbox['failed']} failed event(s) (standmeet-jobs outbox list --failed; "
+                  "outbox retry --failed)")
+    live = [r for r in outbox["relays"] if r["alive"]]
+    out.print(f"relays: {len(live)} live, routing {', '.join(outbox['routed_topics']) or 'no topic'}")
+
+
+def _serving(q: dict[str, Any]) -> str:
+    """How many live worker processes serve a queue, or "no worker"."""
+    return "no worker" if q["no_worker"] else str(q["live_workers"])
 
 
 # -- jobs --------------------------------------------------------------------------------
@@ -317,9 +372,9 @@ def cmd_queues_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([ops.jsonable(q) for q in queues], indent=2))
         return 0
-    t = _table("queue", "queued", "delayed", "running", "paused")
+    t = _table("queue", "queued", "delayed", "running", "workers", "paused")
     for q in queues:
-        t.add_row(q.name, str(q.queued), str(q.delayed), _running(q.running, q.prefetched),
+        t.add_row(q.name, str(q.queued), str(q.delayed), _running(q.running, q.prefetched), _serving(ops.jsonable(q)),
                   f"since {_when(q.paused_at)} by {q.paused_by or '?'}" if q.paused else "")
     _console().print(t)
     return 0
@@ -353,6 +408,51 @@ def _known_queue(conn: psycopg.Connection[Any], settings: Settings, name: str) -
     known = set(settings.queues) | {q.name for q in ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)}
     if name not in known:
         raise UsageError(f"unknown queue {name!r}; known: {', '.join(sorted(known))}")
+
+
+# -- the outbox --------------------------------------------------------------------------
+
+#: The keys of ``outbox list --json`` (a contract for outside checks).
+OUTBOX_EVENT_KEYS = ("id", "topic", "state", "created_at", "age_s", "error")
+
+
+def cmd_outbox_list(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    with _connect(settings) as conn:
+        events = ops.list_outbox_events(conn, failed=args.failed, topic=args.topic, limit=args.limit,
+                                        rescue_after_s=settings.rescue_after_s)
+    if args.json:
+        print(json.dumps([{k: ops.jsonable(getattr(e, k)) for k in OUTBOX_EVENT_KEYS} for e in events], indent=2))
+        return 0
+    t = _table("id", "topic", "state", "created", "age", "error")
+    for e in events:
+        t.add_row(str(e.id), e.topic, e.state, _when(e.created_at), _age(e.age_s), e.error or "")
+    _console().print(t)
+    return 0
+
+
+def cmd_outbox_retry(args: argparse.Namespace) -> int:
+    if args.ids and (args.failed or args.topic):
+        raise UsageError("give event ids or --failed [--topic T] to retry, not both")
+    if not args.ids and not args.failed:
+        raise UsageError("give event ids, or --failed (with an optional --topic)")
+    if args.topic and not args.failed:
+        raise UsageError("--topic narrows --failed: give both")
+    ids = [ops.parse_event_id(i) for i in args.ids] or None
+    by = operator_name()
+    settings = Settings.from_env()
+    with _connect(settings) as conn, conn.transaction():
+        before = ops.outbox_event_states(conn, ids) if ids else {}
+        n = ops.retry_outbox_events(conn, ids=ids, topic=args.topic)
+        target: dict[str, Any] = {"event_ids": ids} if ids else {"failed": True, **({"topic": args.topic}
+                                                                                   if args.topic else {})}
+        ops.record_action(conn, action="outbox.retry", target=target, by=by, source="cli", affected=n)
+    unchanged = [f"no outbox event {i}" if i not in before else f"outbox event {i} is {before[i]}, not failed: "
+                 "not retried" for i in ids or [] if before.get(i) != "failed"]
+    print(f"retried {n} event(s)")
+    for line in unchanged:
+        print(line, file=sys.stderr)
+    return 1 if unchanged else 0
 
 
 # -- webhooks ----------------------------------------------------------------------------
@@ -407,7 +507,7 @@ def operator_name() -> str:
 def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
     url = resolve_database_url(settings)
     try:
-        conn = psycopg.connect(url, autocommit=True, application_name="standmeet-cli")
+        conn = pgpool.connect(url, application_name="standmeet-cli")
     except psycopg.OperationalError as exc:
         from broker.preflight import first_line, server_of
 

@@ -5,7 +5,8 @@ for tests, benchmarks and a backlog that needs extra hands.
 
     python -m broker.relay [MODULE …] [--exit-when-idle] [--batch 1000]
 
-The modules (default: ``actors``) declare the topics and routes it relays.
+The modules (default: ``actors``) declare the topics and routes it relays; events of
+other topics are left pending for a process that routes them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
         runtime.configure()
     broker = runtime.current_broker()
-    relay = Relay(broker.url, batch=args.batch or broker.settings.relay_batch, poll_s=broker.settings.relay_poll_s)
+    relay = Relay(broker.url, batch=args.batch or broker.settings.relay_batch, poll_s=broker.settings.relay_poll_s,
+                  heartbeat_s=broker.settings.heartbeat_s)
+    logging.getLogger("standmeet.relay").info("relaying the topics %s", ", ".join(relay.topics) or "(none)")
     if args.exit_when_idle:
         total = relay.drain_once()
         relay.close()

@@ -6,45 +6,57 @@ maintenance jobs). The scheduler process (``python -m periodic MODULE…``) load
 modules and ticks each job on an APScheduler interval trigger; a tick enqueues the
 job's actor under a key for its period (``standmeet.periodic_runs``, primary key (job,
 period start)). Two scheduler processes therefore enqueue it once per period: a unique
-constraint, not a leader.
+constraint, not a leader. The period is the database's, computed in the claim from
+``now()``: schedulers whose clocks disagree (by 90 s, or by hours) still agree on it, so
+a skewed clock moves when a scheduler ticks, never how often a job runs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from datetime import datetime, timezone
 
-from broker import db, sql
+from broker import db
 from broker.app import PeriodicJob, periodic_jobs
 from broker.enqueue import build_message, enqueue_message
 
 logger = logging.getLogger("standmeet.periodic")
-
-Clock = Callable[[], datetime]
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-__all__ = ["PeriodicJob", "periodic_jobs", "tick", "utcnow"]
+__all__ = ["CLAIM_DATABASE_PERIOD", "PeriodicJob", "periodic_jobs", "tick", "utcnow"]
+
+#: Claim the period the database's clock is in (its start: ``now()`` floored to a
+#: multiple of the interval since the epoch); a row back means this scheduler enqueues
+#: the job for it, with the period it claimed.
+CLAIM_DATABASE_PERIOD = """
+INSERT INTO standmeet.periodic_runs (job, period_start, message_id)
+SELECT %(job)s,
+       to_timestamp(floor(extract(epoch FROM now())::float8 / %(interval_s)s::float8) * %(interval_s)s::float8),
+       %(message_id)s::uuid
+ON CONFLICT (job, period_start) DO NOTHING
+RETURNING message_id, period_start
+"""
 
 
-def tick(job: PeriodicJob, *, clock: Clock = utcnow) -> str | None:
-    """Enqueue ``job`` for the current period unless some scheduler already did.
+def tick(job: PeriodicJob) -> str | None:
+    """Enqueue ``job`` for the database's current period unless some scheduler already did.
 
     Returns the message id when this call enqueued it, None when it was already done.
+    This process's clock plays no part.
     """
-    period = job.period_start(clock())
     message = build_message(job.actor, kwargs=job.kwargs)
     with db.connection() as conn, conn.transaction():
         row = conn.execute(
-            sql.CLAIM_PERIOD,
-            {"job": job.name, "period_start": period, "message_id": message.message_id},
+            CLAIM_DATABASE_PERIOD,
+            {"job": job.name, "interval_s": job.interval_s, "message_id": message.message_id},
         ).fetchone()
         if row is None:
             return None
         enqueue_message(conn, message)
+    period: datetime = row[1]
     logger.info("periodic %s: enqueued %s for the period starting %s", job.name, job.actor, period.isoformat())
     return message.message_id

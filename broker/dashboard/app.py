@@ -47,6 +47,7 @@ NOTICES = {
     "enabled": "Endpoint enabled.",
     "disabled": "Endpoint disabled.",
     "replayed": "Delivery queued again.",
+    "relayed": "Given back to the relays: a process that routes the topic relays it again.",
     "bulk": "Bulk action done.",
     "nothing": "Nothing matched: nothing was changed.",
 }

@@ -55,6 +55,8 @@ def routes() -> list[BaseRoute]:
         Route("/jobs/{id}/cancel", job_cancel, methods=["POST"]),
         Route("/workers", workers_page, name="workers"),
         Route("/periodic", periodic_page, name="periodic"),
+        Route("/outbox", outbox_page, name="outbox"),
+        Route("/outbox/retry", outbox_retry, methods=["POST"]),
         Route("/webhooks", webhooks_page, name="webhooks"),
         Route("/webhooks/deliveries/{id:int}", delivery_page, name="delivery"),
         Route("/webhooks/deliveries/{id:int}/replay", delivery_replay, methods=["POST"]),
@@ -98,11 +100,13 @@ async def overview(request: Request) -> Response:
         for name in config.queues:
             queues.setdefault(name, ops.QueueStatus(name, 0, 0, 0, 0, 0, 0, None, False))
         workers = ops.worker_overview(conn, rescue_after_s=config.rescue_after_s)
+        outbox = ops.outbox_overview(conn, rescue_after_s=config.rescue_after_s)
         return {
             "queues": [queues[name] for name in sorted(queues)],
             "alive": sum(1 for w in workers if w.alive),
             "dead": sum(1 for w in workers if not w.alive),
-            "outbox_lag_s": ops.outbox_lag_s(conn),
+            "outbox_lag_s": outbox.lag_s,
+            "outbox": outbox,
             "actions": ops.recent_actions(conn, limit=10),
         }
 
@@ -312,6 +316,49 @@ async def periodic_page(request: Request) -> Response:
     config = config_of(request)
     jobs = await with_conn(request, lambda conn: ops.periodic_overview(conn, config.periodic_intervals))
     return render(request, "periodic.html", {"periodic": jobs})
+
+
+# -- the outbox ------------------------------------------------------------------------
+
+#: Events listed on the outbox page (oldest first).
+OUTBOX_PAGE_SIZE = 100
+
+
+@guarded
+async def outbox_page(request: Request) -> Response:
+    """Topics no live process routes, failed events (with a retry), the relays."""
+    config = config_of(request)
+    failed_only = request.query_params.get("state") == "failed"
+    topic = request.query_params.get("topic", "").strip() or None
+
+    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        return {"outbox": ops.outbox_overview(conn, rescue_after_s=config.rescue_after_s),
+                "events": ops.list_outbox_events(conn, failed=failed_only, topic=topic, limit=OUTBOX_PAGE_SIZE,
+                                                 rescue_after_s=config.rescue_after_s)}
+
+    return render(request, "outbox.html", {**await with_conn(request, read), "failed_only": failed_only,
+                                           "topic": topic})
+
+
+@guarded
+async def outbox_retry(request: Request) -> Response:
+    """Failed events back to the relays: one (``id``), or every failed one (of ``topic``)."""
+    form = await action_form(request)
+    raw_id = str(form.get("id") or "").strip()
+    topic = str(form.get("topic") or "").strip() or None
+    ids = [ops.parse_event_id(raw_id)] if raw_id else None
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> int:
+        with conn.transaction():
+            changed = ops.retry_outbox_events(conn, ids=ids, topic=topic)
+            target: dict[str, Any] = {"event_ids": ids} if ids else {"failed": True, **({"topic": topic}
+                                                                                       if topic else {})}
+            ops.record_action(conn, action="outbox.retry", target=target, by=by, source=source, affected=changed)
+        return changed
+
+    changed = await with_conn(request, act)
+    return redirect("/outbox", "relayed" if changed else "nothing")
 
 
 # -- webhooks --------------------------------------------------------------------------

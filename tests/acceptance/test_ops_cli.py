@@ -228,3 +228,85 @@ def test_an_endpoint_is_disabled_enabled_and_its_delivery_replayed_without_the_a
         wait_for(lambda: server.received, timeout_s=15, what="the replayed delivery")
         wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE id = %s",
                                 (delivery,)) == "succeeded", timeout_s=15, what="the delivery to succeed")
+
+
+def test_status_says_which_queue_has_no_worker_and_which_topic_no_process_routes_and_check_fails_after_their_ages(
+        broker, database_url, subprocess_env, tmp_path):
+    from dramatiq.message import Message
+
+    from broker import sql
+    from broker.pgbroker import enqueue_params
+
+    env = {**subprocess_env, "STANDMEET_QUEUE_UNSERVED_MAX_AGE_S": "30", "STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S": "30"}
+    with running(worker_cmd(), subprocess_env, log=tmp_path / "worker.log") as worker:
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE pid = %s"
+                                              " AND stopped_at IS NULL", (worker.pid,)),
+                 timeout_s=20, what="the worker process and its relay to register")
+        # Given due jobs of a queue no live worker serves (a module no process loads), and an
+        # event of a topic no live process routes, both fresh
+        query(database_url, sql.ENQUEUE, enqueue_params(
+            [Message(queue_name="reports_nobody", actor_name="reports.none", args=(i,), kwargs={}, options={})
+             for i in range(3)]))
+        query(database_url, sql.EMIT, {"topic": "nobody.routes", "payload": "{}"})
+        try:
+            text = ok(cli(env, "status"))
+            doc = json.loads(ok(cli(env, "status", "--json")))
+            fresh = cli(env, "status", "--check")
+            # When they have waited longer than the documented ages
+            query(database_url, "UPDATE dramatiq.queue SET eta = now() - interval '2 minutes'"
+                                " WHERE queue_name = 'reports_nobody'")
+            query(database_url, "UPDATE standmeet.outbox SET created_at = now() - interval '2 minutes'"
+                                " WHERE topic = 'nobody.routes'")
+            stale = cli(env, "status", "--check")
+        finally:
+            query(database_url, "DELETE FROM dramatiq.queue WHERE queue_name = 'reports_nobody';"
+                                " DELETE FROM standmeet.outbox WHERE topic = 'nobody.routes'")
+    # Then status says so, in text and JSON
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("reports_nobody")]
+    assert "no worker" in line
+    assert "outbox: 1 event(s) of topic nobody.routes that no live process routes" in text
+    queues = {q["name"]: q for q in doc["queues"]}
+    assert queues["reports_nobody"]["unserved"] is True and queues["reports_nobody"]["live_workers"] == 0
+    assert queues["index"]["live_workers"] >= 1 and queues["index"]["no_worker"] is False
+    assert [(t["topic"], t["events"]) for t in doc["outbox"]["unrouted"]] == [("nobody.routes", 1)]
+    # --check passes while they are fresh, and fails naming each once they are older than the ages
+    assert fresh.returncode == 0 and "healthy" in fresh.stdout, fresh.stderr
+    assert stale.returncode == 1
+    assert ("unhealthy: queue reports_nobody: 3 due job(s) and no live worker process serves it; the oldest has "
+            "waited 12") in stale.stderr and "(more than 30 s)" in stale.stderr
+    assert ("unhealthy: outbox topic nobody.routes: 1 event(s) that no live process routes; the oldest has "
+            "waited 12") in stale.stderr
+
+
+def test_a_failed_outbox_event_is_listed_and_retried_from_the_command_line(
+        broker, database_url, subprocess_env, tmp_path):
+    # Given a failed event of a topic a live worker routes (failed as relays failed unknown topics)
+    (event_id,) = query(database_url, "INSERT INTO standmeet.outbox (topic, payload, error) VALUES"
+                                      " ('test.ping', '{\"label\": \"cli-retried\"}', 'UnknownTopic: no route')"
+                                      " RETURNING id")[0]
+    listed = json.loads(ok(cli(subprocess_env, "outbox", "list", "--failed", "--json")))
+    assert [{k: e[k] for k in ("id", "topic", "state", "error")} for e in listed] == [
+        {"id": event_id, "topic": "test.ping", "state": "failed", "error": "UnknownTopic: no route"}]
+    assert set(listed[0]) == {"id", "topic", "state", "created_at", "age_s", "error"}
+    assert str(event_id) in ok(cli(subprocess_env, "outbox", "list"))
+    with running(worker_cmd(), subprocess_env, log=tmp_path / "worker.log"):
+        # When an operator retries it
+        assert ok(cli(subprocess_env, "outbox", "retry", str(event_id))).strip() == "retried 1 event(s)"
+        # Then a relay that routes it relays it, and its job runs once
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'cli-retried'"),
+                 timeout_s=20, what="the retried event's job")
+    assert query(database_url, "SELECT error, relayed_at IS NOT NULL FROM standmeet.outbox WHERE id = %s",
+                 (event_id,)) == [(None, True)]
+    again = cli(subprocess_env, "outbox", "retry", str(event_id))
+    assert again.returncode == 1 and f"outbox event {event_id} is relayed, not failed: not retried" in again.stderr
+    assert ok(cli(subprocess_env, "outbox", "retry", "--failed", "--topic", "test.ping")).strip() \
+        == "retried 0 event(s)"
+    for args, says in [(("outbox", "retry"), "give event ids, or --failed"),
+                       (("outbox", "retry", "abc"), "'abc' is not an outbox event id"),
+                       (("outbox", "retry", "1", "--failed"), "not both")]:
+        result = cli(subprocess_env, *args)
+        assert result.returncode == 1 and says in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    actions = query(database_url, "SELECT target, affected, source FROM standmeet.operator_actions"
+                                  " WHERE action = 'outbox.retry' ORDER BY id")
+    assert actions[0] == ({"event_ids": [event_id]}, 1, "cli")

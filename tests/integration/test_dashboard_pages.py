@@ -383,7 +383,7 @@ def test_every_state_changing_request_is_a_post_refused_without_a_csrf_token(bro
     message = OK.send_with_options(args=("csrf",), delay=600_000)
     with dashboard() as client:
         posts = [r for r in client.app.routes if isinstance(r, Route) and "POST" in (r.methods or ())]
-        assert len(posts) == 8
+        assert len(posts) == 9
         client.get("/")  # the cookie is set; the token is still missing or wrong
         for route in posts:
             path = route.path.replace("{name}", QUEUE).replace("{id}", message.message_id).replace("{id:int}", "1")
@@ -403,7 +403,8 @@ def test_read_only_mode_hides_every_action_and_refuses_them(broker, database_url
     failed = FAIL.send("read-only")
     settled(database_url, failed.message_id)
     with dashboard(read_only=True) as client:
-        pages = [client.get(p).text for p in ("/", f"/jobs/{failed.message_id}", "/jobs?state=rejected", "/webhooks")]
+        pages = [client.get(p).text for p in ("/", f"/jobs/{failed.message_id}", "/jobs?state=rejected", "/webhooks",
+                                              "/outbox")]
         assert all('method="post"' not in page for page in pages)
         assert not any(word in page for page in pages for word in (">Retry<", ">Cancel<", ">Pause<", ">Replay<"))
         assert "retry all that match" not in pages[2]
@@ -412,6 +413,7 @@ def test_read_only_mode_hides_every_action_and_refuses_them(broker, database_url
         token = client.app.state.csrf.token_for(client.cookies[CSRF_COOKIE])
         refused = client.post(f"/jobs/{failed.message_id}/retry", data={CSRF_FIELD: token})
         assert refused.status_code == 403 and "read-only" in refused.text
+        assert client.post("/outbox/retry", data={CSRF_FIELD: token}).status_code == 403
         assert client.get("/jobs/bulk", params={"action": "retry"}).status_code == 403
     assert state_of(database_url, failed.message_id) == "rejected"
 
@@ -420,7 +422,7 @@ def test_with_a_password_every_page_needs_basic_auth(broker, database_url, dashb
     good = "Basic " + base64.b64encode(b"admin:s3cret").decode()
     bad = "Basic " + base64.b64encode(b"admin:guess").decode()
     with dashboard(password="s3cret") as client:
-        for path in ("/", "/jobs", "/workers", "/periodic", "/webhooks", "/healthz", "/metrics",
+        for path in ("/", "/jobs", "/workers", "/periodic", "/outbox", "/webhooks", "/healthz", "/metrics",
                      "/static/dashboard.js"):
             refused = client.get(path)
             assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")
@@ -439,6 +441,71 @@ def test_hidden_arguments_are_never_shown_nor_searched(broker, database_url, das
         search = client.get("/jobs", params={"q": "no-such-text-anywhere", "actor": f"{QUEUE}.ok"}).text
     assert "secret-token-123" not in page and "STANDMEET_DASHBOARD_HIDE_ARGS" in page
     assert message.message_id in search  # the text filter is ignored, not applied
+
+
+def test_a_queue_with_due_jobs_and_no_live_worker_says_no_worker_not_active(broker, database_url, dashboard):
+    from broker import sql
+    from broker.pgbroker import enqueue_params
+
+    # Given due jobs on a queue no live worker process serves
+    messages = [Message(queue_name="dash_unserved", actor_name="dash.none", args=(i,), kwargs={}, options={})
+                for i in range(2)]
+    query(database_url, sql.ENQUEUE, enqueue_params(messages))
+    with dashboard() as client:
+        page = client.get("/").text
+        text = client.get("/metrics").text
+    row = re.search(r'<tr id="queue-dash_unserved">(.*?)</tr>', page, re.S)
+    assert row, page
+    # Then the overview says "no worker", in the colour of a problem, never a green "active"
+    assert 'class="state noworker unserved"' in row.group(1) and ">no worker<" in row.group(1)
+    assert ">active<" not in row.group(1)
+    # and the metrics say it too
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("standmeet_queue_unserved", (("queue_name", "dash_unserved"),))] == 1
+    # a queue a live worker serves is active (this process's broker serves the test queues)
+    broker.prove_alive()
+    query(database_url, "UPDATE standmeet.worker_processes SET queues = queues || '{dash_served}'::text[]"
+                        " WHERE id = %s", (broker.worker_id,))
+    query(database_url, sql.ENQUEUE, enqueue_params(
+        [Message(queue_name="dash_served", actor_name="dash.none", args=(0,), kwargs={}, options={})]))
+    with dashboard() as client:
+        page = client.get("/").text
+        text = client.get("/metrics").text
+    row = re.search(r'<tr id="queue-dash_served">(.*?)</tr>', page, re.S)
+    assert row and ">active<" in row.group(1) and "no worker" not in row.group(1)
+    assert 'standmeet_queue_unserved{queue_name="dash_served"} 0.0' in text
+    query(database_url, "DELETE FROM dramatiq.queue WHERE queue_name IN ('dash_unserved', 'dash_served')")
+
+
+def test_the_outbox_page_shows_unrouted_topics_and_failed_events_and_retries_them(broker, database_url, dashboard):
+    from broker import sql
+
+    # Given an event of a topic no live process routes, and a failed event of one this process routes
+    query(database_url, "DELETE FROM standmeet.outbox")
+    query(database_url, sql.EMIT, {"topic": "dash.elsewhere", "payload": "{}"})
+    (failed_id,) = query(database_url, "INSERT INTO standmeet.outbox (topic, payload, error)"
+                                       " VALUES ('test.ping', '{\"label\": \"dash-retried\"}',"
+                                       " 'UnknownTopic: no route') RETURNING id")[0]
+    with dashboard() as client:
+        overview = client.get("/").text
+        page = client.get("/outbox").text
+        # Then the overview and the outbox page say the topic is routed by no live process
+        assert 'id="unrouted-dash.elsewhere"' in overview and "No live process routes" in overview
+        assert 'id="unrouted-dash.elsewhere"' in page
+        assert re.search(rf'<tr id="event-{failed_id}">.*?state failed.*?UnknownTopic: no route.*?Retry', page, re.S)
+        # When an operator retries the failed event
+        answer = post(client, "/outbox/retry", {"id": str(failed_id)}, page="/outbox")
+        assert answer.status_code == 303 and answer.headers["location"].startswith("/outbox?")
+        # Then it is pending again, for a relay that routes it, and the action is recorded
+        assert query(database_url, "SELECT error, relayed_at FROM standmeet.outbox WHERE id = %s",
+                     (failed_id,)) == [(None, None)]
+        assert post(client, "/outbox/retry", {"id": str(failed_id)}).headers["location"].endswith(
+            "notice=nothing")
+        assert post(client, "/outbox/retry", {"id": "x"}).status_code == 400
+    (target, affected, _, source) = actions(database_url, "outbox.retry")[0]
+    assert target == {"event_ids": [failed_id]} and affected == 1 and source.startswith("dashboard")
+    query(database_url, "DELETE FROM standmeet.outbox")
 
 
 @pytest.mark.slow  # waits out a real timer of a second or more

@@ -185,6 +185,39 @@ def test_periodic_jobs_show_their_last_run_and_next_due_time(broker, database_ur
     assert unknown.next_due is None
 
 
+def test_a_queue_with_due_work_and_no_live_worker_is_unserved_and_served_once_a_live_worker_serves_it(
+        broker, database_url, conn):
+    from dramatiq.message import Message
+
+    from broker import sql
+    from broker.pgbroker import enqueue_params
+
+    # Given due jobs on a queue no worker process serves, and a dead worker that served it
+    messages = [Message(queue_name="ops_unserved", actor_name="ops.none", args=(i,), kwargs={}, options={})
+                for i in range(3)]
+    query(database_url, sql.ENQUEUE, enqueue_params(messages))
+    query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at)"
+                        " VALUES (gen_random_uuid(), 'gone-host', 4243, '{ops_unserved}', now() - interval '1 minute')")
+    (status,) = [q for q in ops.queue_overview(conn, rescue_after_s=20) if q.name == "ops_unserved"]
+    # Then it has no worker, and its due work is unserved
+    assert (status.queued, status.live_workers, status.no_worker, status.unserved) == (3, 0, True, True)
+    assert ops.jsonable(status)["unserved"] is True
+    # paused, its waiting is on purpose: not unserved
+    ops.pause_queue(conn, "ops_unserved", by="test")
+    (status,) = [q for q in ops.queue_overview(conn, rescue_after_s=20) if q.name == "ops_unserved"]
+    assert status.no_worker and not status.unserved
+    ops.resume_queue(conn, "ops_unserved")
+    # When two live worker processes register as serving it (a stopped one does not count)
+    for stopped in (False, False, True):
+        query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, stopped_at)"
+                            " VALUES (gen_random_uuid(), 'live-host', 4244, '{ops_unserved,other}',"
+                            " CASE WHEN %s THEN now() END)", (stopped,))
+    (status,) = [q for q in ops.queue_overview(conn, rescue_after_s=20) if q.name == "ops_unserved"]
+    assert (status.live_workers, status.no_worker, status.unserved) == (2, False, False)
+    query(database_url, "DELETE FROM standmeet.worker_processes WHERE hostname IN ('gone-host', 'live-host');"
+                        " DELETE FROM dramatiq.queue WHERE queue_name = 'ops_unserved'")
+
+
 def test_the_outbox_lag_is_the_age_of_the_oldest_unrelayed_event(broker, database_url, conn):
     assert ops.outbox_lag_s(conn) is None
     query(database_url, "INSERT INTO standmeet.outbox (topic, payload, created_at)"

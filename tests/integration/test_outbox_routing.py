@@ -1,0 +1,248 @@
+"""A relay takes only what its process routes, says so in ``standmeet.relays``, never stops
+on an error, and a failed event can be given back to the relays; an event no live relay
+routes is visible (``broker.ops``, the metrics)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker import emit, ops, outbox, pgpool, sql
+from broker.metrics import DatabaseCollector
+from broker.outbox import MESSAGE_NAMESPACE, Relay, relay_once, route, routed_topics
+from tests.conftest import configured_broker
+from tests.support.db import query, scalar, wait_for
+
+#: A topic no process of this test routes: another module set's (``run reports``).
+FOREIGN = "elsewhere.report.requested"
+#: The relay's fallback poll here: far above every latency asserted.
+LONG_POLL_S = 30.0
+RESCUE_AFTER_S = 3.0
+
+
+def _nul(event_id: int, payload: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return ("\x00" if payload.get("nul") else payload["label"],), {}
+
+
+route("test.routing.nul", "test.noop", _nul)
+
+
+@pytest.fixture(scope="module")
+def broker(database_url: str) -> Iterator[Any]:
+    with configured_broker(database_url, relay_poll_s=LONG_POLL_S) as configured:
+        yield configured
+
+
+@pytest.fixture
+def clean(database_url: str) -> Iterator[None]:
+    query(database_url, "DELETE FROM standmeet.outbox; DELETE FROM standmeet.relays")
+    yield
+
+
+@pytest.fixture
+def conn(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(database_url, autocommit=True) as c:
+        yield c
+
+
+@pytest.fixture
+def relays() -> Iterator[list[Relay]]:
+    started: list[Relay] = []
+    yield started
+    for relay in started:
+        relay.stop()
+
+
+def _foreign_event(conn: psycopg.Connection[Any], label: str) -> int:
+    """What another module set's ``emit`` writes (this process has no route for it)."""
+    row = conn.execute(sql.EMIT, {"topic": FOREIGN, "payload": f'{{"label": "{label}"}}'}).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _message_id(event_id: int) -> str:
+    return str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/0"))
+
+
+def _event(url: str, event_id: int) -> tuple[Any, ...]:
+    (row,) = query(url, "SELECT relayed_at IS NOT NULL, error, relayed_by::text FROM standmeet.outbox"
+                        " WHERE id = %s", (event_id,))
+    return row
+
+
+def _start(relays: list[Relay], database_url: str, **kwargs: Any) -> Relay:
+    relay = Relay(database_url, batch=200, poll_s=LONG_POLL_S, heartbeat_s=0.5, **kwargs).start()
+    relays.append(relay)
+    return relay
+
+
+def test_a_relay_takes_only_the_topics_it_routes_and_leaves_the_others_untouched(
+        broker, database_url, clean, conn):
+    # Given events of a topic this process routes and of one it does not, interleaved
+    with conn.transaction():
+        ours = [emit(conn, "test.ping", {"label": f"ours-{i}"}) for i in range(3)]
+        theirs = [_foreign_event(conn, f"theirs-{i}") for i in range(3)]
+    # When a relay pass runs here
+    result = relay_once(conn, limit=200)
+    # Then it took and relayed ours only; theirs are pending, with no error, for a process that routes them
+    assert (result.claimed, result.messages, result.failed, result.given_back) == (3, 3, 0, 0)
+    assert [_event(database_url, e)[:2] for e in ours] == [(True, None)] * 3
+    assert [_event(database_url, e) for e in theirs] == [(False, None, None)] * 3
+    assert FOREIGN not in routed_topics() and "test.ping" in routed_topics()
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+                  ([_message_id(e) for e in theirs],)) == 0
+
+
+def test_a_relay_records_its_topics_with_a_heartbeat_and_stops_promptly_recorded_as_stopped(
+        broker, database_url, clean, conn, relays):
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    (topics, _pid) = query(database_url, "SELECT topics, pid FROM standmeet.relays WHERE id = %s", (relay.id,))[0]
+    assert topics == routed_topics() and "test.ping" in topics and FOREIGN not in topics
+    first = scalar(database_url, "SELECT heartbeat_at FROM standmeet.relays WHERE id = %s", (relay.id,))
+    wait_for(lambda: scalar(database_url, "SELECT heartbeat_at FROM standmeet.relays WHERE id = %s",
+                            (relay.id,)) > first, timeout_s=5, what="a second heartbeat")
+    (alive,) = [r for r in ops.relay_overview(conn, rescue_after_s=RESCUE_AFTER_S) if r.id == relay.id]
+    assert alive.alive and alive.topics == topics
+    # its 30 s poll and 0.5 s heartbeat are no reason to wait: stop is prompt
+    started = time.monotonic()
+    assert relay.stop(timeout_s=5)
+    assert time.monotonic() - started < 1.0
+    assert scalar(database_url, "SELECT stopped_at IS NOT NULL FROM standmeet.relays WHERE id = %s", (relay.id,))
+
+
+def test_an_event_no_live_relay_routes_is_shown_unrouted_until_one_that_routes_it_is_alive(
+        broker, database_url, clean, conn, relays):
+    # Given a live relay of this process, and events of a topic it does not route
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    with conn.transaction():
+        first = _foreign_event(conn, "a")
+        _foreign_event(conn, "b")
+    conn.execute("UPDATE standmeet.outbox SET created_at = now() - interval '90 seconds' WHERE id = %s", (first,))
+    # Then operators see the topic as unrouted, with its events and the oldest's age
+    (unrouted,) = ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S)
+    assert (unrouted.topic, unrouted.events) == (FOREIGN, 2) and 89 < unrouted.oldest_age_s < 120
+    listed = ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S)
+    assert [e.state for e in listed] == ["unrouted", "unrouted"]
+    # and so do the metrics
+    samples = _scrape(database_url)
+    assert samples[("standmeet_outbox_unrouted", (("topic", FOREIGN),))] == 2
+    assert samples[("standmeet_outbox_unrouted_oldest_age_seconds", (("topic", FOREIGN),))] > 89
+    assert samples[("standmeet_relays_alive", ())] >= 1
+    # When a relay of a process that routes the topic registers (another module set's)
+    conn.execute(outbox.RELAY_HEARTBEAT, {"id": str(uuid.uuid4()), "hostname": "reports-host", "pid": 1,
+                                          "topics": [FOREIGN]})
+    # Then the topic is routed: pending, not unrouted
+    assert ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S) == []
+    assert {e.state for e in ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S)} == {"pending"}
+    # and once that relay stopped, unrouted again
+    conn.execute("UPDATE standmeet.relays SET stopped_at = now() WHERE hostname = 'reports-host'")
+    assert [t.topic for t in ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S)] == [FOREIGN]
+    # our relay never touched them
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.outbox WHERE topic = %s AND relayed_at IS NULL"
+                                " AND error IS NULL", (FOREIGN,)) == 2
+
+
+def test_a_failed_event_is_relayed_again_once_retried(broker, database_url, clean, conn, relays):
+    # Given an event a relay failed (as every relay did to topics it did not route)
+    with conn.transaction():
+        event_id = emit(conn, "test.ping", {"label": "retried-event"})
+    conn.execute("UPDATE standmeet.outbox SET error = 'UnknownTopic: no route for topic' WHERE id = %s", (event_id,))
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    assert _event(database_url, event_id) == (False, "UnknownTopic: no route for topic", None)
+    (failed,) = ops.list_outbox_events(conn, failed=True, rescue_after_s=RESCUE_AFTER_S)
+    assert (failed.id, failed.state, failed.error) == (event_id, "failed", "UnknownTopic: no route for topic")
+    assert ops.outbox_overview(conn, rescue_after_s=RESCUE_AFTER_S).failed == 1
+    # When an operator retries it (a pending event is not a failed one: left alone)
+    assert ops.retry_outbox_events(conn, ids=[event_id, 999_999]) == 1
+    # Then the live relay, woken at commit (its poll is 30 s), relays it
+    wait_for(lambda: _event(database_url, event_id)[0], timeout_s=5, what="the retried event to be relayed")
+    assert _event(database_url, event_id) == (True, None, relay.id)
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = %s",
+                  (_message_id(event_id),)) == 1
+    assert ops.retry_outbox_events(conn, ids=[event_id]) == 0
+
+
+def test_the_relay_loop_survives_any_error_saying_so_once_and_once_when_it_recovers(
+        broker, database_url, clean, conn, relays, monkeypatch, caplog):
+    # Given a relay whose passes raise a bug's error (not a database one) four times
+    real = outbox.relay_once
+    failures = {"left": 4}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("a bug in a pass")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(outbox, "relay_once", flaky)
+    caplog.set_level(logging.INFO, logger="standmeet.broker.outbox")
+    relay = _start(relays, database_url)
+    # When an event is emitted
+    with conn.transaction():
+        event_id = emit(conn, "test.ping", {"label": "after-the-bug"})
+    # Then the loop lived through every failure and relays it
+    wait_for(lambda: _event(database_url, event_id)[0], timeout_s=20, what="the event to be relayed")
+    assert failures["left"] == 0 and relay._thread.alive
+    lines = [r for r in caplog.records if r.name == "standmeet.broker.outbox"]
+    failing = [r for r in lines if "a pass failed" in r.getMessage()]
+    again = [r for r in lines if "relaying again" in r.getMessage()]
+    assert len(failing) == 1 and "RuntimeError: a bug in a pass" in failing[0].getMessage()
+    assert failing[0].exc_info is None  # one line, not a traceback
+    assert len(again) == 1 and "4 failed attempt(s)" in again[0].getMessage()
+
+
+def test_a_relay_that_cannot_listen_polls_at_the_unlistened_interval(
+        broker, database_url, clean, conn, relays, monkeypatch):
+    # Given a connection that cannot LISTEN (a transaction pooler with no LISTEN URL)
+    monkeypatch.setattr(pgpool, "listen_url", lambda url: None)
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    assert not relay.listening
+    # When an event is written with no NOTIFY to wake anyone
+    (event_id,) = conn.execute("INSERT INTO standmeet.outbox (topic, payload) VALUES ('test.ping', %s)"
+                               " RETURNING id", ('{"label": "polled"}',)).fetchone()
+    started = time.monotonic()
+    # Then it is relayed at the poll of pgpool, not at the relay's 30 s
+    wait_for(lambda: _event(database_url, event_id)[0], timeout_s=5, what="the polled event")
+    assert time.monotonic() - started < 2.0
+    started = time.monotonic()
+    assert relay.stop(timeout_s=5) and time.monotonic() - started < 1.0
+
+
+def test_an_event_postgres_refuses_is_failed_alone_with_the_reason_and_the_rest_are_relayed(
+        broker, database_url, clean, conn, relays, caplog):
+    # Given events, one of which makes a message Postgres cannot store (jsonb takes no \u0000)
+    with conn.transaction():
+        events = [emit(conn, "test.routing.nul", {"label": f"refused-{i}", "nul": i == 2}) for i in range(5)]
+    caplog.set_level(logging.INFO, logger="standmeet.broker.outbox")
+    # When the relay loop runs
+    _start(relays, database_url)
+    # Then that event is failed with the reason, and every other one is relayed
+    wait_for(lambda: all(_event(database_url, e)[0] for e in events if e != events[2]), timeout_s=15,
+             what="the other events to be relayed")
+    relayed, error, _ = _event(database_url, events[2])
+    assert not relayed and error.startswith("UntranslatableCharacter: ")
+    assert [r.getMessage() for r in caplog.records if f"outbox event {events[2]} cannot be relayed" in r.getMessage()]
+
+
+def _scrape(database_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DatabaseCollector(database_url, rescue_after_s=RESCUE_AFTER_S))
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
