@@ -76,6 +76,7 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     ``url`` overrides the database; otherwise ``DATABASE_URL`` or the embedded server.
     """
     from broker import pgpool
+    from broker.budget import BACKEND_POOL_CONNECTIONS
     from broker.rate_limits import PostgresRateLimiterBackend
     from broker.results import PostgresResultBackend
     from middleware import default_middleware
@@ -87,8 +88,8 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     # found out once, before any connection is made, and said: what it implies for LISTEN,
     # prepared statements and session state
     logger.info("database connection: %s", pgpool.topology_for(url).describe())
-    results = PostgresResultBackend(url=url, pool_max_size=2)
-    rate_limiter = PostgresRateLimiterBackend(url=url, pool_max_size=2)
+    results = PostgresResultBackend(url=url, pool_max_size=BACKEND_POOL_CONNECTIONS)
+    rate_limiter = PostgresRateLimiterBackend(url=url, pool_max_size=BACKEND_POOL_CONNECTIONS)
     broker = StandmeetBroker(settings=settings, url=url, backends=(results, rate_limiter),
                              middleware=default_middleware(settings, results=results, rate_limiter=rate_limiter))
     previous = dramatiq.broker.global_broker

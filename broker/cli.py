@@ -2,9 +2,9 @@
 
     standmeet-jobs migrate                 create or update the schema (idempotent)
     standmeet-jobs check [MODULE …]        the start-up checks (the connection budget…)
-    standmeet-jobs run [MODULE …]          migrate, then run worker processes (python -m
-                                           broker.worker MODULE …) and the scheduler until
-                                           Ctrl-C / SIGTERM
+    standmeet-jobs run [MODULE …]          check the connections, migrate, then supervise
+                                           worker processes (python -m broker.worker
+                                           MODULE …) and the scheduler until Ctrl-C / SIGTERM
     standmeet-jobs dashboard               the web dashboard (loopback:8420 unless told)
     standmeet-jobs db url|stop             the database in use; stop the embedded server
     standmeet-jobs status | jobs … | queues …   what runs and what failed; retry, cancel,
@@ -13,6 +13,18 @@
 Every other command is an application's (``broker.app.command``): for those, the
 modules named by ``STANDMEET_APP_MODULES`` (comma-separated; default ``actors``) are
 loaded first. The runtime itself imports nothing of the application.
+
+What ``run`` guarantees as a supervisor (:class:`Supervisor`):
+
+* Nothing starts unless it fits: every worker's connection budget, the scheduler's, and
+  all of their connections together in what the server can give (``broker.budget``).
+* A SIGTERM or SIGINT at any moment, start-up and restarts included, starts nothing
+  more and stops every child within the worker shutdown timeout plus
+  :data:`CHILD_EXIT_GRACE_S` (then SIGKILL); an exception in the supervisor does the same.
+* Children never outlive it: each asks Linux for a SIGTERM when ``run`` dies.
+* A child that refuses its configuration (exit :data:`~broker.worker.CONFIG_REFUSED_EXIT`)
+  stops ``run`` with its one-line reason and that exit status; a crash is restarted after
+  a back-off doubling from :data:`RESTART_MIN_BACKOFF_S` to :data:`RESTART_MAX_BACKOFF_S`.
 """
 
 from __future__ import annotations
@@ -25,16 +37,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import NoReturn
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+from typing import Any, NoReturn
 
-from broker.budget import check_budget
+from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
 from broker.embedded import resolve_database_url, stop_embedded
-from broker.errors import ConfigError, StandmeetError
+from broker.errors import BudgetError, ConfigError, StandmeetError
 from broker.logging_setup import configure_logging
 from broker.migrate import migrate
 from broker.settings import LOG_FORMATS, Settings, undeclared
+from broker.worker import CONFIG_REFUSED_EXIT, load_modules
 
 logger = logging.getLogger("standmeet")
 
@@ -46,27 +61,20 @@ FORCE_AFTER_S = 1.0
 RESTART_MIN_BACKOFF_S = 1.0
 RESTART_MAX_BACKOFF_S = 30.0
 RESTART_RESET_AFTER_S = 60.0
+#: What ``signal.signal`` takes and gives back.
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+#: How often the supervisor looks at its children (and at the signals it received).
+WATCH_INTERVAL_S = 0.1
 
 
 #: The commands the runtime owns: they never load the application's modules.
-RUNTIME_COMMANDS = frozenset({"migrate", "check", "run", "dashboard", "db", "status", "jobs", "queues"})
+RUNTIME_COMMANDS = frozenset({"migrate", "check", "run", "dashboard", "db", "status", "jobs", "queues", "outbox"})
 #: The application modules loaded for every other command (comma-separated).
 APP_MODULES_VARIABLE = "STANDMEET_APP_MODULES"
 
 
 def app_modules() -> list[str]:
     return [m.strip() for m in (os.environ.get(APP_MODULES_VARIABLE) or "actors").split(",") if m.strip()]
-
-
-def load_modules(modules: Sequence[str]) -> None:
-    """Import the modules that declare actors, queues and commands; one line if one is missing."""
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                raise StandmeetError(f"cannot load module {module!r}: no module named {exc.name!r}") from None
-            raise
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
@@ -98,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except StandmeetError as exc:
-        print(f"standmeet-jobs: {exc}", file=sys.stderr)
+        say(str(exc))
         return 1
     except Exception as exc:  # a database error past the preflight: one line, no traceback
         import psycopg
@@ -107,8 +115,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from broker.preflight import first_line
 
-        print(f"standmeet-jobs: database error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        say(f"database error: {type(exc).__name__}: {first_line(exc)}")
         return 1
+
+
+def say(line: str) -> None:
+    """The command's last word on stderr, after every log line written before it."""
+    for handler in logging.getLogger().handlers:  # log lines are written in batches
+        handler.flush()
+    print(f"standmeet-jobs: {line}", file=sys.stderr)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -131,13 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="the start-up checks (connection budget, declared rules); exit 1 when one fails")
     p.add_argument("modules", nargs="*", metavar="MODULE", help="modules declaring actors (default: actors)")
     p.add_argument("--queues", nargs="*", help="queues this process would serve (default: all)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads per worker process (default: the sum of the served queues' limits)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="also check that `run --processes N` (with the scheduler) fits in the server's connections")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("run", help="migrate, then run the workers and the scheduler")
     p.add_argument("positional_modules", nargs="*", metavar="MODULE",
                    help="modules declaring actors (default: actors)")
     p.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
-    p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="worker processes (default 1); refused when they do not fit in the server's connections")
     p.add_argument(
         "--threads", type=int, default=0,
         help="threads per worker process (default: the sum of the served queues' limits)",
@@ -190,23 +210,35 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def served(settings: Settings, modules: Sequence[str], queues: Sequence[str] | None) -> list[str]:
-    """Load ``modules``; the queues a worker of theirs serves (``queues``, checked, or all)."""
-    load_modules(modules)
-    known = sorted(settings.queues)
-    unknown = sorted(set(queues or ()) - set(known))
-    if unknown:
-        raise StandmeetError(f"unknown queue(s) {', '.join(unknown)}; the known queues are {', '.join(known)}")
-    return list(queues) if queues else known
+def check_counts(threads: int, processes: int | None) -> None:
+    """Refuse nonsensical counts in one line, before anything else is looked at."""
+    if processes is not None and processes < 1:
+        raise ConfigError(f"--processes {processes}: at least 1 worker process is needed")
+    if threads < 0:
+        raise ConfigError(f"--threads {threads}: a worker needs at least 1 thread (0: the sum of its queues' limits)")
+
+
+def threads_per_worker(settings: Settings, queues: Sequence[str], threads: int) -> int:
+    return threads or sum(settings.queue(q).max_workers for q in queues)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
-    budget = check_budget(settings, served(settings, args.modules or ["actors"], args.queues))
+    check_counts(args.threads, args.processes)
+    load_modules(args.modules or ["actors"])
+    queues = served_queues(args.queues)
+    budget = check_budget(settings, queues, threads=threads_per_worker(settings, queues, args.threads))
     for line in undeclared():  # the loaded modules' settings count as declared
         print(f"warning: {line}")
     print(f"ok: {budget.describe()}")
-    print(f"broker pool: {budget.broker_pool_size} connections for {budget.consumers} consumers and acks")
+    scheduler = scheduler_connections(settings)
+    print(f"per process: {budget.process.describe()}")
+    print(f"per process: {scheduler.describe()}")
+    if args.processes is not None:
+        url = resolve_database_url(settings)
+        fleet = Fleet(processes=args.processes, worker=budget.process, scheduler=scheduler,
+                      supervisor=1 if settings.metrics_port is not None else 0)
+        print(f"ok: {check_fleet(settings, url, fleet)}")
     return 0
 
 
@@ -239,35 +271,67 @@ def _env_log_format() -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``run``: refuse what cannot work, in one line and before starting anything; then
+    supervise the children until a signal, a child's refusal, or an error."""
+    with Signals() as signals:  # from now on, a signal starts nothing more
+        try:
+            return run_fleet(args, signals)
+        except ConfigError as exc:  # its own refusal, like a child's: starting again cannot help
+            say(str(exc))
+            return CONFIG_REFUSED_EXIT
+
+
+def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
     settings = Settings.from_env()
+    check_counts(args.threads, args.processes)
     args.modules = [*(args.positional_modules or []), *(args.modules or [])] or ["actors"]
-    queues = served(settings, args.modules, args.queues)
-    budget = check_budget(settings, queues)
+    load_modules(args.modules)
+    # What each child will check at its start, checked here first, from the same declarations.
+    queues = served_queues(args.queues)
+    threads = threads_per_worker(settings, queues, args.threads)
+    budget = check_budget(settings, queues, threads=threads)
+    with_scheduler = not args.no_scheduler and importlib.util.find_spec("periodic.__main__") is not None
+    if with_scheduler:
+        try:  # the scheduler checks the budget of a worker serving every queue
+            check_budget(settings, served_queues())
+        except BudgetError as exc:
+            raise BudgetError(f"{exc} (the scheduler checks every queue's budget; --no-scheduler starts none)") from None
+    fleet = Fleet(processes=args.processes, worker=budget.process,
+                  scheduler=scheduler_connections(settings) if with_scheduler else None,
+                  supervisor=1 if settings.metrics_port is not None else 0)
     url = resolve_database_url(settings)
     from broker import log_database
 
     log_database(settings, url)
+    connections = check_fleet(settings, url, fleet)
     if not migrate(url):  # each migration applied logs its own line
         logger.info("schema up to date")
     logger.info("connection budget: %s", budget.describe())
+    logger.info("connections: %s", connections)
 
     shutdown_ms = args.worker_shutdown_timeout
     if shutdown_ms is None:
         shutdown_ms = int(settings.worker_shutdown_timeout_s * 1000)
-    threads = args.threads or sum(settings.queue(q).max_workers for q in queues)
     log_format = getattr(args, "log_format", None) or settings.log_format
     env = {**os.environ, "DATABASE_URL": url, "STANDMEET_LOG_FORMAT": log_format}
     worker = [
-        sys.executable, "-m", "broker.worker", *(args.modules or []),
+        sys.executable, "-m", "broker.worker", *args.modules,
         "--threads", str(threads),
         "--worker-shutdown-timeout", str(shutdown_ms),
         *(["--queues", *queues] if args.queues else []),
     ]
-    commands = [worker for _ in range(max(1, args.processes))]
-    if not args.no_scheduler and importlib.util.find_spec("periodic.__main__") is not None:
+    commands = [worker for _ in range(args.processes)]
+    if with_scheduler:
         commands.append([sys.executable, "-m", "periodic", *args.modules])
+    if signals.stopping:
+        logger.info("stopping: %s came before any process started", signals.first_name)
+        return signals.exit_status
     with serving_metrics(settings, url, env):
-        return supervise(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S)
+        supervisor = Supervisor(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S, signals=signals)
+        status = supervisor.run()
+    if supervisor.refusal is not None:
+        say(supervisor.refusal)
+    return status
 
 
 @contextmanager
@@ -309,73 +373,202 @@ def _child_exited(pid: int, env: dict[str, str]) -> None:
         multiprocess.mark_process_dead(pid, folder)
 
 
-def supervise(commands: list[list[str]], *, env: dict[str, str], shutdown_s: float) -> int:
-    """Run the children until SIGTERM/SIGINT, restarting one that dies (with back-off).
+class Signals:
+    """SIGTERM and SIGINT as ``run`` hears them, from its start to its end.
 
-    The first signal is forwarded as SIGTERM: each child gets its full shutdown timeout
-    (a Ctrl-C also reaches them directly, through the process group; they wait all the
-    same). A deliberate second Ctrl-C more than a second later forwards SIGINT, which
-    makes them exit at once, and `run` exits 1.
+    The first one asks for a graceful stop, whenever it comes: nothing more is started,
+    and every child gets SIGTERM and its full shutdown timeout (a Ctrl-C also reaches
+    them directly, through the process group; they wait all the same). A deliberate
+    second Ctrl-C, more than :data:`FORCE_AFTER_S` after the first, forces the exit:
+    ``on_force`` runs (the supervisor sends SIGINT, which makes the children exit at
+    once); before any child is started, ``run`` exits at once. Either way ``run`` exits 1.
     """
-    first_signal_at: list[float] = []
-    forced: list[bool] = []
-    children: list[subprocess.Popen[bytes]] = []
 
-    def on_signal(signum: int, frame: object) -> None:
+    def __init__(self) -> None:
+        self.first_at: float | None = None
+        self.first_name = ""
+        self.forced = False
+        #: what a forced exit does while children run (None: exit now, nothing runs)
+        self.on_force: Callable[[], None] | None = None
+        self._previous: dict[int, SignalHandler] = {}
+
+    def __enter__(self) -> Signals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    @property
+    def stopping(self) -> bool:
+        return self.first_at is not None
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if self.forced else 0
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if not first_signal_at:
-            first_signal_at.append(now)
+        if self.first_at is None:
+            self.first_at, self.first_name = now, signal.Signals(signum).name
             return
-        if signum == signal.SIGINT and now - first_signal_at[0] > FORCE_AFTER_S and not forced:
-            forced.append(True)
+        if signum == signal.SIGINT and now - self.first_at > FORCE_AFTER_S and not self.forced:
+            self.forced = True
+            if self.on_force is None:
+                logger.warning("second Ctrl-C: exiting now")
+                raise SystemExit(1)
             logger.warning("second Ctrl-C: forcing the workers to exit now; running jobs are cut off")
-            for child in children:
-                if child.poll() is None:
-                    child.send_signal(signal.SIGINT)
+            self.on_force()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    children.extend(subprocess.Popen(cmd, env=env) for cmd in commands)
-    for child, cmd in zip(children, commands, strict=True):
-        logger.info("started pid %d: %s", child.pid, " ".join(cmd[1:]))
-    started_at = [time.monotonic()] * len(children)
-    restart_at: list[float | None] = [None] * len(children)
-    backoff = [RESTART_MIN_BACKOFF_S] * len(children)
-    try:
-        while not first_signal_at:
-            now = time.monotonic()
-            for n, child in enumerate(children):
-                if restart_at[n] is None and child.poll() is not None:
-                    ran = now - started_at[n]
-                    if ran > RESTART_RESET_AFTER_S:
-                        backoff[n] = RESTART_MIN_BACKOFF_S
-                    logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.1f s",
-                                 child.pid, " ".join(commands[n][1:3]), child.returncode, ran, backoff[n])
-                    restart_at[n] = now + backoff[n]
-                    backoff[n] = min(backoff[n] * 2, RESTART_MAX_BACKOFF_S)
-                due = restart_at[n]
-                if due is not None and now >= due:
-                    children[n] = subprocess.Popen(commands[n], env=env)
-                    started_at[n], restart_at[n] = now, None
-                    logger.info("restarted pid %d: %s", children[n].pid, " ".join(commands[n][1:]))
-            time.sleep(0.2)
-        alive = [c for c in children if c.poll() is None]
-        logger.info("stopping: SIGTERM to %s; running jobs get up to %.0f s",
-                    ", ".join(str(c.pid) for c in alive) or "none", shutdown_s - CHILD_EXIT_GRACE_S)
-        for child in alive:
-            child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + shutdown_s
-        for child in alive:
+
+@dataclass
+class Child:
+    """One supervised command: its running process (if any) and its restart state."""
+
+    command: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    #: the read end of the pipe on which the process says why it refuses its configuration
+    refusal_fd: int | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None
+    backoff_s: float = RESTART_MIN_BACKOFF_S
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.command[1:3])
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def read_refusal(self) -> str:
+        """What the exited process wrote on its refusal pipe (it has exited: no more comes)."""
+        if self.refusal_fd is None:
+            return ""
+        chunks: list[bytes] = []
+        os.set_blocking(self.refusal_fd, False)
+        try:
+            while chunk := os.read(self.refusal_fd, 4096):
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        return b"".join(chunks).decode(errors="replace").strip()
+
+    def forget_process(self) -> None:
+        self.process = None
+        if self.refusal_fd is not None:
+            os.close(self.refusal_fd)
+            self.refusal_fd = None
+
+
+@dataclass
+class Supervisor:
+    """Runs the children of ``run`` and keeps the promises of this module's docstring.
+
+    :meth:`run` returns the exit status: 0 after a graceful stop, 1 when forced,
+    :data:`CONFIG_REFUSED_EXIT` when a child refused its configuration (:attr:`refusal`
+    then says which, and why)."""
+
+    commands: list[list[str]]
+    env: dict[str, str]
+    #: how long children get to exit after SIGTERM before SIGKILL
+    shutdown_s: float
+    signals: Signals
+    children: list[Child] = field(default_factory=list)
+    refusal: str | None = None
+
+    def run(self) -> int:
+        self.children = [Child(command) for command in self.commands]
+        self.signals.on_force = self._force
+        try:
+            for child in self.children:
+                if self.signals.stopping:
+                    break
+                self._start(child, restarted=False)
+            while not self.signals.stopping and self.refusal is None:
+                self._watch(time.monotonic())
+                time.sleep(WATCH_INTERVAL_S)
+        finally:
             try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.error("pid %d did not stop in time; killing it", child.pid)
-                child.kill()
-                child.wait()
-            _child_exited(child.pid, env)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 1 if forced else 0
+                self._stop_children()
+            finally:
+                self.signals.on_force = None
+        if self.refusal is not None:
+            return CONFIG_REFUSED_EXIT
+        return self.signals.exit_status
+
+    def _start(self, child: Child, *, restarted: bool) -> None:
+        read_fd, write_fd = os.pipe()
+        command = [*child.command, "--supervised-by", str(os.getpid()), "--refusal-fd", str(write_fd)]
+        try:
+            process = subprocess.Popen(command, env=self.env, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        child.process, child.refusal_fd = process, read_fd
+        child.started_at, child.restart_at = time.monotonic(), None
+        logger.info("%s pid %d: %s", "restarted" if restarted else "started", process.pid, " ".join(child.command[1:]))
+
+    def _watch(self, now: float) -> None:
+        """Restart what crashed (after its back-off); note the first refusal."""
+        for child in self.children:
+            process = child.process
+            if process is not None and process.poll() is not None:
+                _child_exited(process.pid, self.env)
+                ran = now - child.started_at
+                if process.returncode == CONFIG_REFUSED_EXIT:
+                    reason = child.read_refusal() or "(it gave no reason)"
+                    child.forget_process()
+                    self.refusal = f"pid {process.pid} ({child.name}) refused its configuration: {reason}"
+                    logger.error("%s; stopping the others", self.refusal)
+                    return
+                child.forget_process()
+                if ran > RESTART_RESET_AFTER_S:
+                    child.backoff_s = RESTART_MIN_BACKOFF_S
+                logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.1f s",
+                             process.pid, child.name, process.returncode, ran, child.backoff_s)
+                child.restart_at = now + child.backoff_s
+                child.backoff_s = min(child.backoff_s * 2, RESTART_MAX_BACKOFF_S)
+            if child.restart_at is not None and now >= child.restart_at and not self.signals.stopping:
+                self._start(child, restarted=True)
+
+    def _force(self) -> None:
+        for child in self.children:
+            if child.process is not None and child.alive:
+                _send(child.process, signal.SIGINT)
+
+    def _stop_children(self) -> None:
+        """SIGTERM to every child; SIGKILL to those still running after ``shutdown_s``."""
+        processes = [c.process for c in self.children if c.process is not None]
+        alive = [p for p in processes if p.poll() is None]
+        logger.info("stopping: SIGTERM to %s; running jobs get up to %.0f s",
+                    ", ".join(str(p.pid) for p in alive) or "none", self.shutdown_s - CHILD_EXIT_GRACE_S)
+        for process in alive:
+            _send(process, signal.SIGTERM)
+        deadline = time.monotonic() + self.shutdown_s
+        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+            time.sleep(WATCH_INTERVAL_S / 2)
+        for process in alive:
+            if process.poll() is None:
+                logger.error("pid %d did not stop in time; killing it", process.pid)
+                _send(process, signal.SIGKILL)
+        for process in processes:
+            process.wait()
+            _child_exited(process.pid, self.env)
+        for child in self.children:
+            child.forget_process()
+
+
+def _send(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except ProcessLookupError:
+        pass  # it has just exited
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ class NotificationListener:
                 while not stop.is_set():
                     for notify in conn.notifies(timeout=self._stop_check_s):
                         self._wake(notify.payload)
-            except psycopg.Error as exc:
+            except Exception as exc:  # never dies: said once, retried
                 if not failing:  # one line per outage
                     logger.warning("%s: cannot listen (%s); retrying", self._thread_name, exc)
                 failing = True

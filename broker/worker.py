@@ -11,11 +11,20 @@ the shutdown timeout for running jobs, record the process as stopped and exit. J
 still running are cut off and rescued by another worker (at least once). Further
 signals within a second (a group's Ctrl-C, then `run`'s SIGTERM) change nothing; a
 deliberate second Ctrl-C later exits at once, saying so, with status 1.
+
+A worker that refuses its configuration (the connection budget, a bad setting, an
+unknown queue, a module that cannot load) exits with :data:`CONFIG_REFUSED_EXIT` after
+one line saying why; any other failure is a crash. Started by ``standmeet-jobs run``
+(``--supervised-by``), it dies with it: Linux sends it SIGTERM when ``run`` dies, and it
+tells ``run`` its refusal on ``--refusal-fd``, so that ``run`` stops with that reason
+instead of starting it again. :func:`die_with_supervisor` and :func:`refuse` serve the
+scheduler process the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import importlib
 import logging
@@ -24,11 +33,12 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 
 import dramatiq
 
-from broker.errors import StandmeetError
+from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
 
 logger = logging.getLogger("standmeet.worker")
 
@@ -36,16 +46,86 @@ logger = logging.getLogger("standmeet.worker")
 WORKER_POLL_MS = 100
 #: A second Ctrl-C forces the exit only this long after the first signal.
 FORCE_AFTER_S = 1.0
+#: The exit status of a process that refuses its configuration (sysexits.h EX_CONFIG):
+#: starting it again cannot help, so ``run`` stops instead of restarting it.
+CONFIG_REFUSED_EXIT = 78
+#: prctl(2): the signal a process gets when the thread that started it exits.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_supervisor(supervisor_pid: int) -> bool:
+    """Have Linux send this process SIGTERM when its supervisor dies (prctl
+    PR_SET_PDEATHSIG); False when the supervisor is gone already (it died before the
+    request took hold, and no signal will come), and this process must not start."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            logger.warning("cannot ask to die with the supervisor (pid %d): %s", supervisor_pid, os.strerror(errno))
+    return os.getppid() == supervisor_pid
+
+
+def refuse(who: str, reason: str, refusal_fd: int | None) -> int:
+    """Say in one line why this process refuses its configuration (on stderr, and to the
+    supervisor on ``refusal_fd``); the exit status that tells it not to restart us."""
+    line = " ".join(reason.split())
+    print(f"{who}: {line}", file=sys.stderr, flush=True)
+    if refusal_fd is not None:
+        try:
+            os.write(refusal_fd, line.encode()[:4000])
+        except OSError:
+            pass  # the supervisor still sees the exit status
+    return CONFIG_REFUSED_EXIT
+
+
+def load_modules(modules: Sequence[str]) -> None:
+    """Import the modules that declare actors, queues and commands.
+
+    A module that cannot load raises :class:`ModuleNotLoaded`: one line naming it and why
+    (and where, for an error inside it); our own errors raised by its import (a malformed
+    setting, an unreachable database) stay what they are."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except StandmeetError:
+            raise
+        except ModuleNotFoundError as exc:
+            if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+                raise ModuleNotLoaded(f"cannot load module {module!r}: no module named {exc.name!r}") from None
+            raise ModuleNotLoaded(f"cannot load module {module!r}: {exc}{_where(exc)}") from None
+        except Exception as exc:
+            reason = (str(exc).strip().splitlines() or [""])[0]
+            raise ModuleNotLoaded(f"cannot load module {module!r}: {type(exc).__name__}: {reason}{_where(exc)}") from None
+
+
+def _where(exc: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame an exception was raised in."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" ({exc.filename}:{exc.lineno})"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``run`` gives each child it supervises."""
+    parser.add_argument("--supervised-by", type=int, default=None, metavar="PID",
+                        help="exit when this process (the parent, `standmeet-jobs run`) dies")
+    parser.add_argument("--refusal-fd", type=int, default=None, metavar="FD",
+                        help="write the reason of a configuration refusal to this file descriptor")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m broker.worker", description=__doc__.split("\n")[0])
     parser.add_argument("modules", nargs="*", default=["actors"], help="modules that declare actors (default: actors)")
     parser.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
-    parser.add_argument("--threads", type=int, default=0, help="worker threads (default: the sum of the limits)")
+    parser.add_argument("--threads", type=int, default=0, help="worker threads (default: the sum of the served queues' limits)")
     parser.add_argument("--worker-shutdown-timeout", type=int, default=None, metavar="MS",
                         help="wait this long for running jobs on SIGTERM (default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S)")
+    add_supervision_arguments(parser)
     args = parser.parse_args(argv)
+    if args.supervised_by is not None and not die_with_supervisor(args.supervised_by):
+        print(f"worker: its supervisor (pid {args.supervised_by}) is gone: not starting", file=sys.stderr)
+        return 1
     from broker.logging_setup import configure_logging
 
     log_format = (os.environ.get("STANDMEET_LOG_FORMAT") or "text").strip().lower()
@@ -74,27 +154,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, on_signal)
 
     try:
-        for module in args.modules:
-            importlib.import_module(module)
+        if args.threads < 0:
+            raise ConfigError(f"--threads {args.threads}: a worker needs at least 1 thread (0: the default)")
+        from broker.budget import process_connections, served_queues
         from broker.pgbroker import current_broker
 
+        load_modules(args.modules)
         broker = current_broker()
+        queues = served_queues(args.queues)
+        threads = args.threads or 1
+        connections = process_connections(broker.settings, queues, threads=threads)
         shutdown_ms = args.worker_shutdown_timeout
         if shutdown_ms is None:
             shutdown_ms = int(broker.settings.worker_shutdown_timeout_s * 1000)
+        if stop.is_set():
+            logger.info("worker stopped before it started")
+            return 0
         broker.emit_after("process_boot")
         # What is loaded by now lives as long as the process: each full collection would
         # scan it again with every thread stopped (15-23 ms here); frozen, it is skipped
         # (a full collection then takes a fraction of a millisecond).
         gc.collect()
         gc.freeze()
-        worker = dramatiq.Worker(broker, queues=args.queues or None, worker_threads=args.threads or 1,
+        worker = dramatiq.Worker(broker, queues=args.queues or None, worker_threads=threads,
                                  worker_timeout=WORKER_POLL_MS)
-        worker.start()
+        worker.start()  # the connection budget and the declared start-up checks refuse here
+    except ConfigError as exc:
+        return refuse("worker", str(exc), args.refusal_fd)
     except StandmeetError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 1
-    logger.info("worker ready: queues %s", ", ".join(args.queues or sorted(broker.queues)))
+    logger.info("worker ready: queues %s; %s", ", ".join(queues), connections.describe())
     stop.wait()
     worker.stop(timeout=shutdown_ms)
     broker.close()

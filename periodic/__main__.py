@@ -7,6 +7,10 @@ periodic job on its period boundaries with APScheduler until SIGTERM or Ctrl-C (
 relay is stopped first). Run two of them: each period still runs once.
 
     python -m periodic [MODULE …] [--jobs module:ATTRIBUTE]
+
+Like a worker, it refuses its configuration (the budget, a bad setting, a module that
+cannot load) with one line and exit status 78, and started by ``standmeet-jobs run`` it
+dies with it (see :mod:`broker.worker`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from broker import services
-from broker.budget import check_budget
-from broker.errors import StandmeetError
+from broker.budget import SCHEDULER_TICK_THREADS, check_budget, scheduler_connections, served_queues
+from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
 from broker.logging_setup import configure_logging
 from broker.settings import Settings
+from broker.worker import add_supervision_arguments, die_with_supervisor, load_modules, refuse
 
 logger = logging.getLogger("standmeet.periodic")
 
@@ -33,7 +38,11 @@ logger = logging.getLogger("standmeet.periodic")
 def load_jobs(path: str) -> list:  # type: ignore[type-arg]
     """An explicit table of jobs (``module:ATTRIBUTE``), instead of the declared ones."""
     module, _, attribute = path.partition(":")
-    return list(getattr(importlib.import_module(module), attribute))
+    load_modules([module])
+    try:
+        return list(getattr(importlib.import_module(module), attribute))
+    except (AttributeError, TypeError) as exc:
+        raise ModuleNotLoaded(f"--jobs {path}: {type(exc).__name__}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="modules that declare actors and periodic jobs (default: actors)")
     parser.add_argument("--jobs", default=None, metavar="MODULE:ATTRIBUTE",
                         help="run only this table of periodic jobs instead of the declared ones")
+    add_supervision_arguments(parser)
     args = parser.parse_args(argv)
+    if args.supervised_by is not None and not die_with_supervisor(args.supervised_by):
+        print(f"periodic: its supervisor (pid {args.supervised_by}) is gone: not starting", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
     import dramatiq
 
     import broker as runtime
@@ -53,27 +69,28 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
         configure_logging(settings.log_format)
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
-        for module in args.modules:
-            importlib.import_module(module)
+        load_modules(args.modules)
         if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
             runtime.configure()
-        budget = check_budget(settings)
-    except ImportError as exc:
-        print(f"periodic: cannot load {exc.name or exc}: {exc}", file=sys.stderr)
-        return 1
+        # The budget of the queues a worker of these modules serves: the one `run` checks.
+        budget = check_budget(settings, served_queues())
+        jobs = load_jobs(args.jobs) if args.jobs else periodic_jobs()
+    except ConfigError as exc:
+        return refuse("periodic", str(exc), args.refusal_fd)
     except StandmeetError as exc:
         print(f"periodic: {exc}", file=sys.stderr)
         return 1
     # `run` logs the budget once for all its processes; here it is detail.
-    logger.debug("connection budget: %s", budget.describe())
-    jobs = load_jobs(args.jobs) if args.jobs else periodic_jobs()
+    logger.debug("connection budget: %s; %s", budget.describe(), scheduler_connections(settings).describe())
     broker = runtime.current_broker()
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    if stop.is_set():
+        logger.info("scheduler stopped before it started")
+        return 0
 
     services.current().start_relay()
-    scheduler = BackgroundScheduler(timezone="UTC")
+    # As many tick threads as the connection budget counts for the scheduler.
+    scheduler = BackgroundScheduler(timezone="UTC", executors={
+        "default": {"type": "threadpool", "max_workers": SCHEDULER_TICK_THREADS}})
     now = utcnow()
     for job in jobs:
         try:  # the current period first; then on each period boundary

@@ -1,4 +1,7 @@
-"""`standmeet-jobs run` under real signals to its process group, and a worker that crashes."""
+"""`standmeet-jobs run` under real signals to its process group, and a worker that crashes.
+
+Each `run` is started in a session of its own and its whole process group is SIGKILLed
+at the end of the test, whatever happened (``supervised``)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ import pytest
 from actors import settings as app_settings
 from actors import webhooks
 from broker.settings import replace
+from tests.acceptance.test_run_supervisor import session_members, supervised
 from tests.support.db import query, wait_for
 from tests.support.http import http_server
-from tests.support.procs import child_pids, running
+from tests.support.procs import child_pids
 
 RUN = [sys.executable, "-m", "broker.cli", "run", "--no-scheduler", "--queues", "webhook",
        "--worker-shutdown-timeout", "15000"]
@@ -46,7 +50,7 @@ def test_ctrl_c_or_sigterm_lets_a_running_delivery_finish(database_url, run_env,
     log = tmp_path / "run.log"
     with http_server(delay_s=3.0) as (url, server):
         endpoint, event_type = _endpoint(url)
-        with running(RUN, run_env, log=log) as run:
+        with supervised(RUN, run_env, log=log) as run:
             event = _emit(database_url, event_type)
             wait_for(lambda: server.current() == 1, timeout_s=30, what="the POST to be in flight")
             # Ctrl-C (or systemd, or `timeout`) signals the whole group; `run` then sends its
@@ -58,8 +62,10 @@ def test_ctrl_c_or_sigterm_lets_a_running_delivery_finish(database_url, run_env,
             else:
                 os.kill(run.pid, signal.SIGTERM)
             code = run.wait(timeout=30)
+            members = session_members(run.pid)
         text = log.read_text()
         assert code == 0, text
+        assert members == [], text  # every child stopped with it
         assert len(server.received) == 1  # delivered once, never cut and sent again
     outcomes = query(database_url, "SELECT a.outcome FROM standmeet.webhook_attempts a"
                                    " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
@@ -72,7 +78,7 @@ def test_a_deliberate_second_ctrl_c_forces_the_exit_says_so_and_fails(database_u
     log = tmp_path / "run.log"
     with http_server(hold=True) as (url, server):
         endpoint, event_type = _endpoint(url)
-        with running(RUN, run_env, log=log) as run:
+        with supervised(RUN, run_env, log=log) as run:
             _emit(database_url, event_type)
             wait_for(lambda: server.current() == 1, timeout_s=30, what="the POST to be in flight")
             os.killpg(run.pid, signal.SIGINT)
@@ -82,15 +88,17 @@ def test_a_deliberate_second_ctrl_c_forces_the_exit_says_so_and_fails(database_u
             os.killpg(run.pid, signal.SIGINT)
             code = run.wait(timeout=30)
             took = time.monotonic() - second
+            members = session_members(run.pid)
         text = log.read_text()
     assert code == 1, text
+    assert members == [], text
     assert took < 5, (took, text)
     assert "second Ctrl-C" in text
 
 
 def test_run_restarts_a_crashed_worker_with_back_off(database_url, run_env, tmp_path):
     log = tmp_path / "run.log"
-    with running(RUN, run_env, log=log) as run:
+    with supervised(RUN, run_env, log=log) as run:
         first = wait_for(lambda: child_pids(run.pid), timeout_s=30, what="the worker process")
         os.kill(first[0], signal.SIGKILL)
         replaced = wait_for(lambda: [p for p in child_pids(run.pid) if p not in first], timeout_s=30,
@@ -98,7 +106,9 @@ def test_run_restarts_a_crashed_worker_with_back_off(database_url, run_env, tmp_
         wait_for(lambda: "restarted pid" in log.read_text(), timeout_s=10, what="the restart to be logged")
         os.killpg(run.pid, signal.SIGTERM)
         code = run.wait(timeout=30)
+        members = session_members(run.pid)
     text = log.read_text()
     assert code == 0, text
+    assert members == [], text
     assert f"pid {first[0]} (-m broker.worker) exited with -9" in text and "restarting it in 1.0 s" in text
     assert f"restarted pid {replaced[0]}" in text

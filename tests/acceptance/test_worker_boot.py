@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.support.contract_jobs import gc_report
 from tests.support.db import scalar, wait_for
-from tests.support.procs import running, worker_cmd
+from tests.support.procs import ROOT, running, worker_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -24,3 +27,18 @@ def test_a_worker_freezes_what_it_loaded_at_boot_so_full_collections_skip_it(
                          timeout_s=30, what="the report")
     # Then the modules, actors and broker loaded at boot are frozen (tens of thousands of objects)
     assert int(label.split(":")[1]) > 10_000, label
+
+
+@pytest.mark.parametrize("entry", [["-m", "broker.worker"], ["-m", "periodic"]], ids=["worker", "scheduler"])
+def test_a_child_whose_supervisor_is_already_gone_does_not_start(subprocess_env, entry):
+    # Given a child told it is supervised by a process that is not (or no longer) its parent,
+    # as when `run` dies between starting it and the child's request to die with it
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    # When it starts
+    result = subprocess.run([sys.executable, *entry, "--supervised-by", str(gone.pid)], env=subprocess_env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # Then it exits at once, saying why, and serves nothing
+    assert result.returncode == 1, result.stderr
+    assert f"its supervisor (pid {gone.pid}) is gone: not starting" in result.stderr
+    assert "ready" not in result.stderr and "running" not in result.stderr

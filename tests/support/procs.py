@@ -24,17 +24,16 @@ def dramatiq_cmd(*args: str, module: str = "actors") -> list[str]:
 
 @contextmanager
 def running(cmd: list[str], env: dict[str, str], *, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Start ``cmd`` in its own session; on exit, SIGKILL what is left of it."""
+    """Start ``cmd`` in its own session; on exit, SIGKILL what is left of the session."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield proc
         finally:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:  # the whole session: children of a leader that already died included
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait(timeout=10)
 
 

@@ -4,7 +4,20 @@ from pathlib import Path
 
 import pytest
 
-from broker.budget import check_budget, compute_budget
+from broker import app
+from broker.budget import (
+    BACKEND_LISTEN_CONNECTIONS,
+    BACKEND_POOL_CONNECTIONS,
+    SCHEDULER_TICK_THREADS,
+    Connections,
+    Fleet,
+    ServerRoom,
+    check_budget,
+    check_server_room,
+    compute_budget,
+    process_connections,
+    scheduler_connections,
+)
 from broker.errors import BudgetError, ConfigError
 from broker.settings import Settings
 
@@ -136,3 +149,75 @@ def test_passwords_are_masked_in_what_is_logged():
     assert masked_url("postgresql://bob:s3cret@db:5432/app") == "postgresql://bob:***@db:5432/app"
     assert masked_url("host=db password='a b' user=bob") == "host=db password=*** user=bob"
     assert masked_url("postgresql://db/app") == "postgresql://db/app"
+
+
+def test_a_worker_process_counts_the_brokers_own_connections_beside_its_pool_share():
+    settings = Settings.from_env({"STANDMEET_BROKER_ACK_CONNECTIONS": "3"})
+    connections = process_connections(settings, APPLICATION_QUEUES)
+    backend = BACKEND_POOL_CONNECTIONS + BACKEND_LISTEN_CONNECTIONS
+    assert dict(connections.terms) == {
+        "jobs": 18, "periodic ticks": 0, "relay": 1, "consumers": 5, "settler": 1, "heartbeat": 1,
+        "broker sends": 3, "results": backend, "rate limits": backend, "receipt listeners": len(app.awaited_queues()),
+    }
+    assert connections.total == 18 + 1 + 5 + 1 + 1 + 3 + 2 * backend + len(app.awaited_queues())
+    assert connections.describe().startswith(f"a worker process holds at most {connections.total} connections: "
+                                              "jobs 18 + relay 1 + consumers 5 + settler 1 + heartbeat 1 + broker sends 3")
+
+
+def test_fewer_threads_than_the_queues_limits_run_fewer_jobs_at_once():
+    settings = Settings.from_env({})
+    assert dict(process_connections(settings, APPLICATION_QUEUES, threads=4).terms)["jobs"] == 4
+    assert dict(process_connections(settings, APPLICATION_QUEUES, threads=400).terms)["jobs"] == 18
+    # the pool's half is checked on the queues' limits whatever the threads (as the worker's boot does)
+    assert compute_budget(settings, APPLICATION_QUEUES, threads=4).total == 19
+
+
+def test_the_scheduler_holds_its_ticks_its_relay_and_the_send_pool():
+    connections = scheduler_connections(Settings.from_env({}))
+    ticks = min(len(app.periodic_jobs()), SCHEDULER_TICK_THREADS)
+    assert [(name, n) for name, n in connections.terms if n] == [("periodic ticks", ticks), ("relay", 1),
+                                                                 ("broker sends", 4)]
+    assert connections.describe().startswith("the scheduler holds at most")
+
+
+def _room(**overrides: object) -> ServerRoom:
+    values: dict[str, object] = {"server": "db:5432", "max_connections": 100, "superuser_reserved": 3, "reserved": 0,
+                                 "reserve": 10, "others": (("psql", 2), ("standmeet-app", 6))}
+    return ServerRoom(**{**values, **overrides})  # type: ignore[arg-type]
+
+
+def _fleet(processes: int, per_worker: int = 30, scheduler: int = 11) -> Fleet:
+    return Fleet(processes=processes, worker=Connections("a worker process", (("jobs", per_worker),)),
+                 scheduler=Connections("the scheduler", (("relay", scheduler),)))
+
+
+def test_the_server_gives_max_connections_less_what_is_reserved_and_what_others_hold():
+    room = _room()
+    assert room.free == 100 - 3 - 10 - 8
+    assert room.describe() == ("max_connections 100 − superuser_reserved_connections 3 − "
+                               "STANDMEET_SERVER_CONNECTIONS_RESERVE 10 − 8 held now by other clients "
+                               "(psql 2, standmeet-app 6) = 79")
+    assert "reserved_connections 5 −" in _room(reserved=5).describe()
+
+
+def test_a_fleet_that_fits_passes_and_one_more_process_is_refused_naming_every_number():
+    room = _room()  # 79 free: two workers of 30 and the scheduler's 11 fit (71), three do not (101)
+    check_server_room(_fleet(2), room)
+    with pytest.raises(BudgetError) as refused:
+        check_server_room(_fleet(3), room)
+    text = str(refused.value)
+    assert "\n" not in text
+    for words in ("3 worker processes × 30 + the scheduler 11 = 101 connections", "db:5432 has 79 to give",
+                  "max_connections 100", "superuser_reserved_connections 3", "STANDMEET_SERVER_CONNECTIONS_RESERVE 10",
+                  "8 held now by other clients (psql 2, standmeet-app 6)", "Lower --processes (2 fit)"):
+        assert words in text, text
+
+
+def test_when_not_one_worker_fits_the_refusal_says_what_else_to_lower():
+    with pytest.raises(BudgetError, match="Not one worker process fits: lower --threads"):
+        check_server_room(_fleet(1), _room(reserve=90))
+
+
+def test_many_other_clients_are_named_by_the_largest_and_the_rest_counted():
+    others = tuple((f"app-{i}", 10 - i) for i in range(7))
+    assert "(app-0 10, app-1 9, app-2 8, app-3 7, 15 more)" in _room(others=others).describe()

@@ -1,0 +1,272 @@
+"""`standmeet-jobs run` as a supervisor: its children never outlive it, a signal at any
+moment stops everything, and a child's configuration refusal stops it instead of a
+restart loop. Real processes and signals; every process a test starts is killed by its
+process group at the end, whatever happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from broker.cli import CHILD_EXIT_GRACE_S, Signals, Supervisor
+from broker.migrate import MIGRATION_LOCK_KEY
+from broker.worker import CONFIG_REFUSED_EXIT
+from tests.support.db import query, scalar, wait_for
+from tests.support.jobs import SLEEP
+from tests.support.procs import ROOT, child_pids, running, worker_cmd
+
+#: The worker shutdown timeout of these tests, and how long `run` may take to stop all
+#: of its children after a signal: that timeout, the documented grace, and room for a
+#: loaded machine.
+SHUTDOWN_MS = 1000
+STOP_BOUND_S = SHUTDOWN_MS / 1000 + CHILD_EXIT_GRACE_S + 5
+RUN = [sys.executable, "-m", "broker.cli", "run", "tests.support.jobs", "--queues", "fetch",
+       "--worker-shutdown-timeout", str(SHUTDOWN_MS)]
+#: A module whose configuration only a worker process refuses (as a worker may, for what
+#: only it sees): `run` itself finds nothing wrong with it and starts the workers.
+REFUSED_IN_THE_WORKER = '''
+import sys
+
+import actors  # noqa: F401  (configures the broker)
+from broker import app
+from broker.errors import StartupRefused
+
+
+@app.startup_check
+def refuse_in_a_worker(settings):
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name == "broker.worker":
+        raise StartupRefused("refusing to start: STANDMEET_EXAMPLE is wrong for this worker")
+'''
+BROKEN_AT_IMPORT = "import actors  # noqa: F401\n\nRATIO = 1 / 0\n"
+
+
+@pytest.fixture
+def env(subprocess_env: dict[str, str]) -> dict[str, str]:
+    """The children's environment; the server's room is another test's subject (and other
+    clients of a shared test server must not make these tests refuse to start)."""
+    return {**subprocess_env, "STANDMEET_SERVER_CONNECTIONS_RESERVE": "0"}
+
+
+@contextmanager
+def supervised(cmd: list[str], env: dict[str, str], *, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``cmd`` in a session of its own; at the end SIGKILL its whole process group,
+    so that no child outlives the test, even when `run` itself died or the test failed."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def session_members(session: int) -> list[int]:
+    """The live processes of a session (`run` is started as its leader; its children join it)."""
+    out = subprocess.run(["ps", "-o", "pid=", "-s", str(session)], capture_output=True, text=True).stdout
+    return [pid for pid in map(int, out.split()) if alive(pid)]
+
+
+def started_pids(text: str) -> list[int]:
+    return [int(line.split("started pid ")[1].split(":")[0]) for line in text.splitlines() if "started pid " in line]
+
+
+def _started(url: str, label: str) -> int:
+    return int(scalar(url, "SELECT count(*) FROM test_runs WHERE label = %s", (label,)))
+
+
+def test_children_die_with_a_sigkilled_run_and_its_running_job_runs_again(
+    broker, database_url, env, tmp_path
+):
+    # Given `run` with a worker (running a long job) and the scheduler
+    log = tmp_path / "run.log"
+    job = SLEEP["fetch"].send(60_000, "orphaned")
+    try:
+        with supervised(RUN, env, log=log) as run:
+            children = wait_for(lambda: len(child_pids(run.pid)) == 2 and child_pids(run.pid), timeout_s=30,
+                                what="the worker and the scheduler")
+            wait_for(lambda: _started(database_url, "orphaned") == 1, timeout_s=30, what="the job to start")
+            # When `run` is SIGKILLed (no chance to stop anything itself)
+            killed = time.monotonic()
+            os.kill(run.pid, signal.SIGKILL)
+            run.wait(timeout=10)
+            # Then every child exits by itself, within the shutdown timeout and the grace
+            wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=STOP_BOUND_S,
+                     what=f"the children {children} to exit")
+            assert time.monotonic() - killed < STOP_BOUND_S
+        text = log.read_text()
+        assert "received SIGTERM: shutting down" in text, text  # the worker stopped as on a deploy
+        # And the job it was running is given back, and runs again on another worker
+        with running(worker_cmd("--queues", "fetch"), env, log=tmp_path / "next.log"):
+            wait_for(lambda: _started(database_url, "orphaned") == 2, timeout_s=30, what="the job to run again")
+    finally:
+        query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (job.message_id,))
+
+
+def test_a_signal_before_any_child_starts_starts_none(database_url, env, tmp_path):
+    # Given `run` waiting for the migration lock that another session holds
+    log = tmp_path / "run.log"
+    with psycopg.connect(database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        with supervised(RUN, env, log=log) as run:
+            wait_for(lambda: scalar(database_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                                                  " AND NOT granted AND objid = %s", (MIGRATION_LOCK_KEY,)) == 1,
+                     timeout_s=30, what="run to wait for the migration lock")
+            # When it gets SIGTERM there, and the lock is then released
+            os.kill(run.pid, signal.SIGTERM)
+            holder.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+            # Then it exits 0 without starting any process
+            code = run.wait(timeout=30)
+            members = session_members(run.pid)
+    text = log.read_text()
+    assert code == 0, text
+    assert "stopping: SIGTERM came before any process started" in text
+    assert started_pids(text) == [] and members == [], text
+
+
+def test_a_signal_during_a_restart_back_off_restarts_nothing_and_stops_at_once(database_url, env, tmp_path):
+    # Given `run` whose worker crashed twice: its next restart is 2 s away
+    log = tmp_path / "run.log"
+    killed: list[int] = []
+    with supervised([*RUN, "--no-scheduler"], env, log=log) as run:
+        for backoff in ("1.0", "2.0"):
+            pid = wait_for(lambda: [p for p in child_pids(run.pid) if p not in killed], timeout_s=30,
+                           what="a new worker process")[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            wait_for(lambda: f"pid {killed[-1]} (-m broker.worker) exited with -9" in log.read_text(),
+                     timeout_s=30, what=f"the crash of {pid} to be noticed")
+            assert f"restarting it in {backoff} s" in log.read_text()
+        # When SIGTERM comes during that back-off
+        sent = time.monotonic()
+        os.kill(run.pid, signal.SIGTERM)
+        code = run.wait(timeout=30)
+        took = time.monotonic() - sent
+        members = session_members(run.pid)
+    text = log.read_text()
+    # Then nothing is restarted, and `run` exits before the restart would have been due
+    assert code == 0, text
+    assert text.count("restarted pid") == 1, text
+    assert took < 2.0, (took, text)
+    assert members == [], text
+
+
+def test_a_signal_right_after_the_start_stops_every_child_within_the_shutdown_timeout(database_url, env, tmp_path):
+    # Given `run` starting two workers and the scheduler
+    log = tmp_path / "run.log"
+    with supervised([*RUN, "--processes", "2"], env, log=log) as run:
+        wait_for(lambda: started_pids(log.read_text()), timeout_s=30, what="the first child")
+        # When SIGTERM comes as soon as the first child is started
+        sent = time.monotonic()
+        os.kill(run.pid, signal.SIGTERM)
+        code = run.wait(timeout=30)
+        took = time.monotonic() - sent
+        members = session_members(run.pid)
+    text = log.read_text()
+    # Then `run` stops every child it started, within the shutdown timeout and the grace
+    assert code == 0, text
+    assert took < STOP_BOUND_S, (took, text)
+    assert members == [], text
+    assert 1 <= len(started_pids(text)) <= 3 and "restarted pid" not in text, text
+
+
+def test_a_child_refusing_its_configuration_stops_run_with_its_reason(database_url, env, tmp_path):
+    # Given a module whose configuration its workers refuse
+    (tmp_path / "refused_in_the_worker.py").write_text(REFUSED_IN_THE_WORKER)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "broker.cli", "run", "refused_in_the_worker", "--processes", "2", "--no-scheduler",
+           "--queues", "fetch", "--worker-shutdown-timeout", str(SHUTDOWN_MS)]
+    with supervised(cmd, env, log=log) as run:
+        # When `run` starts them
+        code = run.wait(timeout=60)
+        members = session_members(run.pid)
+    text = log.read_text()
+    # Then it stops with the child's reason and the configuration status, restarting nothing
+    assert code == CONFIG_REFUSED_EXIT, text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("standmeet-jobs: pid ") and "(-m broker.worker) refused its configuration: " \
+        "refusing to start: STANDMEET_EXAMPLE is wrong for this worker" in last, text
+    assert len(started_pids(text)) == 2 and "restarted pid" not in text and "Traceback" not in text, text
+    assert members == [], text
+
+
+@pytest.mark.parametrize("entry", [["-m", "broker.worker"], ["-m", "periodic"]], ids=["worker", "scheduler"])
+@pytest.mark.parametrize("module, words", [
+    ("no_module_by_that_name", "cannot load module 'no_module_by_that_name': no module named 'no_module_by_that_name'"),
+    ("broken_at_import", "cannot load module 'broken_at_import': ZeroDivisionError: division by zero ("),
+], ids=["missing", "broken"])
+def test_a_module_that_cannot_load_is_a_configuration_refusal_in_one_line(
+    subprocess_env, tmp_path, entry, module, words
+):
+    (tmp_path / "broken_at_import.py").write_text(BROKEN_AT_IMPORT)
+    env = {**subprocess_env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{subprocess_env['PYTHONPATH']}"}
+    result = subprocess.run([sys.executable, *entry, module], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == CONFIG_REFUSED_EXIT, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_run_refuses_a_module_that_cannot_load_before_starting_anything(subprocess_env, tmp_path):
+    log = tmp_path / "run.log"
+    with supervised([sys.executable, "-m", "broker.cli", "run", "no_module_by_that_name"], subprocess_env,
+                    log=log) as run:
+        code = run.wait(timeout=60)
+        members = session_members(run.pid)
+    text = log.read_text()
+    assert code == CONFIG_REFUSED_EXIT, text
+    assert "standmeet-jobs: cannot load module 'no_module_by_that_name'" in text and "Traceback" not in text, text
+    assert started_pids(text) == [] and members == [], text
+
+
+def test_an_exception_in_the_supervisor_stops_its_children(monkeypatch):
+    # Given a supervisor of a long-running child and one that crashes at once, whose
+    # restart fails (no more processes can be started, say)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    crasher = [sys.executable, "-c", "raise SystemExit(3)"]
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen[bytes]] = []
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        if len(started) == 2:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real_popen(*args, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    monkeypatch.setattr("broker.cli.subprocess.Popen", popen)
+    try:
+        with Signals() as signals:
+            supervisor = Supervisor([sleeper, crasher], env=dict(os.environ), shutdown_s=10, signals=signals)
+            # When the restart raises in the supervise loop
+            with pytest.raises(OSError, match="Resource temporarily unavailable"):
+                supervisor.run()
+        # Then the child still running was stopped (and reaped) before the error went on
+        assert len(started) == 2
+        assert all(p.poll() is not None for p in started)
+        assert started[0].returncode == -signal.SIGTERM
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
