@@ -1064,6 +1064,15 @@ class StandmeetBroker(dramatiq.Broker):
         for message_id, number, queue_name in lost:
             logger.warning("lost claim %d of message %s (queue %r): taken back while this process was cut off; "
                            "its outcome here is not written", number, message_id, queue_name)
+        if lost:  # cut off, not crashed: the blame rescue laid on this process is taken back
+            params = {"ids": sorted({m for m, _, _ in lost}), "worker_id": self.worker_id}
+            try:
+                if conn is not None:
+                    conn.execute(sql.CLEAR_BLAME, params)
+                else:
+                    self.execute(sql.CLEAR_BLAME, params)
+            except DISCONNECTS:
+                return  # not proven after all: the next heartbeat tries again
         for state in self.queue_states.values():
             state.forget({(m, n) for m, n, q in lost if q == state.name})
         self.stepped_down = False

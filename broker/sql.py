@@ -287,6 +287,27 @@ JOIN unnest(%(ids)b::uuid[], %(claims)s::int[]) AS h(message_id, claims)
 WHERE q."state" = 'consumed' AND q.worker_id = %(worker_id)s
 """
 
+#: A process that stepped down (cut off, not crashed) takes back what rescue laid on the
+#: claims it lost: the crash counted on it (a message rejected for it alone goes back to
+#: its queue) and the suspicion of its set. Returns how many messages were cleared.
+CLEAR_BLAME = """
+WITH cleared AS (
+    UPDATE dramatiq.queue q
+    SET crashes = CASE WHEN q.blamed_worker = %(worker_id)s::uuid THEN greatest(q.crashes - 1, 0) ELSE q.crashes END,
+        blamed_worker = CASE WHEN q.blamed_worker = %(worker_id)s::uuid THEN NULL ELSE q.blamed_worker END,
+        suspect_of = CASE WHEN q.suspect_of = %(worker_id)s::uuid THEN NULL ELSE q.suspect_of END,
+        "state" = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid
+                       THEN 'queued'::dramatiq.state ELSE q."state" END,
+        error = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid THEN NULL ELSE q.error END,
+        mtime = now()
+    WHERE q.message_id = ANY(%(ids)b::uuid[])
+      AND (q.blamed_worker = %(worker_id)s::uuid OR q.suspect_of = %(worker_id)s::uuid)
+    RETURNING q.queue_name, q."state"
+)
+SELECT count(*), count(pg_notify(standmeet.enqueue_channel(queue_name), '')) FILTER (WHERE "state" = 'queued')
+FROM cleared
+"""
+
 #: A graceful stop: the process is recorded as stopped and every message it still holds
 #: (a job cut off at the shutdown timeout) goes back to its queue without blame.
 STOP_WORKER = """
@@ -344,6 +365,7 @@ WITH epoch AS MATERIALIZED (
 ), rescued AS (
     UPDATE dramatiq.queue q
     SET crashes = q.crashes + (v.verdict = 'blame')::int,
+        blamed_worker = CASE WHEN v.verdict = 'blame' THEN v.worker_id ELSE q.blamed_worker END,
         suspect_of = CASE WHEN v.verdict = 'suspect' THEN v.worker_id ELSE q.suspect_of END,
         worker_id = NULL, started_at = NULL, mtime = now(),
         "state" = CASE WHEN v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s

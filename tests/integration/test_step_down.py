@@ -108,3 +108,40 @@ def test_a_worker_back_from_a_cut_says_which_claims_it_lost_and_writes_no_stale_
     assert "cut-b:done" not in CUT_RUNS
     scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
                          "RETURNING 1", (message.message_id,))
+
+
+def test_a_worker_that_was_cut_off_takes_back_the_crash_rescue_blamed_on_it(
+    broker, database_url, admin_url, start_worker, caplog
+):
+    from broker import sql
+
+    # Given a worker running one long job
+    start_worker(queues=["index"], threads=2)
+    message = held_through_a_cut.send("cut-c", 60.0)
+    wait_for(lambda: _started(database_url, message.message_id), timeout_s=10, what="the job to start")
+    with cut_off(admin_url, database_url) as keeper:
+        wait_for(lambda: "cut-c:CutOff" in CUT_RUNS, timeout_s=broker.settings.rescue_after_s,
+                 what="the running job to be interrupted")
+        # When another process's rescue finds this one silent for a whole window: with one
+        # job started, that job is blamed for killing its worker
+        window = broker.settings.rescue_after_s
+        rescue = {"after_s": window, "max_crashes": 5, "worker_id": "00000000-0000-4000-8000-000000000002"}
+        wait_for(lambda: keeper.execute(sql.RESCUE, rescue).fetchall(), timeout_s=3 * window, interval_s=0.2,
+                 what="another process to rescue the cut-off worker's claim")
+        assert keeper.execute("SELECT crashes, blamed_worker::text FROM dramatiq.queue WHERE message_id = %s",
+                              (message.message_id,)).fetchone() == (1, broker.worker_id)
+    # Then, back, the worker says it lost the claim and takes the blame back: it was cut off
+    wait_for(lambda: not broker.stepped_down, timeout_s=10, what="the worker to step up")
+    wait_for(lambda: _blame(database_url, message.message_id) == (0, None), timeout_s=10,
+             what="the crash counted on the cut-off worker to be taken back")
+    assert any("lost claim" in r.getMessage() and message.message_id in r.getMessage() for r in caplog.records)
+    wait_for(lambda: (_state(database_url, message.message_id) or ("",))[0] == "done", timeout_s=10,
+             what="the job to run again and finish")
+
+
+def _blame(database_url: str, message_id: str) -> tuple[int, str | None]:
+    from tests.support.db import query
+
+    crashes, blamed = query(database_url, "SELECT crashes, blamed_worker::text FROM dramatiq.queue "
+                                          "WHERE message_id = %s", (message_id,))[0]
+    return int(crashes), blamed
