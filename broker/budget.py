@@ -267,6 +267,27 @@ def server_room(url: str, settings: Settings) -> ServerRoom:
                       others=tuple((str(who), int(n)) for who, n in others))
 
 
+def check_session_pool(fleet: Fleet, pool_size: int | None) -> str:
+    """Through a session pooler every client connection holds one of the pooler's server
+    connections for its life: a fleet that needs more waits in the pooler, heartbeats
+    included, and live workers look dead. Refuse it (:class:`BudgetError`) when
+    ``pool_size`` (STANDMEET_POOLER_POOL_SIZE) is known; say what to check otherwise."""
+    if pool_size is None:
+        return (f"{fleet.describe()}; through a pooler in session mode each holds one of its server connections: "
+                "make sure its pool (PgBouncer's default_pool_size) has that many, or set "
+                "STANDMEET_POOLER_POOL_SIZE to have it checked")
+    if fleet.total <= pool_size:
+        return f"{fleet.describe()}, of the {pool_size} server connections of the session pooler"
+    fit = fleet.fitting_processes(pool_size)
+    lower = (f"Lower --processes ({fit} fit)" if fit >= 1
+             else "Not one worker process fits: lower --threads or a queue's STANDMEET_QUEUE_<QUEUE>_MAX_WORKERS")
+    raise BudgetError(
+        f"refusing to start: {fleet.describe()}, but through a pooler in session mode each holds one of its "
+        f"server connections and it has {pool_size} (STANDMEET_POOLER_POOL_SIZE). {lower}, raise the pooler's "
+        "default_pool_size (and STANDMEET_POOLER_POOL_SIZE), or use transaction mode."
+    )
+
+
 def check_server_room(fleet: Fleet, room: ServerRoom) -> None:
     """Raise :class:`BudgetError` (one line, every number, what to change) when ``fleet``
     needs more connections than ``room`` gives."""
@@ -286,9 +307,11 @@ def check_fleet(settings: Settings, url: str, fleet: Fleet) -> str:
     """Refuse (:class:`BudgetError`) a fleet the server at ``url`` cannot hold; what was
     checked, in one line. Through a pooler, the server's ``max_connections`` bounds the
     pooler's own connections, not its clients': that is said, not checked."""
-    from broker.pgpool import DIRECT, topology_for
+    from broker.pgpool import DIRECT, SESSION, topology_for
 
     topology = topology_for(url)
+    if topology.mode == SESSION:
+        return check_session_pool(fleet, settings.pooler_pool_size)
     if topology.mode != DIRECT:
         return (f"{fleet.describe()}; through a pooler in {topology.mode} mode the server's max_connections "
                 "bounds the pooler's pool, not these clients: not checked against it")

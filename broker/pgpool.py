@@ -176,9 +176,11 @@ def probe(url: str) -> tuple[str, str]:
     A pooler announces a backend pid of its own at connect (PgBouncer's cancel key), so
     ``pg_backend_pid()`` differs from it. Its mode shows with a second client: in
     transaction mode, a server connection the first client released serves the second
-    one's transaction, and the first client then gets another. When that cannot be seen
-    (the pooler had several idle server connections), transaction mode is assumed: it is
-    the one that forbids the most. An unreachable server is taken as direct for now
+    one's transaction, and the first client then gets another, or, after the second
+    commits, the one the second released. A client that keeps its server connection
+    through all of that is session-pooled. A pooler that hands out server connections in
+    another order than PgBouncer's (last freed, first used) could pass for a session
+    pooler: tell it with STANDMEET_POOLER. An unreachable server is taken as direct for now
     (nothing was learnt, nothing is remembered: the next connection looks again)."""
     kwargs = {**base_kwargs(prepare=False), "autocommit": True, "application_name": "standmeet-probe"}
     try:
@@ -190,12 +192,16 @@ def probe(url: str) -> tuple[str, str]:
             own = _backend_pid(first)
             if own == first.info.backend_pid:
                 return DIRECT, "detected"
-            with psycopg.connect(url, **kwargs) as second, second.transaction():
-                other = _backend_pid(second)
-                again = _backend_pid(first)
-            if other == own or again != own:
+            with psycopg.connect(url, **kwargs) as second:
+                with second.transaction():
+                    other = _backend_pid(second)
+                    again = _backend_pid(first)
+                # released last, the second's server connection serves the first's next
+                # transaction in transaction mode (PgBouncer reuses the last one freed)
+                later = _backend_pid(first)
+            if other == own or again != own or later != own:
                 return TRANSACTION, "detected: server connections move between clients"
-            return TRANSACTION, "a pooler detected; its mode unseen, transaction mode assumed"
+            return SESSION, "detected: each client keeps its server connection"
     except psycopg.Error:
         return DIRECT, f"{UNPROBED}: the probe failed"
 

@@ -335,6 +335,10 @@ class Settings(Declared):
         5_000, ge=0, description="a connection whose sent data stays unacknowledged this long is dead "
         "(libpq `tcp_user_timeout`; keepalives cover idle ones): a cut-off host finds out in seconds, "
         "not the kernel's ~15 minutes; `0`: the kernel's default")
+    pooler_pool_size: int | None = Field(
+        None, ge=1, description="the server connections a session pooler gives this database and user "
+        "(PgBouncer's `default_pool_size`): in session mode each connection of a process holds one for its "
+        "life, and `run` refuses processes that need more; unset: not checked, said at start-up")
     server_connections_reserve: int = Field(
         10, ge=0, description="connections of the server's `max_connections` that `run` leaves to others "
         "(web requests, operators, migrations) when it checks `--processes`")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -28,20 +29,139 @@ if not os.environ.get("STANDMEET_SECRET_KEY"):
 TEST_OVERRIDES = {"heartbeat_s": 0.5, "rescue_after_s": 3.0, "min_backoff_ms": 10, "max_backoff_ms": 200}
 
 
+#: ``STANDMEET_TEST_POOLER=transaction`` (or ``session``): the code under test reaches each
+#: module's database through one PgBouncer in that mode, started for the session in front
+#: of the test server (the clones are still made on the server itself; ``DATABASE_URL``
+#: becomes the pooler's, so tests that make databases of their own go through it too).
+#: Unless ``STANDMEET_TEST_POOLER_LISTEN=0``, ``STANDMEET_LISTEN_DATABASE_URL`` names the
+#: module's database directly, as production gives it for LISTEN.
+POOLER_MODE = os.environ.get("STANDMEET_TEST_POOLER", "").strip().lower()
+POOLER_LISTENS_DIRECTLY = os.environ.get("STANDMEET_TEST_POOLER_LISTEN", "1").strip() != "0"
+#: The fault and contract tests: marked ``pooler``, the pass CI runs again through PgBouncer
+#: (``STANDMEET_TEST_POOLER=transaction pytest -m pooler``).
+#: (test_results_backend.py and test_rate_limiter_backend.py are not among them: their
+#: harness makes databases of its own and gates its child processes with session advisory
+#: locks and LISTEN on the URL under test, which a transaction pooler cannot give; the
+#: backends themselves run through the pooler in test_dramatiq_contract.py and
+#: tests/acceptance/test_pooler.py.)
+POOLER_PASS = frozenset({
+    "tests/integration/test_claims.py",
+    "tests/integration/test_rescue.py",
+    "tests/integration/test_dramatiq_contract.py",
+    "tests/integration/test_outbox.py",
+    "tests/integration/test_receipts.py",
+    "tests/integration/test_snooze_and_delays.py",
+    "tests/integration/test_queue_limits.py",
+    "tests/integration/test_failures.py",
+    "tests/integration/test_webhook_deadline.py",
+    "tests/integration/test_relay_messages.py",
+    "tests/acceptance/test_outage.py",
+    "tests/acceptance/test_database_faults.py",
+    "tests/acceptance/test_dramatiq_across_processes.py",
+})
+#: Tests of the pass whose harness observes the runtime through a session of its own
+#: (a LISTEN on the pooled URL, pg_terminate_backend of the runtime's backends, a
+#: backend's last query in pg_stat_activity): through a transaction pooler they would
+#: observe PgBouncer's server connections, not the runtime.
+POOLER_SKIPS = {
+    "tests/integration/test_claims.py::test_messages_handed_out_but_not_started_go_back_to_the_queue_and_wake_consumers":
+        "the test LISTENs on the pooled URL itself",
+    "tests/integration/test_claims.py::test_a_settle_that_meets_a_broken_connection_is_kept_and_written_after_reconnecting":
+        "terminating the settler's backend ends a PgBouncer server connection, which the settler never sees",
+    "tests/integration/test_rescue.py::test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window":
+        "its cut-off terminates backends by application name through the pooler, its own included",
+    "tests/integration/test_outbox.py::test_a_committed_enqueue_is_there_and_wakes_consumers_at_commit":
+        "it waits for the consumer's backend to show its last query in pg_stat_activity, and a pooled "
+        "server connection shows whichever client used it last",
+    "tests/integration/test_outbox.py::test_an_emitted_write_reaches_an_index_consumer_within_100_ms_at_idle":
+        "it waits for the consumer's and the relay's backends to show idle in pg_stat_activity, and a pooled "
+        "server connection shows whichever client used it last (test_pooler.py measures the idle wake-up)",
+}
+_POOLER = pytest.StashKey[object]()
+_DIRECT_URL = pytest.StashKey[str]()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Acceptance tests (real processes and signals) are slow: ``-m "not slow"`` skips them."""
+    """Acceptance tests (real processes and signals) are slow: ``-m "not slow"`` skips them.
+    The fault and contract tests are marked ``pooler``."""
     for item in items:
         if "acceptance" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+        if item.path.is_relative_to(ROOT) and item.path.relative_to(ROOT).as_posix() in POOLER_PASS:
+            item.add_marker(pytest.mark.pooler)
+            reason = POOLER_SKIPS.get(f"{item.path.relative_to(ROOT).as_posix()}::{item.name}")
+            if POOLER_MODE == "transaction" and reason:
+                item.add_marker(pytest.mark.skip(reason=f"through a transaction pooler: {reason}"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
     logging.getLogger("dramatiq").setLevel(logging.WARNING)
+    if POOLER_MODE:
+        _start_pooler(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    bouncer = config.stash.get(_POOLER, None)
+    if bouncer is not None:
+        bouncer.stop()  # type: ignore[attr-defined]
+
+
+def _start_pooler(config: pytest.Config) -> None:
+    """One PgBouncer for the session (before collection: modules that read DATABASE_URL
+    at import see the pooler's)."""
+    from tests.support.pgbouncer import PgBouncer, missing_reason
+
+    reason = missing_reason()
+    if reason:
+        raise pytest.UsageError(f"STANDMEET_TEST_POOLER={POOLER_MODE}: {reason}")
+    direct = testdb.server_url()
+    bouncer = PgBouncer(direct, mode=POOLER_MODE).start()
+    atexit.register(bouncer.stop)  # also when the session dies before unconfigure
+    config.stash[_POOLER] = bouncer
+    config.stash[_DIRECT_URL] = direct
+    os.environ["DATABASE_URL"] = bouncer.url(direct)
+    _unprepared_test_connections()
+    print(f"--- through PgBouncer in {POOLER_MODE} mode: {os.environ['DATABASE_URL']} -> {direct}"
+          f"{'' if POOLER_LISTENS_DIRECTLY else ' (no direct LISTEN URL: wake-ups poll)'}")
+
+
+def _unprepared_test_connections() -> None:
+    """The tests' own psycopg connections (made in a ``tests.`` module) are made as a user
+    behind a transaction pooler makes them, without prepared statements (psycopg's
+    default prepares a statement run five times); the runtime's own are left as it makes them."""
+    import psycopg
+
+    original = psycopg.Connection.connect.__func__  # type: ignore[attr-defined]
+
+    def connect(cls: type, conninfo: str = "", **kwargs: object) -> object:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if "prepare_threshold" not in kwargs and caller.startswith("tests."):
+            kwargs["prepare_threshold"] = None
+        return original(cls, conninfo, **kwargs)
+
+    psycopg.Connection.connect = classmethod(connect)  # type: ignore[method-assign,assignment]
+    psycopg.connect = psycopg.Connection.connect  # type: ignore[assignment]
+
+
+def _settings_changed() -> None:
+    """The environment changed (the listen URL of another module): settings cached by this
+    process are rebuilt from it when next used."""
+    from broker import pgpool
+
+    Settings.use(None)
+    pgpool.use_settings(Settings.from_env())
 
 
 @pytest.fixture(scope="session")
-def admin_url() -> str:
-    return testdb.server_url()
+def admin_url(pytestconfig: pytest.Config) -> str:
+    """The test server itself (never through a pooler): databases are made and dropped here."""
+    return pytestconfig.stash.get(_DIRECT_URL, None) or testdb.server_url()
+
+
+@pytest.fixture(scope="session")
+def pooler(pytestconfig: pytest.Config) -> object | None:
+    """The session's PgBouncer (a ``tests.support.pgbouncer.PgBouncer``) in the pooler pass, else None."""
+    return pytestconfig.stash.get(_POOLER, None)
 
 
 @pytest.fixture(scope="session")
@@ -53,13 +173,38 @@ def template_db(admin_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def database_url(admin_url: str, template_db: str, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh, migrated database for this test module, dropped after it."""
+def direct_database_url(admin_url: str, template_db: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated database for this test module, dropped after it: its direct URL."""
     module = request.module.__name__.rsplit(".", 1)[-1][:20]
     name = testdb.unique_name(f"smt_{module}")
     url = testdb.clone(admin_url, template_db, name)
     yield url
     testdb.drop_database(admin_url, name)
+
+
+@pytest.fixture(scope="module")
+def database_url(direct_database_url: str, pooler: object | None) -> Iterator[str]:
+    """This module's database as the code under test reaches it: directly, or through the
+    session's PgBouncer in the pooler pass (LISTEN then goes to the direct URL, as
+    ``STANDMEET_LISTEN_DATABASE_URL`` says, unless ``STANDMEET_TEST_POOLER_LISTEN=0``)."""
+    if pooler is None:
+        yield direct_database_url
+        return
+    listen = "STANDMEET_LISTEN_DATABASE_URL"
+    before = os.environ.get(listen)
+    if POOLER_LISTENS_DIRECTLY:
+        os.environ[listen] = direct_database_url
+    else:
+        os.environ.pop(listen, None)
+    _settings_changed()
+    try:
+        yield pooler.url(direct_database_url)  # type: ignore[attr-defined]
+    finally:
+        if before is None:
+            os.environ.pop(listen, None)
+        else:
+            os.environ[listen] = before
+        _settings_changed()
 
 
 def test_settings(**overrides: object) -> Settings:
