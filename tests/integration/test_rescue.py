@@ -11,6 +11,7 @@ import uuid
 from contextlib import nullcontext
 
 import psycopg
+import pytest
 
 from broker import sql
 from broker.pgbroker import enqueue_params
@@ -218,10 +219,11 @@ def test_a_registration_committed_late_with_an_older_queue_list_hides_no_queue(d
 def test_rescue_judges_nobody_for_a_whole_window_after_the_server_changed_identity(broker, database_url):
     from tests.support.db import scalar, wait_for
 
-    # Given the server's identity recorded as another's, as a standby promoted in a
-    # primary's place finds the primary's (replicated) row, its start time long past
+    # Given the server's identity recorded as another's on an earlier timeline, as a
+    # standby promoted in a primary's place finds the primary's (replicated) row
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("UPDATE standmeet.server_epoch SET identity = 'the old primary', since = now() - interval '1 day'")
+        conn.execute("UPDATE standmeet.server_epoch SET identity = 'the old primary/00000000', "
+                     "since = now() - interval '1 day'")
         # and a dead worker's started job, which rescue would otherwise requeue at once
         ids = _held_by_dead_worker(conn, [(True, None, 0)])
         # When rescue runs on the new server
@@ -229,7 +231,7 @@ def test_rescue_judges_nobody_for_a_whole_window_after_the_server_changed_identi
         seen_at = conn.execute("SELECT since FROM standmeet.server_epoch").fetchone()[0]
     # Then it recorded the new identity, and judged nobody: every process needs a whole
     # rescue window to reconnect and prove it lives
-    assert scalar(database_url, "SELECT identity = pg_postmaster_start_time()::text FROM standmeet.server_epoch")
+    assert scalar(database_url, "SELECT identity = standmeet.server_identity() FROM standmeet.server_epoch")
     assert _rows(database_url, ids)[0][0] == "consumed"
     # and rescues the dead worker's job once the new server has been this database's that long
     window = broker.settings.rescue_after_s
@@ -257,3 +259,25 @@ def test_a_process_never_rescues_its_own_claims_even_when_its_heartbeat_looks_ol
         conn.execute("UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s",
                      (message.message_id,))
     broker.prove_alive()
+
+
+def test_after_a_restart_rescue_waits_a_window_from_the_servers_start_not_from_the_first_look(
+    broker, database_url
+):
+    from tests.support.db import scalar
+
+    # Given the server's identity recorded with another start time on the same timeline,
+    # as after a restart
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("UPDATE standmeet.server_epoch SET identity = 'an earlier start/' "
+                     "|| split_part(standmeet.server_identity(), '/', 2), since = now() - interval '1 day'")
+        # and a dead worker's started job
+        ids = _held_by_dead_worker(conn, [(True, None, 0)])
+    # When rescue runs, the server having started long enough ago
+    window = broker.settings.rescue_after_s
+    if scalar(database_url, "SELECT pg_postmaster_start_time() > now() - make_interval(secs => %s)", (window,)):
+        pytest.skip("the server itself started less than a rescue window ago")
+    broker.rescue_once()
+    # Then the restart is dated from the server's start, and the dead worker's job is rescued
+    assert scalar(database_url, "SELECT since = pg_postmaster_start_time() FROM standmeet.server_epoch")
+    assert _rows(database_url, ids)[0][0] == "queued"
