@@ -34,6 +34,8 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from broker.errors import DatabaseUnavailable
+
 logger = logging.getLogger("standmeet.broker")
 # psycopg_pool logs every failed connection attempt; an outage is told by Outage, once.
 logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
@@ -278,7 +280,8 @@ class Outage:
                 return
             self.down_since = self.last_failure
         text = str(exc).strip()
-        what = "database unreachable" if isinstance(exc, DISCONNECTS) else f"database error {type(exc).__name__}"
+        unreachable = isinstance(exc, (*DISCONNECTS, DatabaseUnavailable))
+        what = "database unreachable" if unreachable else f"database error {type(exc).__name__}"
         logger.warning(
             "%s: %s (%s: %s); retrying with back-off",
             self.name, what, where, text.splitlines()[0] if text else type(exc).__name__,

@@ -16,9 +16,13 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timezone
 
+import psycopg
+
 from broker import db
 from broker.app import PeriodicJob, periodic_jobs
 from broker.enqueue import build_message, enqueue_message
+from broker.errors import DatabaseError
+from broker.pgbroker import current_broker
 
 logger = logging.getLogger("standmeet.periodic")
 
@@ -27,7 +31,7 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-__all__ = ["CLAIM_DATABASE_PERIOD", "PeriodicJob", "periodic_jobs", "tick", "utcnow"]
+__all__ = ["CLAIM_DATABASE_PERIOD", "PeriodicJob", "periodic_jobs", "tick", "tick_or_say", "utcnow"]
 
 #: Claim the period the database's clock is in (its start: ``now()`` floored to a
 #: multiple of the interval since the epoch); a row back means this scheduler enqueues
@@ -60,3 +64,17 @@ def tick(job: PeriodicJob) -> str | None:
     period: datetime = row[1]
     logger.info("periodic %s: enqueued %s for the period starting %s", job.name, job.actor, period.isoformat())
     return message.message_id
+
+
+def tick_or_say(job: PeriodicJob) -> str | None:
+    """:func:`tick`, with a database that went away said once for the process (its
+    outage: one line when it goes, one when it is back), never as a traceback. The
+    period's claim went with the failed transaction: the next tick claims it again."""
+    outage = current_broker().outage
+    try:
+        enqueued = tick(job)
+    except (psycopg.Error, DatabaseError) as exc:
+        outage.failed(f"periodic {job.name}", exc)
+        return None
+    outage.ok()
+    return enqueued

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import broker as runtime
     from broker.pgbroker import StandmeetBroker
-    from periodic import periodic_jobs, tick, utcnow
+    from periodic import periodic_jobs, tick_or_say, utcnow
 
     try:
         settings = Settings.from_env()
@@ -94,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     now = utcnow()
     for job in jobs:
         try:  # the current period first; then on each period boundary
-            tick(job)
+            tick_or_say(job)
         except Exception:
             logger.exception("periodic %s: first tick failed; the next boundary will try again", job.name)
         scheduler.add_job(
-            tick, IntervalTrigger(seconds=job.interval_s, start_date=job.period_start(now)),
+            tick_or_say, IntervalTrigger(seconds=job.interval_s, start_date=job.period_start(now)),
             args=[job], id=job.name, name=job.name, max_instances=1, coalesce=True,
             misfire_grace_time=max(1, int(job.interval_s / 2)),
         )

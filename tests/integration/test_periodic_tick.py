@@ -51,3 +51,35 @@ def test_the_next_database_period_enqueues_again(broker, database_url):
                                " ORDER BY r.period_start", (job.name,))
     assert len(rows) == 2 and {q for _, q in rows} == {"maintenance"}
     assert rows[1][0] - rows[0][0] >= timedelta(seconds=1)
+
+
+def test_a_tick_that_finds_the_database_gone_says_it_once_and_claims_the_period_when_it_is_back(
+    broker, database_url, admin_url, caplog
+):
+    import logging
+
+    import psycopg
+    from psycopg import sql as pgsql
+
+    from periodic import tick_or_say
+    from tests.support.db import conninfo_dbname
+
+    job = PeriodicJob("through-an-outage", "test.tick", interval_s=3600, kwargs={"label": "outage"})
+    name = pgsql.Identifier(conninfo_dbname(database_url))
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # Given the database ending this process's sessions and refusing new ones
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(pgsql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(name))
+            try:
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                              (conninfo_dbname(database_url),))
+                # When the scheduler ticks
+                outcome = tick_or_say(job)
+            finally:
+                admin.execute(pgsql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS true").format(name))
+        # Then nothing is raised, and the outage is said in one line
+        assert outcome is None
+        assert sum("database unreachable" in r.getMessage() for r in caplog.records) == 1
+        # And once the database is back, the next tick claims the period
+        assert tick_or_say(job) is not None
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = %s", (job.name,)) == 1
