@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker.errors import DatabaseUnavailable
@@ -231,14 +230,6 @@ def poll_s(url: str) -> float:
     return topology_for(url).poll_s
 
 
-def server_of(url: str) -> str:
-    try:
-        params = conninfo_to_dict(url)
-    except psycopg.Error:
-        return "?"
-    return f"{params.get('host') or 'local socket'}:{params.get('port') or 5432}"
-
-
 def check_cheaply(conn: psycopg.Connection[Any]) -> None:
     """Hand out only live connections, at the cost of a system call: an idle connection has
     nothing to read, so one that does (a server's goodbye, an end of file) is checked for
@@ -298,10 +289,9 @@ class Outage:
         logger.warning("%s: database reachable again after %.1f s", self.name, time.monotonic() - since)
 
 
-def connect(url: str, *, application_name: str, autocommit: bool = True,
-            at_first_use: bool = False) -> psycopg.Connection[Any]:
-    """A dedicated connection (a consumer's, the settler's, a listener's, the relay's)."""
-    return psycopg.connect(url, autocommit=autocommit, application_name=application_name,
+def connect(url: str, *, application_name: str, at_first_use: bool = False) -> psycopg.Connection[Any]:
+    """A dedicated autocommit connection (a consumer's, the settler's, a listener's, the relay's)."""
+    return psycopg.connect(url, autocommit=True, application_name=application_name,
                            **connect_kwargs(url, at_first_use=at_first_use))
 
 

@@ -34,6 +34,18 @@ def _states(url: str, ids: list[str]) -> dict[str, tuple[str, int]]:
     return {row[0]: (row[1], row[2]) for row in rows}
 
 
+def _journal_env(subprocess_env: dict[str, str], proxy: PostgresProxy, path: str, **extra: str) -> dict[str, str]:
+    """A worker's environment: the database through ``proxy``, its journal at ``path``, the
+    index queue limited to 8."""
+    return {**subprocess_env, "DATABASE_URL": proxy.url, "STANDMEET_TEST_JOURNAL": path,
+            "STANDMEET_QUEUE_INDEX_MAX_WORKERS": "8", **extra}
+
+
+def _wait_for_all_eight_to_start(path: str) -> None:
+    wait_for(lambda: len({e[1] for e in read_journal(path) if e[0] == "start"}) == 8,
+             timeout_s=30, what="all 8 jobs to start")
+
+
 def test_a_fifty_second_outage_loses_nothing_and_records_only_what_happened(
     broker, database_url, subprocess_env, tmp_path
 ):
@@ -42,16 +54,14 @@ def test_a_fifty_second_outage_loses_nothing_and_records_only_what_happened(
     # window long enough that it need not step down during the outage
     proxy = PostgresProxy(database_url)
     path = str(tmp_path / "journal.txt")
-    env = {**subprocess_env, "DATABASE_URL": proxy.url, "STANDMEET_TEST_JOURNAL": path,
-           "STANDMEET_QUEUE_INDEX_MAX_WORKERS": "8", "STANDMEET_RESCUE_AFTER_S": str(RIDE_OUT_RESCUE_AFTER_S)}
+    env = _journal_env(subprocess_env, proxy, path, STANDMEET_RESCUE_AFTER_S=str(RIDE_OUT_RESCUE_AFTER_S))
     jobs = [journal.send(4_000, fail_first=(i % 2 == 0)) for i in range(8)]
     ids = [m.message_id for m in jobs]
     log = tmp_path / "worker.log"
     cmd = worker_cmd("--queues", "index", module="tests.support.journal_jobs")
     try:
         with running(cmd, env, log=log) as worker:
-            wait_for(lambda: len({e[1] for e in read_journal(path) if e[0] == "start"}) == 8,
-                     timeout_s=30, what="all 8 jobs to start")
+            _wait_for_all_eight_to_start(path)
             # When the database refuses every connection for 50 s while they finish
             proxy.cut()
             wait_for(lambda: sum(1 for e in read_journal(path) if e[0] in ("returned", "raised")) == 8,
@@ -92,16 +102,14 @@ def test_an_outage_longer_than_half_the_rescue_window_interrupts_the_jobs_and_lo
     # of which fail on their first run; the tests' rescue window (3 s)
     proxy = PostgresProxy(database_url)
     path = str(tmp_path / "journal.txt")
-    env = {**subprocess_env, "DATABASE_URL": proxy.url, "STANDMEET_TEST_JOURNAL": path,
-           "STANDMEET_QUEUE_INDEX_MAX_WORKERS": "8"}
+    env = _journal_env(subprocess_env, proxy, path)
     jobs = [journal.send(20_000, fail_first=(i % 2 == 0), then_ms=0) for i in range(8)]
     ids = [m.message_id for m in jobs]
     log = tmp_path / "worker.log"
     cmd = worker_cmd("--queues", "index", module="tests.support.journal_jobs")
     try:
         with running(cmd, env, log=log) as worker:
-            wait_for(lambda: len({e[1] for e in read_journal(path) if e[0] == "start"}) == 8,
-                     timeout_s=30, what="all 8 jobs to start")
+            _wait_for_all_eight_to_start(path)
             # When the database is out of its reach for longer than the rescue window
             proxy.cut()
             cut_at = time.monotonic()
