@@ -58,11 +58,22 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 #: What stands between the processes and Postgres (``auto``: found out at start-up).
 PoolerMode = Literal["auto", "direct", "session", "transaction"]
+#: When the dashboard's cookie is marked Secure (``auto``: when the request came over https).
+SecureCookieMode = Literal["auto", "on", "off"]
 #: Whether statements are prepared on the server (``auto``: only on a direct connection).
 PreparedMode = Literal["auto", "on", "off"]
 #: Where the embedded Postgres keeps its data when no DATABASE_URL is given: one folder
 #: per user (platformdirs' user data folder), whatever the working directory.
 DEFAULT_EMBEDDED_DIR = str(Path(platformdirs.user_data_dir("standmeet-jobs", appauthor=False)) / "pgdata")
+#: Upper bounds of the settings that have no natural one: finite, so that no value an
+#: operator can type overflows a timer, an interval or an allocation later.
+WEEK_MS = 7 * 24 * 3_600_000
+MONTH_S = 30 * 24 * 3_600
+GIB = 1024 ** 3
+#: The most any one queue's variables may say: jobs at once per process, and a time limit.
+QUEUE_MAX_WORKERS_MOST = 10_000
+QUEUE_TIME_LIMIT_MOST_S = 7 * 24 * 3_600.0
+MIB = 1024 ** 2
 #: Name of the database created on the embedded server for the application.
 DEFAULT_EMBEDDED_DATABASE = "standmeet"
 
@@ -178,16 +189,21 @@ def describe(cls: type[Declared], exc: ValidationError) -> str:
     if kind == "finite_number":
         return f"{name}={raw!r} is not a finite number"
     if kind == "greater_than_equal":
-        return f"{name}={raw} is below its minimum of {ctx['ge']}"
+        return f"{name}={raw} is below its minimum of {_number(ctx['ge'])}"
     if kind == "greater_than":
         return f"{name}={raw} must be above {ctx['gt']}"
     if kind == "less_than_equal":
-        return f"{name}={raw} is above its maximum of {ctx['le']}"
+        return f"{name}={raw} is above its maximum of {_number(ctx['le'])}"
     if kind == "bool_parsing":
         return f"{name}={raw!r} is not a yes/no value (use 1 or 0)"
     if kind == "literal_error":
         return f"{name}={raw!r} is not one of {ctx.get('expected', '')}".replace("'", "")
     return f"{name}={raw!r}: {error['msg']}".replace("\n", " ")
+
+
+def _number(bound: Any) -> str:
+    """A bound as people write it: 86400, not 86400.0."""
+    return f"{bound:g}" if isinstance(bound, float) else str(bound)
 
 
 @dataclass(frozen=True)
@@ -258,10 +274,10 @@ def _queue_settings(env: Mapping[str, str], name: str, workers: int, limit_s: fl
     prefix = f"STANDMEET_QUEUE_{queue_variable_name(name)}_"
     return QueueSettings(
         name=name,
-        max_workers=_int(env, prefix + "MAX_WORKERS", workers, minimum=1),
-        time_limit_s=_float(env, prefix + "TIME_LIMIT_S", limit_s, minimum=0.001),
-        poll_s=_float(env, prefix + "POLL_S", DEFAULT_POLL_S, minimum=0.01),
-        prefetch_setting=_int(env, prefix + "PREFETCH", -1, minimum=-1),
+        max_workers=_int(env, prefix + "MAX_WORKERS", workers, minimum=1, maximum=QUEUE_MAX_WORKERS_MOST),
+        time_limit_s=_float(env, prefix + "TIME_LIMIT_S", limit_s, minimum=0.001, maximum=QUEUE_TIME_LIMIT_MOST_S),
+        poll_s=_float(env, prefix + "POLL_S", DEFAULT_POLL_S, minimum=0.01, maximum=3_600),
+        prefetch_setting=_int(env, prefix + "PREFETCH", -1, minimum=-1, maximum=100_000),
     )
 
 
@@ -276,34 +292,34 @@ class Settings(Declared):
         Path(DEFAULT_EMBEDDED_DIR), json_schema_extra=shown("user data folder + `/pgdata`"),
         description="data folder of the embedded server (platformdirs' user data folder, the same from any directory)")
     pool_max_size: int = Field(
-        40, ge=2, description="the application's psycopg 3 pool; half is kept for web requests")
+        40, ge=2, le=10_000, description="the application's psycopg 3 pool; half is kept for web requests")
     broker_ack_connections: int = Field(
-        4, ge=1, description="the broker's pool for sends, heartbeats and rescue "
+        4, ge=1, le=1_000, description="the broker's pool for sends, heartbeats and rescue "
         "(consumers and the settler have their own connection each)")
     unknown_actor_delay_s: float = Field(
-        10.0, ge=0.01, description="a message for an actor this process lacks (a rolling deploy) "
+        10.0, ge=0.01, le=86_400, description="a message for an actor this process lacks (a rolling deploy) "
         "is given back this much later")
     unknown_actor_max_claims: int = Field(
-        30, ge=1, description="such a message is rejected after this many claims (about 5 minutes), "
+        30, ge=1, le=100_000, description="such a message is rejected after this many claims (about 5 minutes), "
         "the reason on the job")
     worker_shutdown_timeout_s: float = Field(
-        20.0, ge=0, description="how long `run` lets running jobs finish on SIGTERM")
-    max_retries: int = Field(20, ge=0, description="retries of a failed job (actors may override)")
-    min_backoff_ms: int = Field(5_000, ge=0, description="retry back-off, shortest (at most the longest)")
-    max_backoff_ms: int = Field(3_600_000, ge=0, description="retry back-off, longest")
-    heartbeat_s: float = Field(5.0, ge=0.05, description="how often a worker process records it is alive")
+        20.0, ge=0, le=86_400, description="how long `run` lets running jobs finish on SIGTERM")
+    max_retries: int = Field(20, ge=0, le=100_000, description="retries of a failed job (actors may override)")
+    min_backoff_ms: int = Field(5_000, ge=0, le=WEEK_MS, description="retry back-off, shortest (at most the longest)")
+    max_backoff_ms: int = Field(3_600_000, ge=0, le=WEEK_MS, description="retry back-off, longest")
+    heartbeat_s: float = Field(5.0, ge=0.05, le=3_600, description="how often a worker process records it is alive")
     rescue_after_s: float = Field(
-        20.0, ge=0.1, description="silence after which a worker is dead and its jobs are requeued; "
+        20.0, ge=0.1, le=86_400, description="silence after which a worker is dead and its jobs are requeued; "
         "at least twice the heartbeat")
-    max_crashes: int = Field(3, ge=0, description="a job that killed its worker more often is rejected, with the reason")
-    retention_days: float = Field(7.0, ge=0, description="finished messages kept")
-    prune_batch: int = Field(5_000, ge=1, description="finished messages pruned per batch")
-    outbox_max_payload_bytes: int = Field(64 * 1024, ge=2, description="largest event payload `emit` accepts")
-    relay_batch: int = Field(1000, ge=1, description="outbox rows per relay pass (one transaction)")
-    relay_poll_s: float = Field(1.0, ge=0.01, description="the relay's fallback poll")
-    outbox_retention_hours: float = Field(24.0, ge=0, description="relayed outbox rows kept")
-    max_waiters: int = Field(64, ge=1, description="waiters per receipt channel per process")
-    receipt_wait_s: float = Field(2.0, ge=0, description="how long a write waits for its receipts by default")
+    max_crashes: int = Field(3, ge=0, le=1_000, description="a job that killed its worker more often is rejected, with the reason")
+    retention_days: float = Field(7.0, ge=0, le=36_500, description="finished messages kept")
+    prune_batch: int = Field(5_000, ge=1, le=1_000_000, description="finished messages pruned per batch")
+    outbox_max_payload_bytes: int = Field(64 * 1024, ge=2, le=GIB, description="largest event payload `emit` accepts")
+    relay_batch: int = Field(1000, ge=1, le=100_000, description="outbox rows per relay pass (one transaction)")
+    relay_poll_s: float = Field(1.0, ge=0.01, le=3_600, description="the relay's fallback poll")
+    outbox_retention_hours: float = Field(24.0, ge=0, le=876_000, description="relayed outbox rows kept")
+    max_waiters: int = Field(64, ge=1, le=100_000, description="waiters per receipt channel per process")
+    receipt_wait_s: float = Field(2.0, ge=0, le=3_600, description="how long a write waits for its receipts by default")
     log_format: LogFormat = Field(
         "text", description="`text`, or `json`: one object a line for log shippers (`--log-format` says the same)")
     metrics_port: int | None = Field(
@@ -316,6 +332,19 @@ class Settings(Declared):
         "required to listen beyond loopback")
     dashboard_hide_args: bool = Field(
         False, description="`1`: the dashboard never shows job arguments or webhook payloads, nor searches them")
+    dashboard_allowed_hosts: str = Field(
+        "", description="host names the dashboard answers to besides the address it is bound to "
+        "(comma-separated, e.g. a reverse proxy's public name); any other `Host` is refused")
+    dashboard_secure_cookie: SecureCookieMode = Field(
+        "auto", description="the dashboard's cookie is marked `Secure`: `auto` when the request came "
+        "over https (behind a proxy, as its trusted `X-Forwarded-Proto` says), `on` always, `off` never")
+    message_max_bytes: int = Field(
+        MIB, ge=1024, le=GIB, json_schema_extra=shown("`1048576` (1 MiB)"),
+        description="largest encoded message a send, `enqueue` or the relay accepts; a larger row "
+        "already in the table is rejected when claimed, with the reason")
+    max_runs_without_outcome: int = Field(
+        5, ge=1, le=1_000, description="a message whose runs ended this many times with no outcome "
+        "(its retry logic itself failed) is rejected with the reason instead of running again")
     pooler: PoolerMode = Field(
         "auto", description="what stands between the processes and Postgres: `auto` (found out at start-up), "
         "`direct`, `session` or `transaction` (PgBouncer's pool modes); through a transaction pooler nothing "
@@ -332,21 +361,21 @@ class Settings(Declared):
         0.05, ge=0.01, le=5.0, description="with no connection that can LISTEN, how often idle consumers, "
         "the relay and receipt waiters look for work")
     tcp_user_timeout_ms: int = Field(
-        5_000, ge=0, description="a connection whose sent data stays unacknowledged this long is dead "
+        5_000, ge=0, le=3_600_000, description="a connection whose sent data stays unacknowledged this long is dead "
         "(libpq `tcp_user_timeout`; keepalives cover idle ones): a cut-off host finds out in seconds, "
         "not the kernel's ~15 minutes; `0`: the kernel's default")
     pooler_pool_size: int | None = Field(
-        None, ge=1, description="the server connections a session pooler gives this database and user "
+        None, ge=1, le=1_000_000, description="the server connections a session pooler gives this database and user "
         "(PgBouncer's `default_pool_size`): in session mode each connection of a process holds one for its "
         "life, and `run` refuses processes that need more; unset: not checked, said at start-up")
     server_connections_reserve: int = Field(
-        10, ge=0, description="connections of the server's `max_connections` that `run` leaves to others "
+        10, ge=0, le=1_000_000, description="connections of the server's `max_connections` that `run` leaves to others "
         "(web requests, operators, migrations) when it checks `--processes`")
     outbox_unrouted_max_age_s: float = Field(
-        300.0, ge=0, description="an outbox event that no live process routes for this long fails "
+        300.0, ge=0, le=MONTH_S, description="an outbox event that no live process routes for this long fails "
         "`status --check`")
     queue_unserved_max_age_s: float = Field(
-        60.0, ge=0, description="due work of a queue that no live worker serves, this old, fails "
+        60.0, ge=0, le=MONTH_S, description="due work of a queue that no live worker serves, this old, fails "
         "`status --check` and shows as \"no worker\"")
     #: the STANDMEET_QUEUE_* variables, for queues declared later by any module
     queue_env: Mapping[str, str] = Field(default_factory=dict, json_schema_extra={"env": False})
@@ -362,7 +391,7 @@ class Settings(Declared):
         name = PREFIX + "LISTEN_DATABASE_URL"
         return _database_url({name: str(raw) if raw is not None else ""}, name)
 
-    @field_validator("pooler", "prepared_statements", mode="before")
+    @field_validator("pooler", "prepared_statements", "dashboard_secure_cookie", mode="before")
     @classmethod
     def _lower_choice(cls, raw: Any) -> Any:
         return raw.strip().lower() if isinstance(raw, str) else raw
@@ -432,13 +461,13 @@ class Settings(Declared):
 #: The per-queue variables as the README shows them: (suffix, default, bounds, meaning); the
 #: bounds are those ``_queue_settings`` checks.
 QUEUE_ROWS: tuple[tuple[str, str, str, str], ...] = (
-    ("MAX_WORKERS", "as its module declares; `1` for any other queue", "≥ 1",
+    ("MAX_WORKERS", "as its module declares; `1` for any other queue", f"1 – {QUEUE_MAX_WORKERS_MOST}",
      "jobs of that queue running at once, per process (`<NAME>`: the queue's name upper-cased, "
      "other characters than letters and digits as `_`)"),
-    ("TIME_LIMIT_S", "as its module declares; `600` for any other queue", "≥ 0.001", "the queue's default hard time limit"),
-    ("POLL_S", f"`{DEFAULT_POLL_S:g}`", "≥ 0.01", "fallback poll of an idle consumer (notifications do the real waking)"),
+    ("TIME_LIMIT_S", "as its module declares; `600` for any other queue", f"0.001 – {QUEUE_TIME_LIMIT_MOST_S:g}", "the queue's default hard time limit"),
+    ("POLL_S", f"`{DEFAULT_POLL_S:g}`", "0.01 – 3600", "fallback poll of an idle consumer (notifications do the real waking)"),
     ("PREFETCH", f"as many as the queue's jobs finish in {PREFETCH_HORIZON_S * 1000:g} ms, between half the limit"
-                 f" (at least 1) and {PREFETCH_MOST} (twice the limit, if more)", "≥ -1 (-1: the default)",
+                 f" (at least 1) and {PREFETCH_MOST} (twice the limit, if more)", "-1 – 100000 (-1: the default)",
      "messages claimed beyond the running ones, to start the moment one finishes"),
 )
 
@@ -530,7 +559,7 @@ def bounds(info: FieldInfo) -> str:
     return ""
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int, maximum: int) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -540,10 +569,12 @@ def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int) -> in
         raise ConfigError(f"{name}={raw!r} is not a whole number") from None
     if value < minimum:
         raise ConfigError(f"{name}={value} is below its minimum of {minimum}")
+    if value > maximum:
+        raise ConfigError(f"{name}={value} is above its maximum of {maximum}")
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float, maximum: float) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -555,6 +586,8 @@ def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float)
         raise ConfigError(f"{name}={raw!r} is not a finite number")
     if value < minimum:
         raise ConfigError(f"{name}={raw!r} is below its minimum of {minimum}")
+    if value > maximum:
+        raise ConfigError(f"{name}={raw!r} is above its maximum of {maximum:g}")
     return value
 
 

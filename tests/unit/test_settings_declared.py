@@ -37,7 +37,8 @@ STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS STANDMEET_LOG_FORMAT STANDMEET_METRICS_PORT
 STANDMEET_DASHBOARD_USER STANDMEET_DASHBOARD_PASSWORD STANDMEET_DASHBOARD_HIDE_ARGS
 STANDMEET_POOLER STANDMEET_PREPARED_STATEMENTS STANDMEET_LISTEN_DATABASE_URL STANDMEET_UNLISTENED_POLL_S
 STANDMEET_TCP_USER_TIMEOUT_MS STANDMEET_SERVER_CONNECTIONS_RESERVE STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S
-STANDMEET_QUEUE_UNSERVED_MAX_AGE_S STANDMEET_POOLER_POOL_SIZE""".split()
+STANDMEET_QUEUE_UNSERVED_MAX_AGE_S STANDMEET_POOLER_POOL_SIZE STANDMEET_DASHBOARD_ALLOWED_HOSTS
+STANDMEET_DASHBOARD_SECURE_COOKIE STANDMEET_MESSAGE_MAX_BYTES STANDMEET_MAX_RUNS_WITHOUT_OUTCOME""".split()
 
 APPLICATION = {"smtp_host", "smtp_port", "smtp_from", "smtp_starttls", "smtp_username", "smtp_password",
                "smtp_timeout_s", "search_backend", "meili_url", "meili_key", "meili_index", "allowed_networks",
@@ -63,6 +64,24 @@ def test_each_declaration_has_a_one_line_description(cls):
         if name == "queue_env":
             continue
         assert info.description and "\n" not in info.description, name
+
+
+@pytest.mark.parametrize("cls", [Settings, AppSettings])
+def test_every_number_a_setting_takes_has_a_finite_upper_bound(cls):
+    # Given every numeric declaration, when it is read, then it names a maximum: no value an
+    # operator can type (1e300) passes `check` and overflows a timer or an allocation later
+    for name, info in cls.model_fields.items():
+        annotation = info.annotation
+        if annotation in (int, float) or str(annotation) in ("int | None", "float | None"):
+            highs = [getattr(item, "le", None) for item in info.metadata]
+            assert any(high is not None and math.isfinite(high) for high in highs), name
+
+
+def test_a_number_past_its_maximum_is_refused_naming_the_variable_and_the_maximum():
+    with pytest.raises(ConfigError, match=r"^STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S=1e\+?300 is above its maximum of 86400$"):
+        Settings.from_env({"STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S": "1e300"})
+    with pytest.raises(ConfigError, match=r"^STANDMEET_QUEUE_REPORTS_TIME_LIMIT_S='1e9' is above its maximum of 604800$"):
+        Settings.from_env({"STANDMEET_QUEUE_REPORTS_TIME_LIMIT_S": "1e9"})
 
 
 def test_the_environment_gives_every_declared_type():
