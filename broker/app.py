@@ -7,7 +7,8 @@ another) declares, at import, through these few calls:
 
     app.queue("reports", max_workers=2, time_limit_s=120)          # limits, and whether
     app.queue("index", max_workers=4, time_limit_s=30, awaited=True)  # requests wait on it
-    app.periodic("nightly-report", "reports.nightly", interval_s=86_400)
+    app.periodic("nightly-report", "reports.nightly", cron="0 3 * * *", timezone="Europe/Berlin")
+    app.periodic("refresh", "reports.refresh", interval_s=900)
     app.command("report", "print the last report", setup=add_arguments, run=main)
     app.startup_check(refuse_bad_timings)                            # fn(settings) -> None
     app.settings(ReportSettings)   # its own settings, declared like broker.settings.Settings
@@ -26,9 +27,10 @@ import argparse
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from broker.cron import Cron, parse_cron
 from broker.errors import ConfigError
 
 
@@ -45,19 +47,59 @@ class QueueSpec:
 
 @dataclass(frozen=True)
 class PeriodicJob:
-    """Run ``actor`` every ``interval_s`` seconds, once per period across all schedulers."""
+    """Run ``actor`` once per period across all schedulers: every ``interval_s`` seconds,
+    or at each fire time of ``cron`` (five fields) in ``timezone`` (see :mod:`broker.cron`)."""
 
     name: str
     actor: str
-    interval_s: float
+    interval_s: float | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    cron: str | None = None
+    timezone: str = "UTC"
+    schedule: Cron | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.interval_s is None) == (self.cron is None):
+            raise ConfigError(f"periodic job {self.name!r}: give interval_s or cron, one of them")
+        if self.interval_s is not None:
+            if not 0 < self.interval_s < float("inf"):
+                raise ConfigError(f"periodic job {self.name!r}: interval_s must be > 0 and finite")
+            if self.timezone != "UTC":
+                raise ConfigError(f"periodic job {self.name!r}: a time zone applies to cron, not to interval_s")
+            return
+        try:
+            parsed = parse_cron(str(self.cron), self.timezone)
+        except ConfigError as exc:
+            raise ConfigError(f"periodic job {self.name!r}: {exc}") from None
+        object.__setattr__(self, "schedule", parsed)
+
+    @property
+    def every(self) -> str:
+        """The schedule as people read it: ``every 900 s`` or ``0 3 * * * (Europe/Berlin)``."""
+        if self.schedule is not None:
+            return str(self.schedule)
+        return f"every {self.interval_s:g} s"
 
     def period_start(self, now: datetime) -> datetime:
-        """The start of the period ``now`` is in. Schedulers only align their ticks with it:
-        which period a tick claims is computed from the database's clock (``periodic.tick``)."""
+        """The start of the period ``now`` is in: for an interval, ``now`` floored to a
+        multiple of it since the epoch; for cron, its latest fire time at or before ``now``.
+        Schedulers only align their ticks with it: which period a tick claims is computed
+        from the database's clock (``periodic.tick``)."""
+        if self.schedule is not None:
+            previous = self.schedule.previous(now)
+            return previous if previous is not None else datetime.fromtimestamp(0, timezone.utc)
+        assert self.interval_s is not None
         epoch = now.timestamp()
         start = epoch - (epoch % self.interval_s)
         return datetime.fromtimestamp(start, timezone.utc)
+
+    def next_run(self, now: datetime) -> datetime | None:
+        """When the next period starts after ``now`` (aware; in the job's zone for cron)."""
+        if self.schedule is not None:
+            following = self.schedule.next(now)
+            return following.astimezone(self.schedule.tz) if following is not None else None
+        assert self.interval_s is not None
+        return self.period_start(now) + timedelta(seconds=self.interval_s)
 
 
 @dataclass(frozen=True)
@@ -104,11 +146,12 @@ def queue(name: str, *, max_workers: int, time_limit_s: float, awaited: bool = F
     return REGISTRY._put(REGISTRY.queues, "queue", name, QueueSpec(name, max_workers, time_limit_s, awaited))
 
 
-def periodic(name: str, actor: str, *, interval_s: float, kwargs: dict[str, Any] | None = None) -> PeriodicJob:
-    """Declare a periodic job: ``actor`` enqueued once per ``interval_s`` period."""
-    if not interval_s > 0:
-        raise ConfigError(f"periodic job {name!r}: interval_s must be > 0")
-    return REGISTRY._put(REGISTRY.periodic, "periodic job", name, PeriodicJob(name, actor, interval_s, kwargs or {}))
+def periodic(name: str, actor: str, *, interval_s: float | None = None, cron: str | None = None,
+             timezone: str = "UTC", kwargs: dict[str, Any] | None = None) -> PeriodicJob:
+    """Declare a periodic job: ``actor`` enqueued once per ``interval_s`` period, or once at
+    each fire time of ``cron`` in ``timezone`` (``cron="0 3 * * *", timezone="Europe/Berlin"``)."""
+    job = PeriodicJob(name, actor, interval_s, kwargs or {}, cron=cron, timezone=timezone)
+    return REGISTRY._put(REGISTRY.periodic, "periodic job", name, job)
 
 
 def command(name: str, help: str, *, setup: Callable[[argparse.ArgumentParser], None],

@@ -1,22 +1,31 @@
 """Periodic jobs: the tick that enqueues each once per period, across every scheduler.
 
 Which jobs are periodic is declared by the modules that own them
-(``broker.app.periodic(name, actor, interval_s=…)``; the runtime declares its own
-maintenance jobs). The scheduler process (``python -m periodic MODULE…``) loads those
-modules and ticks each job on an APScheduler interval trigger; a tick enqueues the
-job's actor under a key for its period (``standmeet.periodic_runs``, primary key (job,
-period start)). Two scheduler processes therefore enqueue it once per period: a unique
-constraint, not a leader. The period is the database's, computed in the claim from
-``now()``: schedulers whose clocks disagree (by 90 s, or by hours) still agree on it, so
-a skewed clock moves when a scheduler ticks, never how often a job runs.
+(``broker.app.periodic(name, actor, interval_s=…)`` or ``cron="0 3 * * *",
+timezone="Europe/Berlin"``; the runtime declares its own maintenance jobs). The
+scheduler process (``python -m periodic MODULE…``) loads those modules and ticks each
+job (:func:`trigger`); a tick enqueues the job's actor under a key for its period
+(``standmeet.periodic_runs``, primary key (job, period start)). Two scheduler processes
+therefore enqueue it once per period: a unique constraint, not a leader. The period is
+the database's, computed from its ``now()``: schedulers whose clocks disagree (by 90 s,
+or by hours) still agree on it, so a skewed clock moves when a scheduler ticks, never
+how often a job runs.
+
+A cron job's period starts at each of its fire times (:mod:`broker.cron`: wall-clock
+times in its zone, daylight-saving changes included). Its scheduler looks every
+``CRON_TICK_S``; a fire time is claimed up to half the gap to the next one (at most
+``CRON_GRACE_MOST_S``) after it, so a scheduler started at 14:00 does not run the 03:00
+job of that night, and one down over a fire time for longer skips it.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import psycopg
+from apscheduler.triggers.base import BaseTrigger
+from apscheduler.triggers.interval import IntervalTrigger
 
 from broker import db
 from broker.app import PeriodicJob, periodic_jobs
@@ -31,7 +40,13 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-__all__ = ["CLAIM_DATABASE_PERIOD", "PeriodicJob", "periodic_jobs", "tick", "tick_or_say", "utcnow"]
+__all__ = ["CLAIM_DATABASE_PERIOD", "CLAIM_FIRE_TIME", "PeriodicJob", "cron_period", "periodic_jobs", "tick",
+           "tick_or_say", "trigger", "utcnow"]
+
+#: How often a scheduler looks whether a cron job's fire time has come (by the database's clock).
+CRON_TICK_S = 15.0
+#: A cron fire time is claimed at most this long after it (or half the gap to the next).
+CRON_GRACE_MOST_S = 3600.0
 
 #: Claim the period the database's clock is in (its start: ``now()`` floored to a
 #: multiple of the interval since the epoch); a row back means this scheduler enqueues
@@ -46,18 +61,61 @@ RETURNING message_id, period_start
 """
 
 
+#: Claim a cron job's fire time (computed from the database's ``now()`` read first in
+#: the same transaction); a row back means this scheduler enqueues the job for it.
+CLAIM_FIRE_TIME = """
+INSERT INTO standmeet.periodic_runs (job, period_start, message_id)
+VALUES (%(job)s, %(period_start)s, %(message_id)s::uuid)
+ON CONFLICT (job, period_start) DO NOTHING
+RETURNING message_id, period_start
+"""
+DATABASE_NOW = "SELECT now()"
+
+
+def cron_period(job: PeriodicJob, now: datetime) -> datetime | None:
+    """The fire time of cron ``job`` a tick at ``now`` claims: its latest one at or before
+    ``now``, if no older than its grace (half the gap to the next fire time, at most
+    ``CRON_GRACE_MOST_S``); None when there is none to claim."""
+    assert job.schedule is not None
+    fired = job.schedule.previous(now)
+    if fired is None:
+        return None
+    following = job.schedule.next(fired)
+    gap_s = (following - fired).total_seconds() if following is not None else CRON_GRACE_MOST_S * 2
+    grace_s = min(CRON_GRACE_MOST_S, gap_s / 2)
+    return fired if (now - fired).total_seconds() <= grace_s else None
+
+
+def trigger(job: PeriodicJob, now: datetime) -> BaseTrigger:
+    """When a scheduler ticks ``job``: on each interval boundary (aligned with the
+    database's periods), or every ``CRON_TICK_S`` for a cron job."""
+    if job.schedule is not None:
+        return IntervalTrigger(seconds=CRON_TICK_S, start_date=now + timedelta(seconds=CRON_TICK_S))
+    assert job.interval_s is not None
+    return IntervalTrigger(seconds=job.interval_s, start_date=job.period_start(now))
+
+
 def tick(job: PeriodicJob) -> str | None:
     """Enqueue ``job`` for the database's current period unless some scheduler already did.
 
-    Returns the message id when this call enqueued it, None when it was already done.
-    This process's clock plays no part.
+    Returns the message id when this call enqueued it, None when it was already done
+    (or, for cron, when no fire time is due). This process's clock plays no part.
     """
     message = build_message(job.actor, kwargs=job.kwargs)
     with db.connection() as conn, conn.transaction():
-        row = conn.execute(
-            CLAIM_DATABASE_PERIOD,
-            {"job": job.name, "interval_s": job.interval_s, "message_id": message.message_id},
-        ).fetchone()
+        if job.schedule is not None:
+            clock = conn.execute(DATABASE_NOW).fetchone()
+            fired = cron_period(job, clock[0]) if clock is not None else None
+            if fired is None:
+                return None
+            row = conn.execute(
+                CLAIM_FIRE_TIME, {"job": job.name, "period_start": fired, "message_id": message.message_id},
+            ).fetchone()
+        else:
+            row = conn.execute(
+                CLAIM_DATABASE_PERIOD,
+                {"job": job.name, "interval_s": job.interval_s, "message_id": message.message_id},
+            ).fetchone()
         if row is None:
             return None
         enqueue_message(conn, message)

@@ -83,3 +83,46 @@ def test_a_tick_that_finds_the_database_gone_says_it_once_and_claims_the_period_
         # And once the database is back, the next tick claims the period
         assert tick_or_say(job) is not None
     assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = %s", (job.name,)) == 1
+
+
+def _daily_cron_at(url: str, minutes_ago: int) -> str:
+    """A daily cron expression (UTC) whose fire time was ``minutes_ago`` by the database's clock."""
+    fired = scalar(url, "SELECT now() - make_interval(mins => %s)", (minutes_ago,)).astimezone(timezone.utc)
+    return f"{fired.minute} {fired.hour} * * *"
+
+
+def test_eight_schedulers_ticking_at_once_enqueue_a_cron_fire_time_once(broker, database_url):
+    import threading
+
+    # Given a daily cron job whose fire time came a minute ago by the database's clock
+    job = PeriodicJob("cron-once", "test.tick", cron=_daily_cron_at(database_url, 1), kwargs={"label": "cron"})
+    # When eight schedulers tick it at the same moment, twice each
+    barrier, outcomes, lock = threading.Barrier(8), [], threading.Lock()
+
+    def scheduler() -> None:
+        barrier.wait(timeout=30)
+        for _ in range(2):
+            enqueued = tick(job)
+            with lock:
+                outcomes.append(enqueued)
+
+    threads = [threading.Thread(target=scheduler) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    # Then exactly one tick enqueued it, for that fire time
+    assert len(outcomes) == 16 and sum(o is not None for o in outcomes) == 1, outcomes
+    rows = query(database_url, "SELECT period_start, message_id::text FROM standmeet.periodic_runs WHERE job = %s",
+                 (job.name,))
+    assert rows == [(job.period_start(rows[0][0] + timedelta(seconds=1)), next(o for o in outcomes if o))]
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = %s::uuid", (rows[0][1],)) == 1
+
+
+def test_a_scheduler_started_hours_after_a_cron_fire_time_does_not_run_it(broker, database_url):
+    # Given a daily cron job whose fire time was three hours ago by the database's clock
+    job = PeriodicJob("cron-long-past", "test.tick", cron=_daily_cron_at(database_url, 180), kwargs={"label": "late"})
+    # When a scheduler that was not running then ticks it now
+    # Then nothing is enqueued: that night's run was missed, not run in the afternoon
+    assert tick(job) is None
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = %s", (job.name,)) == 0
