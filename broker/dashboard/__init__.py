@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from broker.dashboard.app import DashboardConfig
-from broker.dashboard.security import check_bind
+from broker.dashboard.security import check_bind, parse_allowed_hosts
 from broker.dashboard.server import create_app
 from broker.settings import Settings
 
@@ -26,21 +26,26 @@ def periodic_intervals() -> dict[str, float]:
     return {job.name: job.interval_s for job in app.periodic_jobs()}
 
 
-def config_from_settings(settings: Settings, url: str, *, read_only: bool = False) -> DashboardConfig:
+def config_from_settings(settings: Settings, url: str, *, host: str = "127.0.0.1",
+                         read_only: bool = False) -> DashboardConfig:
+    """The dashboard's configuration from the settings, for one listening address."""
     return DashboardConfig(
         database_url=url, read_only=read_only, hide_args=settings.dashboard_hide_args,
         user=settings.dashboard_user, password=settings.dashboard_password,
         rescue_after_s=settings.rescue_after_s, queues=tuple(settings.queues),
-        periodic_intervals=periodic_intervals(),
+        periodic_intervals=periodic_intervals(), bind_host=host,
+        allowed_hosts=parse_allowed_hosts(settings.dashboard_allowed_hosts),
+        secure_cookie=settings.dashboard_secure_cookie,
     )
 
 
 def serve(settings: Settings, url: str, *, host: str, port: int, read_only: bool = False) -> None:
     """Serve the dashboard until Ctrl-C / SIGTERM; refuses a non-loopback host without a password."""
     check_bind(host, settings.dashboard_password)
+    config = config_from_settings(settings, url, host=host, read_only=read_only)
     import uvicorn
 
-    app = create_app(config_from_settings(settings, url, read_only=read_only))
+    app = create_app(config)
     auth = "HTTP basic auth" if settings.dashboard_password else "no auth (loopback)"
     logger.info("dashboard on http://%s:%d/ (%s%s)", host if ":" not in host else f"[{host}]", port, auth,
                 ", read-only" if read_only else "")

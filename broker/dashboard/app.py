@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,13 +20,16 @@ from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 import psycopg
+from psycopg.types.json import set_json_loads
 from psycopg_pool import ConnectionPool
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
-from broker.dashboard.security import CSRF_FIELD, Csrf
+from broker import ops
+from broker.dashboard.security import CSRF_FIELD, Csrf, cookie_is_secure, quoted
+from broker.settings import SecureCookieMode
 
 T = TypeVar("T")
 
@@ -35,6 +39,16 @@ PAGE_SIZE = 50
 BULK_LIMIT = 10_000
 #: Every dashboard statement stops after this long: a page never holds the database.
 STATEMENT_TIMEOUT_MS = 10_000
+#: The highest page number of the jobs list (``page``): 10 million rows deep.
+MAX_PAGE = 200_000
+#: The highest id a database row can have (``bigint``): larger ones are refused, not looked up.
+MAX_ROW_ID = 2**63 - 1
+#: The longest text a filter (queue, actor, search, topic) may be.
+MAX_FILTER_CHARS = 500
+#: Arguments and options nested deeper than this are cut where they are shown.
+MAX_SHOWN_DEPTH = 64
+#: What stands where they were cut.
+CUT_MARKER = f"(cut: nested deeper than {MAX_SHOWN_DEPTH} levels)"
 #: The states the jobs list filters by (as ``broker.ops`` names them).
 JOB_STATES = ("queued", "delayed", "running", "done", "rejected", "cancelled")
 
@@ -72,6 +86,12 @@ class DashboardConfig:
     pool_max_size: int = 4
     #: how long a request waits for a database connection before answering 503
     connect_timeout_s: float = 3.0
+    #: the address the dashboard listens on (it answers to this address's names only)
+    bind_host: str = "127.0.0.1"
+    #: host names it answers to besides (STANDMEET_DASHBOARD_ALLOWED_HOSTS, normalised)
+    allowed_hosts: tuple[str, ...] = ()
+    #: when its cookie is marked Secure (STANDMEET_DASHBOARD_SECURE_COOKIE)
+    secure_cookie: SecureCookieMode = "auto"
 
 
 # -- helpers the pages share ----------------------------------------------------------
@@ -87,6 +107,7 @@ async def with_conn(request: Request, work: Callable[[psycopg.Connection[Any]], 
 
     def run() -> T:
         with pool.connection() as conn:
+            set_json_loads(loads_shown, conn)  # a job's 10,000-deep arguments load cut, not raise
             return work(conn)
 
     return await run_in_threadpool(run)
@@ -112,7 +133,7 @@ def render(request: Request, template: str, context: dict[str, Any], *, status_c
     )
     response.headers["Cache-Control"] = "no-store"
     if new:
-        Csrf.set_cookie(response, nonce)
+        Csrf.set_cookie(response, nonce, secure=cookie_is_secure(config.secure_cookie, request.url.scheme))
     return response
 
 
@@ -154,6 +175,82 @@ def refused_response(request: Request, exc: Refused) -> Response:
 
 def json_response(data: Any, status_code: int = 200) -> JSONResponse:
     return JSONResponse(data, status_code=status_code)
+
+
+# -- query parameters: each has a range, and a value outside it a one-line 400 ------------
+
+def whole_number(name: str, raw: str, *, low: int, high: int) -> int:
+    """``raw`` as a whole number from ``low`` to ``high``; an ``ops.OpsError`` (400)
+    naming the parameter, the value and the range else."""
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and low <= int(text) <= high):
+        raise ops.OpsError(f"{name} must be a whole number from {low} to {high}, not {quoted(raw)}")
+    return int(text)
+
+
+def text_filter(name: str, raw: str, *, max_chars: int = MAX_FILTER_CHARS) -> str:
+    """A free-text filter: at most ``max_chars``, no control characters (Postgres text
+    holds no NUL, and none of them is typed in a search box)."""
+    if len(raw) > max_chars:
+        raise ops.OpsError(f"{name} must be at most {max_chars} characters, not {len(raw)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise ops.OpsError(f"{name} must not contain control characters: {quoted(raw)}")
+    return raw
+
+
+def since_filter(raw: str) -> datetime:
+    """``since``: an ISO time or an age (15m, 2h, 7d); one the calendar cannot hold is refused."""
+    try:
+        since = ops.parse_since(text_filter("since", raw, max_chars=64))
+    except OverflowError:
+        raise ops.OpsError(f"since {quoted(raw)} is further back than the calendar goes: "
+                           "give an age like 15m, 2h or 7d, or an ISO time") from None
+    assert since is not None
+    return since
+
+
+# -- JSON as the pages show it -----------------------------------------------------------
+
+_JSON_STRUCTURE = re.compile(r'["\[\]{}]')
+_JSON_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*"', re.S)
+
+
+def cut_deep_json(text: str, *, max_depth: int = MAX_SHOWN_DEPTH) -> str:
+    """``text`` (JSON) with every array or object deeper than ``max_depth`` replaced by
+    the string :data:`CUT_MARKER`: a document the stack cannot hold, made one it can.
+    Linear, and without recursion."""
+    out: list[str] = []
+    depth, pos, at = 0, 0, 0
+    while (found := _JSON_STRUCTURE.search(text, at)) is not None:
+        char, start = found.group(), found.start()
+        if char == '"':
+            rest = _JSON_STRING_REST.match(text, start + 1)
+            if rest is None:
+                break
+            at = rest.end()
+            continue
+        if char in "[{":
+            depth += 1
+            if depth == max_depth + 1:
+                out.append(text[pos:start])
+        else:
+            if depth == max_depth + 1:
+                out.append(json.dumps(CUT_MARKER))
+                pos = start + 1
+            depth -= 1
+        at = start + 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def loads_shown(data: bytes | bytearray | memoryview | str) -> Any:
+    """JSON from the database, as a page shows it: whole when Python can hold it, cut at
+    :data:`MAX_SHOWN_DEPTH` when it is nested too deep to parse (no RecursionError)."""
+    text = bytes(data).decode() if isinstance(data, (bytes, bytearray, memoryview)) else data
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return json.loads(cut_deep_json(text))
 
 
 # -- template filters ------------------------------------------------------------------

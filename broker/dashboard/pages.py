@@ -20,6 +20,8 @@ from broker.dashboard import webhooks
 from broker.dashboard.app import (
     BULK_LIMIT,
     JOB_STATES,
+    MAX_PAGE,
+    MAX_ROW_ID,
     PAGE_SIZE,
     Refused,
     action_form,
@@ -29,9 +31,14 @@ from broker.dashboard.app import (
     redirect,
     refused_response,
     render,
+    since_filter,
+    text_filter,
+    whole_number,
     with_conn,
 )
+from broker.dashboard.security import quoted
 from broker.metrics import DatabaseCollector
+from broker.redact import hidden_options
 
 #: The list filters, as query parameters (``id``: a job id or its start; ``q``: text
 #: in the arguments; ``since``: an ISO time or an age like 15m).
@@ -113,12 +120,30 @@ async def overview(request: Request) -> Response:
     return render(request, "overview.html", await with_conn(request, read))
 
 
+#: How many known queues a refusal of an unknown one lists.
+KNOWN_QUEUES_LISTED = 20
+
+
+def known_queue(conn: psycopg.Connection[Any], request: Request, name: str) -> None:
+    """Refuse (404) a queue the runtime does not know: known are the declared ones and
+    those ``ops.queue_overview`` lists (with messages, paused or served), as for
+    ``standmeet-jobs queues pause``."""
+    config = config_of(request)
+    known = set(config.queues) | {q.name for q in ops.queue_overview(conn, rescue_after_s=config.rescue_after_s)}
+    if name not in known:
+        listed = sorted(known)
+        more = f" and {len(listed) - KNOWN_QUEUES_LISTED} more" if len(listed) > KNOWN_QUEUES_LISTED else ""
+        raise Refused(404, f"unknown queue {quoted(name)}; known: "
+                           f"{', '.join(listed[:KNOWN_QUEUES_LISTED]) or 'none'}{more}")
+
+
 async def _queue_action(request: Request, action: str) -> Response:
     await action_form(request)
     name = request.path_params["name"]
     by, source = actor_of(request)
 
     def act(conn: psycopg.Connection[Any]) -> bool:
+        known_queue(conn, request, name)
         with conn.transaction():
             changed = ops.pause_queue(conn, name, by=by) if action == "pause" else ops.resume_queue(conn, name)
             ops.record_action(conn, action=f"queues.{action}", target={"queue": name}, by=by, source=source,
@@ -141,33 +166,59 @@ async def queue_resume(request: Request) -> Response:
 
 # -- jobs ------------------------------------------------------------------------------
 
-def filters_of(request: Request) -> dict[str, str]:
-    """The filters in the query string (or a form), blanks dropped."""
-    return {k: v.strip() for k in FILTER_PARAMS if (v := request.query_params.get(k, "")).strip()}
+def filters_of(request: Request, *, hide_args: bool) -> dict[str, str]:
+    """The filters in the query string, blanks dropped (and the search in the arguments
+    when they are hidden: ignored, and neither echoed nor carried into a bulk action)."""
+    return visible_filters({k: request.query_params.get(k, "") for k in FILTER_PARAMS}, hide_args=hide_args)
+
+
+def visible_filters(raw: dict[str, str], *, hide_args: bool) -> dict[str, str]:
+    return {k: v.strip() for k, v in raw.items() if v.strip() and not (hide_args and k == "q")}
 
 
 def ops_filters(filters: dict[str, str], *, hide_args: bool) -> dict[str, Any]:
-    """The filters as ``broker.ops`` keywords; no search in arguments when they are hidden."""
+    """The filters as ``broker.ops`` keywords, each checked (``ops.OpsError`` naming the
+    one out of range); no search in arguments when they are hidden."""
+    for name, value in filters.items():
+        text_filter(name, value)
+    if hide_args and filters.get("q"):
+        raise ops.OpsError("q: searching the arguments is off on this dashboard (STANDMEET_DASHBOARD_HIDE_ARGS=1)")
+    since = filters.get("since")
     return {
         "state": filters.get("state"), "queue": filters.get("queue"), "actor": filters.get("actor"),
-        "message_id": filters.get("id"), "since": filters.get("since"),
+        "message_id": filters.get("id"), "since": since_filter(since) if since else None,
         "search": None if hide_args else filters.get("q"),
     }
+
+
+def page_of(request: Request) -> int:
+    raw = request.query_params.get("page", "").strip()
+    return whole_number("page", raw, low=1, high=MAX_PAGE) if raw else 1
+
+
+def row_id(name: str, value: int) -> int:
+    """A path's row id within ``bigint``; 400 past it."""
+    if not 0 < value <= MAX_ROW_ID:
+        raise ops.OpsError(f"{name} must be a whole number from 1 to {MAX_ROW_ID}, not {value}")
+    return value
 
 
 @guarded
 async def jobs_list(request: Request) -> Response:
     config = config_of(request)
-    filters = filters_of(request)
+    filters = filters_of(request, hide_args=config.hide_args)
+    page = page_of(request)
     try:
-        page = max(1, int(request.query_params.get("page", "1")))
-    except ValueError:
-        page = 1
-    kwargs = ops_filters(filters, hide_args=config.hide_args)
+        kwargs: dict[str, Any] | None = ops_filters(filters, hide_args=config.hide_args)
+        filter_error = None
+    except ops.OpsError as exc:  # said above the form, which keeps what was typed
+        kwargs, filter_error = None, str(exc)
 
     def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
         queues = sorted({q.name for q in ops.queue_overview(conn, rescue_after_s=config.rescue_after_s)}
                         | set(config.queues))
+        if kwargs is None:
+            return {"total": 0, "jobs": [], "queue_names": queues, "filter_error": filter_error}
         try:
             total = ops.count_jobs(conn, **kwargs)
             jobs = ops.list_jobs(conn, **kwargs, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
@@ -205,7 +256,7 @@ async def jobs_bulk_confirm(request: Request) -> Response:
     config = config_of(request)
     if config.read_only:
         raise Refused(403, "the dashboard is read-only (--read-only)")
-    filters = filters_of(request)
+    filters = filters_of(request, hide_args=config.hide_args)
     action = request.query_params.get("action", "")
     kwargs = ops_filters(filters, hide_args=config.hide_args)
     count, _ = await with_conn(request, lambda conn: _bulk_plan(conn, action, kwargs))
@@ -219,7 +270,7 @@ async def jobs_bulk_confirm(request: Request) -> Response:
 async def jobs_bulk(request: Request) -> Response:
     form = await action_form(request)
     config = config_of(request)
-    filters = {k: str(v).strip() for k in FILTER_PARAMS if str(v := form.get(k) or "").strip()}
+    filters = visible_filters({k: str(form.get(k) or "") for k in FILTER_PARAMS}, hide_args=config.hide_args)
     action = str(form.get("action") or "")
     kwargs = ops_filters(filters, hide_args=config.hide_args)
     by, source = actor_of(request)
@@ -265,11 +316,17 @@ def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_id
 async def job_page(request: Request) -> Response:
     config = config_of(request)
     message_id = ops.parse_message_id(request.path_params["id"])
+    show = request.query_params.get("show", "")
+    if show not in ("", "args"):
+        raise ops.OpsError(f"show must be args or absent, not {quoted(show)}")
     job = await with_conn(request, lambda conn: ops.show_job(conn, message_id))
     if job is None:
         return render(request, "not_found.html", {"what": f"job {message_id}"}, status_code=404)
-    show_args = request.query_params.get("show") == "args" and not config.hide_args
-    return render(request, "job.html", {"job": job, "show_args": show_args})
+    show_args = show == "args" and not config.hide_args
+    # hidden means hidden: the next step of a pipeline, a group's callbacks and any other
+    # message carried in the options lose their arguments too
+    options = hidden_options(job.options) if config.hide_args else job.options
+    return render(request, "job.html", {"job": job, "options": options, "show_args": show_args})
 
 
 async def _job_action(request: Request, action: str) -> Response:
@@ -328,8 +385,11 @@ OUTBOX_PAGE_SIZE = 100
 async def outbox_page(request: Request) -> Response:
     """Topics no live process routes, failed events (with a retry), the relays."""
     config = config_of(request)
-    failed_only = request.query_params.get("state") == "failed"
-    topic = request.query_params.get("topic", "").strip() or None
+    state = request.query_params.get("state", "")
+    if state not in ("", "failed"):
+        raise ops.OpsError(f"state must be failed or absent, not {quoted(state)}")
+    failed_only = state == "failed"
+    topic = text_filter("topic", request.query_params.get("topic", "")).strip() or None
 
     def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
         return {"outbox": ops.outbox_overview(conn, rescue_after_s=config.rescue_after_s),
@@ -345,8 +405,8 @@ async def outbox_retry(request: Request) -> Response:
     """Failed events back to the relays: one (``id``), or every failed one (of ``topic``)."""
     form = await action_form(request)
     raw_id = str(form.get("id") or "").strip()
-    topic = str(form.get("topic") or "").strip() or None
-    ids = [ops.parse_event_id(raw_id)] if raw_id else None
+    topic = text_filter("topic", str(form.get("topic") or "")).strip() or None
+    ids = [row_id("id", ops.parse_event_id(raw_id))] if raw_id else None
     by, source = actor_of(request)
 
     def act(conn: psycopg.Connection[Any]) -> int:
@@ -366,7 +426,7 @@ async def outbox_retry(request: Request) -> Response:
 @guarded
 async def webhooks_page(request: Request) -> Response:
     raw = request.query_params.get("endpoint", "").strip()
-    endpoint_id = int(raw) if raw.isdigit() else None
+    endpoint_id = whole_number("endpoint", raw, low=1, high=MAX_ROW_ID) if raw else None
 
     def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
         return {"endpoints": webhooks.endpoints(conn),
@@ -378,8 +438,11 @@ async def webhooks_page(request: Request) -> Response:
 @guarded
 async def delivery_page(request: Request) -> Response:
     config = config_of(request)
-    delivery_id = request.path_params["id"]
-    show_payload = request.query_params.get("show") == "payload" and not config.hide_args
+    delivery_id = row_id("delivery id", request.path_params["id"])
+    show = request.query_params.get("show", "")
+    if show not in ("", "payload"):
+        raise ops.OpsError(f"show must be payload or absent, not {quoted(show)}")
+    show_payload = show == "payload" and not config.hide_args
 
     def read(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
         found = webhooks.deliveries(conn, delivery_id=delivery_id, limit=1)
@@ -397,7 +460,7 @@ async def delivery_page(request: Request) -> Response:
 @guarded
 async def delivery_replay(request: Request) -> Response:
     await action_form(request)
-    delivery_id = request.path_params["id"]
+    delivery_id = row_id("delivery id", request.path_params["id"])
     by, source = actor_of(request)
 
     def act(conn: psycopg.Connection[Any]) -> str | None:
@@ -416,7 +479,7 @@ async def delivery_replay(request: Request) -> Response:
 
 async def _endpoint_toggle(request: Request, enabled: bool) -> Response:
     await action_form(request)
-    endpoint_id = request.path_params["id"]
+    endpoint_id = row_id("endpoint id", request.path_params["id"])
     by, source = actor_of(request)
 
     def act(conn: psycopg.Connection[Any]) -> bool:

@@ -20,7 +20,14 @@ from broker.dashboard.app import (
     format_ts,
     pretty_json,
 )
-from broker.dashboard.security import BasicAuth, Csrf, SecurityHeaders
+from broker.dashboard.security import (
+    BasicAuth,
+    Csrf,
+    HostGuard,
+    OriginGuard,
+    SecurityHeaders,
+    allowed_hosts,
+)
 from broker.pgpool import open_pool
 
 
@@ -45,7 +52,11 @@ def create_app(config: DashboardConfig) -> Starlette:
     env.filters.update(age=format_age, ts=format_ts, pretty=pretty_json)
     templates = Jinja2Templates(env=env)
 
-    middleware = [Middleware(SecurityHeaders)]
+    # Outermost first: every answer gets the headers; a foreign Host is refused before
+    # anything else is looked at, a foreign POST before its credentials or form are read.
+    middleware = [Middleware(SecurityHeaders),
+                  Middleware(HostGuard, allowed=allowed_hosts(config.bind_host, config.allowed_hosts)),
+                  Middleware(OriginGuard)]
     if config.password:
         middleware.append(Middleware(BasicAuth, user=config.user, password=config.password))
     app = Starlette(

@@ -5,6 +5,7 @@ real worker process runs the jobs."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -104,6 +105,40 @@ def test_with_a_password_it_listens_beyond_loopback_behind_basic_auth(dashboard_
         assert httpx.get(base + "/", timeout=10).status_code == 401
         assert httpx.get(base + "/", auth=("admin", "wrong"), timeout=10).status_code == 401
         assert httpx.get(base + "/", auth=("admin", "s3cret"), timeout=10).status_code == 200
+
+
+def test_the_served_dashboard_refuses_a_rebound_host_and_a_foreign_post_and_marks_its_cookie_secure_behind_tls(
+        dashboard_process, broker, database_url):
+    import tests.support.dashboard_jobs as jobs
+
+    message = jobs.fail_until_retried.send_with_options(args=("rebound-secret",), delay=600_000)
+    with dashboard_process(env={"STANDMEET_DASHBOARD_ALLOWED_HOSTS": "jobs.example.com"}) as base:
+        rebound = httpx.get(f"{base}/jobs/{message.message_id}?show=args", headers={"Host": "attacker.example:8420"},
+                            timeout=10)
+        proxied = httpx.get(base + "/", headers={"Host": "jobs.example.com", "X-Forwarded-Proto": "https"},
+                            timeout=10)
+        plain = httpx.get(base + "/", timeout=10)
+        token = re.search(r'name="csrf_token" value="([0-9a-f]+)"', plain.text)
+        assert token, plain.text
+        foreign = httpx.post(f"{base}/jobs/{message.message_id}/cancel", data={"csrf_token": token.group(1)},
+                             cookies=plain.cookies, headers={"Origin": "http://attacker.example"}, timeout=10)
+    assert rebound.status_code == 400 and "rebound-secret" not in rebound.text
+    assert len(rebound.text.strip().splitlines()) == 1 and "STANDMEET_DASHBOARD_ALLOWED_HOSTS" in rebound.text
+    # uvicorn trusts X-Forwarded-Proto from loopback: the request came over https
+    assert proxied.status_code == 200 and "; secure" in proxied.headers["set-cookie"].lower()
+    assert "; secure" not in plain.headers["set-cookie"].lower()
+    assert foreign.status_code == 403 and "origin" in foreign.text
+    assert scalar(database_url, 'SELECT "state"::text FROM dramatiq.queue WHERE message_id = %s',
+                  (message.message_id,)) == "queued"
+
+
+def test_an_allowed_host_that_is_not_a_host_name_refuses_to_start_in_one_line(subprocess_env):
+    env = {**subprocess_env, "STANDMEET_DASHBOARD_ALLOWED_HOSTS": "https://jobs.example.com/"}
+    result = subprocess.run(dashboard_cmd("--port", str(free_port())), env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "STANDMEET_DASHBOARD_ALLOWED_HOSTS" in lines[0], result.stderr
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ def dashboard(database_url: str) -> Callable[..., Iterator[TestClient]]:
     @contextmanager
     def open_dashboard(**overrides: object) -> Iterator[TestClient]:
         config = replace(DashboardConfig(database_url=database_url, queues=("index", QUEUE)), **overrides)
-        with TestClient(create_app(config)) as client:
+        with TestClient(create_app(config), base_url="http://127.0.0.1:8420") as client:
             yield client
 
     return open_dashboard  # type: ignore[return-value]
