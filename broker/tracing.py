@@ -1,10 +1,21 @@
-"""OpenTelemetry traces, when the ``[otel]`` extra is installed (a no-op otherwise).
+"""OpenTelemetry traces, when the ``[otel]`` extra (``opentelemetry-api``) is installed;
+a no-op otherwise. Nothing here imports the SDK: the application installs one, with its
+exporter, as OpenTelemetry's global tracer provider.
 
-A producer span per enqueue or emit, a consumer span per run, and the W3C trace
-context carried in the message's options (``trace_context``: ``traceparent`` and
-``tracestate``) through outbox → relay → fan-out → delivery, and sent on the webhook
-POST as ``traceparent``. Spans go to the application's tracer provider (configure the
-SDK and its exporter as usual); without one they cost next to nothing.
+Spans follow the OpenTelemetry messaging semantic conventions: a producer span
+``send <destination>`` per enqueue or emit and a consumer span ``process <destination>``
+per run (the destination is the queue, or the outbox topic), with ``messaging.system``,
+``messaging.destination.name``, ``messaging.operation.name`` and
+``messaging.operation.type`` (``send`` / ``process``), ``messaging.message.id``, and on
+failure ``error.type`` (the exception's qualified type) and an error status.
+
+The W3C trace context travels in the message's options (``trace_context``:
+``traceparent`` and ``tracestate``) through outbox → relay → fan-out → delivery, and is
+sent on the webhook POST as ``traceparent``. A run's span has a link to the span of the
+send that produced its message (what the conventions require of a consumer span), and
+is also that span's child: a run processes one message, for which the conventions allow
+the producer's context as parent, so the trace reads as one tree from the request that
+enqueued the work down to what the run sends in turn.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from typing import Any
 try:
     from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
-    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
     _NO_OP_PROVIDERS: tuple[type, ...] = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
 except ImportError:  # the [otel] extra is not installed
@@ -27,10 +38,40 @@ OPTION = "trace_context"
 OUTBOX_KEY = "_trace"
 TRACER_NAME = "standmeet-jobs"
 
+#: ``messaging.system`` of the runtime's queues, and of the outbox.
+SYSTEM = "dramatiq"
+OUTBOX_SYSTEM = "standmeet.outbox"
+SEND = "send"
+PROCESS = "process"
+
+
+def span_name(operation: str, destination: str) -> str:
+    """``<operation> <destination>``, as the conventions name a messaging span."""
+    return f"{operation} {destination}"
+
+
+def messaging_attributes(operation: str, destination: str, *, system: str = SYSTEM,
+                         message_id: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The conventions' attributes of a ``send`` or ``process`` span (plus ``extra``)."""
+    attributes: dict[str, Any] = {"messaging.system": system, "messaging.destination.name": destination,
+                                  "messaging.operation.name": operation, "messaging.operation.type": operation}
+    if message_id is not None:
+        attributes["messaging.message.id"] = message_id
+    attributes.update(extra)
+    return attributes
+
+
+def error_type(exception: BaseException) -> str:
+    """The exception's qualified type, as ``error.type`` takes it: ``module.QualName``, the
+    builtins' bare (``ValueError``)."""
+    kind = type(exception)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
 _provider: Any = None
 
 
 def enabled() -> bool:
+    """Whether ``opentelemetry-api`` is installed."""
     return trace is not None
 
 
@@ -75,10 +116,16 @@ def nothing_to_carry() -> bool:
 
 def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
     """A producer span (child of the current one), ended at once; returns the W3C
-    context to carry, or None when there is nothing to carry (no SDK, no recording)."""
+    context to carry, or None when there is nothing to carry (no SDK, no recording).
+    Its operation is ``send`` unless ``attributes`` say otherwise; when they name a
+    destination, the span is named as the conventions say (``send <destination>``)
+    whatever ``name`` the caller gave."""
     if nothing_to_carry():
         return None
-    span = _tracer().start_span(name, kind=SpanKind.PRODUCER, attributes=dict(attributes))
+    attributes = {"messaging.operation.name": SEND, "messaging.operation.type": SEND, **attributes}
+    if "messaging.destination.name" in attributes:
+        name = span_name(str(attributes["messaging.operation.name"]), str(attributes["messaging.destination.name"]))
+    span = _tracer().start_span(name, kind=SpanKind.PRODUCER, attributes=attributes)
     try:
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
@@ -88,17 +135,24 @@ def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
 
 
 class Consumed:
-    """A consumer span for one run, current (attached) until :meth:`end`."""
+    """A consumer span for one run, current (attached) until :meth:`end`: the child of the
+    context the message carries, with a link to it (the producer's span)."""
 
     def __init__(self, name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> None:
         parent = propagate.extract(dict(carrier or {}))
-        self.span = _tracer().start_span(name, context=parent, kind=SpanKind.CONSUMER, attributes=dict(attributes))
+        producer = trace.get_current_span(parent).get_span_context()
+        links = [Link(producer)] if producer.is_valid else []
+        self.span = _tracer().start_span(name, context=parent, kind=SpanKind.CONSUMER,
+                                         attributes=dict(attributes), links=links)
         self.token = otel_context.attach(trace.set_span_in_context(self.span, parent))
 
     def end(self, exception: BaseException | None = None, *, outcome: str | None = None) -> None:
+        """End the span: an error (``error.type``, the exception recorded, status ERROR) when
+        ``exception`` is given."""
         if outcome is not None:
             self.span.set_attribute("standmeet.outcome", outcome)
         if exception is not None:
+            self.span.set_attribute("error.type", error_type(exception))
             self.span.record_exception(exception)
             self.span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"))
         self.span.end()

@@ -1,11 +1,14 @@
-"""Traces (the ``[otel]`` extra): a producer span per enqueue, a consumer span per run.
+"""Traces (the ``[otel]`` extra): a producer span per enqueue, a consumer span per run,
+named and attributed as the OpenTelemetry messaging conventions say (``send <queue>``,
+``process <queue>``; see :mod:`broker.tracing`).
 
 ``before_enqueue`` records a producer span and carries its W3C context in the
 message's options (``trace_context``); a message that already carries one (a retry,
 a snooze, a relayed event's message) keeps it. ``before_process_message`` starts the
-run's consumer span under that context and makes it current, so what the job enqueues
-or emits, and the webhook POST's ``traceparent``, continue the same trace. Placed
-first after the connection budget, so its span covers the other middleware.
+run's consumer span, linked to and parented by that context, and makes it current, so
+what the job enqueues or emits, and the webhook POST's ``traceparent``, continue the
+same trace. Placed first after the connection budget, so its span covers the other
+middleware.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from dramatiq import Middleware
 from broker import tracing
 
 
-def _attributes(message: Any) -> dict[str, Any]:
-    return {"messaging.system": "dramatiq", "messaging.destination.name": message.queue_name,
-            "messaging.message.id": message.message_id, "dramatiq.actor": message.actor_name}
+def _attributes(operation: str, message: Any) -> dict[str, Any]:
+    return tracing.messaging_attributes(operation, message.queue_name, message_id=message.message_id,
+                                        **{"messaging.dramatiq.actor": message.actor_name})
 
 
 class Tracing(Middleware):
@@ -27,14 +30,17 @@ class Tracing(Middleware):
     def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
         if tracing.OPTION in message.options:
             return
-        carrier = tracing.produced(f"{message.actor_name} send", _attributes(message))
+        carrier = tracing.produced(tracing.span_name(tracing.SEND, message.queue_name),
+                                   _attributes(tracing.SEND, message))
         if carrier:
             message.options[tracing.OPTION] = carrier
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         carrier = message.options.get(tracing.OPTION)
-        message.standmeet_span = (tracing.Consumed(f"{message.actor_name} process", carrier, _attributes(message))
-                                  if tracing.worth_a_span(carrier) else None)
+        message.standmeet_span = (
+            tracing.Consumed(tracing.span_name(tracing.PROCESS, message.queue_name), carrier,
+                             _attributes(tracing.PROCESS, message))
+            if tracing.worth_a_span(carrier) else None)
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
                               exception: BaseException | None = None) -> None:

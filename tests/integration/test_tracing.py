@@ -1,6 +1,7 @@
-"""Traces (the [otel] extra): one trace from emit to the webhook delivery, the W3C
-context carried in message options through outbox → relay → fan-out → delivery and
-sent on the POST, recorded by the SDK's in-memory exporter."""
+"""Traces (the [otel] extra): spans named and attributed as the OpenTelemetry messaging
+conventions say, one trace from emit to the webhook delivery, the W3C context carried in
+message options through outbox → relay → fan-out → delivery and sent on the POST, a run
+linked to the send of its message; recorded by the SDK's in-memory exporter."""
 
 from __future__ import annotations
 
@@ -52,10 +53,25 @@ def spans(broker) -> Iterator[InMemorySpanExporter]:
         yield exporter
 
 
-def _one(spans: list, name: str, kind: SpanKind) -> object:
-    found = [s for s in spans if s.name == name and s.kind == kind]
-    assert len(found) == 1, [(s.name, s.kind) for s in spans]
+def _one(spans: list, name: str, kind: SpanKind, actor: str | None = None) -> object:
+    found = [s for s in spans if s.name == name and s.kind == kind
+             and (actor is None or s.attributes.get("messaging.dramatiq.actor") == actor)]
+    assert len(found) == 1, [(s.name, s.kind, dict(s.attributes)) for s in spans]
     return found[0]
+
+
+def _emitted(spans: list, topic: str) -> object:
+    """The producer span of an emit to ``topic`` (found by its destination)."""
+    found = [s for s in spans if s.kind == SpanKind.PRODUCER and s.attributes.get("messaging.system") == "standmeet.outbox"
+             and s.attributes.get("messaging.destination.name") == topic]
+    assert len(found) == 1, [(s.name, dict(s.attributes)) for s in spans]
+    assert found[0].name == f"send {topic}"
+    assert found[0].attributes["messaging.operation.name"] == found[0].attributes["messaging.operation.type"] == "send"
+    return found[0]
+
+
+def _processed(spans: list, actor: str) -> list:
+    return [s for s in spans if s.kind == SpanKind.CONSUMER and s.attributes.get("messaging.dramatiq.actor") == actor]
 
 
 def test_one_trace_runs_from_emit_through_the_relay_and_fanout_to_the_webhook_post(
@@ -71,24 +87,29 @@ def test_one_trace_runs_from_emit_through_the_relay_and_fanout_to_the_webhook_po
             with psycopg.connect(database_url) as conn, conn.transaction():
                 webhooks.emit_event(conn, "order.paid", {"order": 42})
         wait_for(lambda: server.received, timeout_s=15, what="the delivery")
-        wait_for(lambda: any(s.name == "webhook.deliver process" for s in spans.get_finished_spans()),
+        wait_for(lambda: _processed(spans.get_finished_spans(), "webhook.deliver"),
                  timeout_s=5, what="the delivery's span to end")
 
     trace_id = request.get_span_context().trace_id
     finished = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
-    emitted = _one(finished, "webhook.event emit", SpanKind.PRODUCER)
-    fanout = _one(finished, "webhook.fanout process", SpanKind.CONSUMER)
-    sent = _one(finished, "webhook.deliver send", SpanKind.PRODUCER)
-    delivered = _one(finished, "webhook.deliver process", SpanKind.CONSUMER)
+    emitted = _emitted(finished, "webhook.event")
+    fanout = _one(finished, "process webhook", SpanKind.CONSUMER, "webhook.fanout")
+    sent = _one(finished, "send webhook", SpanKind.PRODUCER, "webhook.deliver")
+    delivered = _one(finished, "process webhook", SpanKind.CONSUMER, "webhook.deliver")
     # each step is the child of the one before
     assert emitted.parent.span_id == request.get_span_context().span_id
     assert fanout.parent.span_id == emitted.context.span_id
     assert sent.parent.span_id == fanout.context.span_id
     assert delivered.parent.span_id == sent.context.span_id
+    # and each run links to the send of its message
+    assert [link.context.span_id for link in fanout.links] == [emitted.context.span_id]
+    assert [link.context.span_id for link in delivered.links] == [sent.context.span_id]
     # and the endpoint was told, so it can join the trace
     traceparent = server.headers[0]["traceparent"]
     assert traceparent.split("-")[1] == f"{trace_id:032x}"
-    assert traceparent.split("-")[2] == f"{delivered.context.span_id:016x}"
+    told = int(traceparent.split("-")[2], 16)  # the delivery's span, or its HTTP client span
+    assert told == delivered.context.span_id or any(
+        s.context.span_id == told and s.parent.span_id == delivered.context.span_id for s in finished)
 
 
 def test_a_retried_job_keeps_its_trace_and_its_failed_run_is_an_error(broker, database_url, start_worker, spans):
@@ -96,12 +117,62 @@ def test_a_retried_job_keeps_its_trace_and_its_failed_run_is_an_error(broker, da
     message = raise_once.send("traced-retry")
     wait_for(lambda: scalar(database_url, "SELECT state FROM dramatiq.queue WHERE message_id = %s",
                             (message.message_id,)) == "done", timeout_s=15, what="the retried job")
-    wait_for(lambda: len([s for s in spans.get_finished_spans() if s.name == "test.raise_once process"]) == 2,
+    wait_for(lambda: len(_processed(spans.get_finished_spans(), "test.raise_once")) == 2,
              timeout_s=5, what="both runs' spans")
-    sent = _one(spans.get_finished_spans(), "test.raise_once send", SpanKind.PRODUCER)
-    runs = [s for s in spans.get_finished_spans() if s.name == "test.raise_once process"]
+    sent = _one(spans.get_finished_spans(), "send index", SpanKind.PRODUCER, "test.raise_once")
+    runs = sorted(_processed(spans.get_finished_spans(), "test.raise_once"), key=lambda s: s.start_time)
     assert {r.parent.span_id for r in runs} == {sent.context.span_id}
-    assert sorted(r.status.status_code.name for r in runs) == ["ERROR", "UNSET"]
+    assert [[link.context.span_id for link in r.links] for r in runs] == [[sent.context.span_id]] * 2
+    # the failed run is an error naming the exception's type; the retry is not
+    assert [r.status.status_code.name for r in runs] == ["ERROR", "UNSET"]
+    assert runs[0].attributes["error.type"] == "RuntimeError" and "error.type" not in runs[1].attributes
+
+
+def test_send_and_process_spans_follow_the_messaging_conventions(broker, database_url, start_worker, spans):
+    from tests.support.jobs import mark
+
+    # Given a worker on the index queue
+    start_worker(queues=["index"], threads=2)
+    # When a message is sent and processed
+    message = mark.send("conventions")
+    wait_for(lambda: _processed(spans.get_finished_spans(), "test.mark"), timeout_s=15, what="the run's span")
+    sent = _one(spans.get_finished_spans(), "send index", SpanKind.PRODUCER, "test.mark")
+    run = _one(spans.get_finished_spans(), "process index", SpanKind.CONSUMER, "test.mark")
+    # Then both are named "<operation> <queue>" and carry the conventions' attributes
+    common = {"messaging.system": "dramatiq", "messaging.destination.name": "index",
+              "messaging.message.id": message.message_id}
+    assert dict(sent.attributes) == {**common, "messaging.operation.name": "send", "messaging.operation.type": "send",
+                                     "messaging.dramatiq.actor": "test.mark"}
+    assert dict(run.attributes) == {**common, "messaging.operation.name": "process",
+                                    "messaging.operation.type": "process", "messaging.dramatiq.actor": "test.mark"}
+    # And the run links to the send's span context (and is its child: one message, one run)
+    assert [(link.context.trace_id, link.context.span_id) for link in run.links] == [
+        (sent.context.trace_id, sent.context.span_id)]
+    assert run.parent.span_id == sent.context.span_id and run.status.status_code.name == "UNSET"
+
+
+def test_a_failed_run_has_the_qualified_error_type_and_an_error_status():
+    class Refused(Exception):
+        pass
+
+    # Given a run's span whose message carries a producer's context
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_tracer_provider(provider)
+    try:
+        carrier = tracing.produced("send index", tracing.messaging_attributes("send", "index"))
+        run = tracing.Consumed("process index", carrier, tracing.messaging_attributes("process", "index"))
+        # When it ends with an exception
+        run.end(Refused("no"))
+    finally:
+        tracing.set_tracer_provider(None)
+        provider.shutdown()
+    (ended,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CONSUMER]
+    # Then error.type is the exception's qualified type, the status an error, the exception recorded
+    assert ended.attributes["error.type"] == f"{__name__}.test_a_failed_run_has_the_qualified_error_type_and_an_error_status.<locals>.Refused"
+    assert ended.status.status_code.name == "ERROR" and "Refused: no" in ended.status.description
+    assert [event.name for event in ended.events] == ["exception"]
 
 
 def test_without_a_tracer_provider_nothing_is_carried_but_a_current_remote_context_is():
@@ -155,8 +226,8 @@ def test_a_relayed_event_that_brought_no_trace_gets_one_when_tracing_is_on(broke
     options = {event_id: json.loads(scalar(database_url, "SELECT message::text FROM dramatiq.queue WHERE message_id = %s",
                                            (str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/0")),)))["options"]
                for event_id in (untraced, traced_event)}
-    sent = _one(exporter.get_finished_spans(), "test.noop send", SpanKind.PRODUCER)
-    emitted = _one(exporter.get_finished_spans(), "test.ping emit", SpanKind.PRODUCER)
+    sent = _one(exporter.get_finished_spans(), "send index", SpanKind.PRODUCER, "test.noop")
+    emitted = _emitted(exporter.get_finished_spans(), "test.ping")
     # the untraced event's message got the relay's producer span; the traced one kept its emit's
     assert options[untraced][tracing.OPTION]["traceparent"].split("-")[2] == f"{sent.context.span_id:016x}"
     assert options[traced_event][tracing.OPTION]["traceparent"].split("-")[2] == f"{emitted.context.span_id:016x}"

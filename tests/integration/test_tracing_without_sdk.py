@@ -62,3 +62,20 @@ def test_without_an_sdk_the_context_a_message_carries_reaches_the_messages_its_r
     assert carried is not None and carried.split("-")[1] == TRACE_ID
     # And once the run has ended, nothing of it stays current
     assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_the_runtime_imports_no_opentelemetry_sdk():
+    """[otel] is the API only: loading the runtime and the application, middleware
+    included, imports nothing of the SDK (the application brings its own)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    probe = ("import sys, broker, broker.tracing, middleware, middleware.tracing, periodic, actors; "
+             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=root,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root),
+                                 "DATABASE_URL": "postgresql://no-sdk.invalid/none"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -1,5 +1,5 @@
 """Settings declared once: the contract of variable names, one-line refusals, undeclared
-variables, the application's settings apart from the runtime's, and README's tables."""
+variables, the application's settings apart from the runtime's, and the configuration page's tables."""
 
 from __future__ import annotations
 
@@ -210,16 +210,16 @@ def test_check_prints_an_undeclared_variable_and_still_passes():
     assert result.stderr.count("STANDMEET_HEARTBEAT=3 is not a setting") == 1  # logged once
 
 
-def test_readme_holds_the_tables_the_declarations_generate(monkeypatch):
+def test_the_configuration_page_holds_the_tables_the_declarations_generate(monkeypatch):
     # The generator names a database when none is set: the environment is restored after.
     monkeypatch.setenv("DATABASE_URL", os.environ.get("DATABASE_URL", "postgresql://settings-table.invalid/none"))
     spec = importlib.util.spec_from_file_location("settings_table", ROOT / "scripts" / "settings_table.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert script.readme_tables(readme) == script.tables(), (
-        "README's configuration tables differ from the declarations: run python scripts/settings_table.py --write")
+    readme = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert script.page_tables(readme) == script.tables(), (
+        "docs/configuration.md's tables differ from the declarations: run python scripts/settings_table.py --write")
     for variable in CONTRACT:
         assert f"| `{variable}` |" in readme
     for suffix in ("MAX_WORKERS", "TIME_LIMIT_S", "POLL_S", "PREFETCH"):
