@@ -15,7 +15,12 @@ supplier APIs, job feeds):
   against any byte pattern: every socket operation waits only for what remains, and a
   wall-clock watchdog (``broker.deadline.watchdog``) shuts the connection down when it
   passes, whatever the request is blocked in (a trickled TLS handshake included);
-* the response body is read up to a cap (truncated, or refused), never whole.
+* the response body is read up to a cap (truncated, or refused), never whole;
+* when OpenTelemetry records spans (``broker.tracing``: the API only, never the SDK),
+  the request is an HTTP client span named after its method, a child of the current
+  span, with the attributes of the HTTP semantic conventions (``url.full`` without its
+  query or fragment); ``propagate_trace=True`` sends that span's context as
+  ``traceparent``.
 """
 
 from __future__ import annotations
@@ -24,14 +29,23 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import certifi
 import httpx
 
 from actors import http1
 from actors.netguard import Target, check_url
-from broker import deadline
+from broker import deadline, tracing
+
+try:
+    from opentelemetry import propagate
+    from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+except ImportError:  # the [otel] extra is not installed: no span, nothing carried
+    pass
 
 
 @dataclass
@@ -118,6 +132,7 @@ class Response:
     body: bytes
     truncated: bool
     target: Target
+    version: str = "1.1"
 
     @property
     def text(self) -> str:
@@ -134,6 +149,7 @@ def guarded_request(
     refuse_larger: bool = False,
     headers: dict[str, str] | None = None,
     content: bytes | None = None,
+    propagate_trace: bool = False,
 ) -> Response:
     """One request to ``url`` through the guard, within a total deadline, body capped.
 
@@ -141,25 +157,82 @@ def guarded_request(
     ``httpx.TimeoutException`` (the total deadline passed, in any phase),
     another ``httpx.HTTPError`` (connection, TLS, protocol), or
     :class:`ResponseTooLarge` when ``refuse_larger`` and the body is over ``max_bytes``.
+    ``propagate_trace``: send the W3C trace context (``traceparent``) of the request's
+    client span (of the current span when none is recorded).
     Holds no database connection: call it with none checked out.
     """
     target = check_url(url, allowed_networks=allowed_networks)
     total = deadline.cap_timeout(timeout_s)
     budget = _Budget(end=time.monotonic() + total)
-    sent = {**DEFAULT_HEADERS, "Accept-Encoding": "identity", **(headers or {}), **target.headers()}
+    sent = {**DEFAULT_HEADERS, "Accept-Encoding": "identity", **(headers or {})}
     key = http1.Key(target.scheme, target.address, target.port, target.host)
     previous = _budget()
     _local.budget = budget
     try:
-        with deadline.watchdog(total, budget.expire):
+        with _client_span(method.upper(), target, sent if propagate_trace else None) as span, \
+                deadline.watchdog(total, budget.expire):
             try:
-                reply = EXCHANGE.send(method.upper(), key, http1.request_line_target(target.url), sent, content,
+                reply = EXCHANGE.send(method.upper(), key, http1.request_line_target(target.url),
+                                      {**sent, **target.headers()}, content,
                                       max_bytes=max_bytes, refuse_larger=refuse_larger)
-                return Response(reply.status_code, httpx.Headers(reply.headers), reply.body, reply.truncated, target)
             except httpx.HTTPError as exc:
                 if budget.expired or budget.left() <= 0:
                     raise httpx.ReadTimeout(f"the total deadline of {total:.3g} s passed "
                                             f"({type(exc).__name__}: {exc})") from exc
                 raise
+            _answered(span, reply.status_code, reply.version)
+            return Response(reply.status_code, httpx.Headers(reply.headers), reply.body, reply.truncated, target,
+                            reply.version)
     finally:
         _local.budget = previous
+
+
+def span_url(target: Target) -> str:
+    """``url.full`` of a request: scheme, host, port and path, never the query, the
+    fragment or user info (where tokens and secrets travel)."""
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    return f"{target.scheme}://{host}:{target.port}{http1.request_line_target(target.url).split('?', 1)[0]}"
+
+
+def _error_type(exc: BaseException) -> str:
+    """``error.type``: the exception's class, named as its library exports it."""
+    module = type(exc).__module__
+    return f"{module.split('.', 1)[0] if module.startswith('httpx.') else module}.{type(exc).__qualname__}"
+
+
+@contextmanager
+def _client_span(method: str, target: Target, carrier: dict[str, str] | None) -> Iterator[Any]:
+    """The request's HTTP client span (None when nothing records spans), a child of the
+    current one; its context is added to ``carrier`` (the request's headers) if given.
+    An exception ends it as an error, with ``error.type``."""
+    if not tracing.recording():
+        if carrier is not None:
+            tracing.inject_headers(carrier)  # the current span's context, if there is one
+        yield None
+        return
+    span = tracing.tracer().start_span(method, kind=SpanKind.CLIENT, attributes={
+        "http.request.method": method, "url.full": span_url(target), "server.address": target.host,
+        "server.port": target.port, "network.peer.address": target.address, "network.protocol.name": "http",
+        "network.protocol.version": "1.1"})
+    if carrier is not None:
+        propagate.inject(carrier, context=set_span_in_context(span))
+    try:
+        yield span
+    except BaseException as exc:
+        span.set_attribute("error.type", _error_type(exc))
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:500]))
+        raise
+    finally:
+        span.end()
+
+
+def _answered(span: Any, status_code: int, version: str) -> None:
+    """Record the response on the client span: its status (4xx and 5xx are errors of a
+    client span) and the HTTP version it came in."""
+    if span is None:
+        return
+    span.set_attribute("http.response.status_code", status_code)
+    span.set_attribute("network.protocol.version", version)
+    if status_code >= 400:
+        span.set_attribute("error.type", str(status_code))
+        span.set_status(Status(StatusCode.ERROR))

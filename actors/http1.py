@@ -37,7 +37,7 @@ the one vocabulary the actors already classify.
 from __future__ import annotations
 
 import re
-import select
+import selectors
 import socket
 import ssl
 import threading
@@ -79,6 +79,10 @@ _BAD_IN_VALUE = re.compile(r"[\r\n\0]")
 _BAD_IN_LINE = re.compile(rb"[\r\n\0]")
 #: Request headers this module writes itself from what it sends; a caller's are dropped.
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
+#: How an idle connection is checked for a peer's close: poll(2) where the platform has
+#: it (no descriptor limit, nothing to create in the kernel), select(2) elsewhere (Windows).
+_IdleCheck: type[selectors.BaseSelector] = getattr(selectors, "PollSelector", selectors.SelectSelector)
+
 
 class Key(NamedTuple):
     """Where a connection goes: a checked address, and the name TLS verifies."""
@@ -91,12 +95,14 @@ class Key(NamedTuple):
 
 @dataclass(frozen=True)
 class Reply:
-    """A response: status, headers (raw, in order, as received), body up to the cap."""
+    """A response: status, headers (raw, in order, as received), body up to the cap, and
+    the HTTP version of its status line (``"1.1"`` or ``"1.0"``)."""
 
     status_code: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
     truncated: bool
+    version: str = "1.1"
 
 
 class ResponseTooLarge(StandmeetError):
@@ -128,9 +134,9 @@ class _Connection:
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return False
         try:
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN | select.POLLPRI)
-            return not poller.poll(0)
+            with _IdleCheck() as check:
+                check.register(self.sock, selectors.EVENT_READ)
+                return not check.select(0)
         except (OSError, ValueError):
             return False
 
@@ -389,6 +395,7 @@ class Exchange:
                 break  # an interim 1xx response is skipped
         else:
             raise httpx.RemoteProtocolError(f"more than {MAX_INTERIM} interim responses")
+        spoken = version[5:].decode("ascii")  # "1.1" or "1.0", as its status line said
         lengths: set[bytes] = set()
         codings: list[bytes] = []
         close = version != b"HTTP/1.1"  # an HTTP/1.0 connection is never kept
@@ -404,18 +411,18 @@ class Exchange:
             raise httpx.RemoteProtocolError(f"an invalid Content-Length: {sorted(lengths)!r:.80}")
         keep = not close and not (codings and lengths)  # both framings: never trusted for another
         if method == "HEAD" or status in (204, 304):
-            return Reply(status, headers, b"", False), keep
+            return Reply(status, headers, b"", False, spoken), keep
         if codings:
             if codings[-1] == b"chunked":
                 body, truncated = self._chunked(conn, max_bytes, refuse_larger)
-                return Reply(status, headers, body, truncated), keep and not truncated
+                return Reply(status, headers, body, truncated, spoken), keep and not truncated
             body, truncated = self._until_close(conn, max_bytes, refuse_larger)
-            return Reply(status, headers, body, truncated), False
+            return Reply(status, headers, body, truncated, spoken), False
         if lengths:
             body, truncated = self._sized(conn, int(next(iter(lengths))), max_bytes, refuse_larger)
-            return Reply(status, headers, body, truncated), keep and not truncated
+            return Reply(status, headers, body, truncated, spoken), keep and not truncated
         body, truncated = self._until_close(conn, max_bytes, refuse_larger)
-        return Reply(status, headers, body, truncated), False
+        return Reply(status, headers, body, truncated, spoken), False
 
     @staticmethod
     def _over(refuse_larger: bool, max_bytes: int) -> None:

@@ -40,11 +40,12 @@ from actors import secretbox
 from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
-from broker import app, db, deadline, tracing
+from actors.reasons import MAX_REASON
+from broker import app, db, deadline
 from broker.enqueue import build_message, enqueue_messages, finish_queued
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.ops import record_delivery_messages
-from broker.outbox import emit
+from broker.outbox import check_payload, emit
 from middleware.keyed_lease import Lease, given_back, lease_of, read_without_lease
 from middleware.snooze import Snooze
 
@@ -65,6 +66,11 @@ RECORD_MARGIN_S = 1.0
 
 class WebhookError(StandmeetError):
     """A webhook operation was refused (bad URL, unknown endpoint…)."""
+
+
+class DeliveryFailed(StandmeetError):
+    """A delivery failed for good (blocked by the request-forgery guard, 410 Gone, or
+    out of retries): its job ends rejected with this reason, not done."""
 
 
 # -- signing --------------------------------------------------------------------------
@@ -162,10 +168,18 @@ def rotate_secret(endpoint_id: int, new: str | None = None, *, keep_old: bool = 
     return new
 
 
+STORE_EVENT = "INSERT INTO standmeet.webhook_events (type, payload) VALUES (%s, %s::jsonb) RETURNING id"
+
+
 def emit_event(conn: psycopg.Connection[Any], event_type: str, payload: dict[str, Any]) -> int:
-    """Store an event and emit it through the outbox, in the caller's transaction."""
-    row = conn.execute("INSERT INTO standmeet.webhook_events (type, payload) VALUES (%s, %s::jsonb) RETURNING id",
-                       (event_type, json.dumps(payload))).fetchone()
+    """Store an event and emit it through the outbox, in the caller's transaction.
+
+    A payload jsonb would refuse (NaN, an infinity, ``\\u0000``, a lone surrogate, a
+    value that is not JSON) raises :class:`broker.outbox.InvalidPayload` before any
+    statement runs, so the caller's transaction is left as it was and can still commit.
+    """
+    check_payload(event_type, payload)
+    row = conn.execute(STORE_EVENT, (event_type, json.dumps(payload, allow_nan=False))).fetchone()
     assert row is not None
     emit(conn, "webhook.event", {"event_id": int(row[0])})
     return int(row[0])
@@ -249,10 +263,31 @@ JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id
 WHERE d.id = %s
 """
-#: Everything that records a job's attempts, in one statement (one round trip, atomic):
-#: each attempt, each delivery's new state, the endpoint's health (from the last attempt;
-#: 410 disables it), and the endpoint's lease given back when the token is still ours
-#: (NULL token: no lease held). One array element per attempt, in the order made.
+#: The endpoint's next waiting delivery is woken when its lease is given back: of its
+#: never-attempted pending deliveries (``webhook_deliveries_due_idx``), oldest first, the
+#: first whose message is queued (one claimed is running already) and not one just made
+#: (``%(made)s``), has its message made due now if it was snoozed until later, and its
+#: queue's consumers are told. Only when the lease was ours (``%(token)s``: the
+#: statement's snapshot, before its release). Waiters therefore snooze until the lease's
+#: expiry (the holder's crash) rather than polling: one of them is woken per release.
+_WAKE_NEXT_WAITER = """
+UPDATE dramatiq.queue q SET eta = now(), mtime = now()
+WHERE q.message_id = (
+        SELECT w.message_id FROM standmeet.webhook_deliveries w
+        JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" = 'queued'
+        WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0
+          AND w.id <> ALL(%(made)s::bigint[])
+        ORDER BY w.id LIMIT 1)
+  AND q."state" = 'queued' AND q.eta > now()
+  AND EXISTS (SELECT FROM standmeet.webhook_endpoints
+              WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
+RETURNING q.queue_name
+"""
+#: Everything that records attempts, in one statement (one round trip, atomic): each
+#: attempt, each delivery's new state, the endpoint's health (from the last attempt;
+#: 410 disables it; a healthy endpoint's row is not rewritten), and, when the token is
+#: still ours, the endpoint's lease given back and its next waiter woken (NULL token:
+#: the lease is kept, or none is held). One array element per attempt, in the order made.
 SETTLE_ATTEMPTS = """
 WITH o AS (
     SELECT * FROM unnest(%(delivery)s::bigint[], %(attempt)s::int[], %(started)s::timestamptz[], %(ms)s::int[],
@@ -268,14 +303,24 @@ WITH o AS (
     SET attempts = o.attempt, state = o.state, last_outcome = o.outcome, next_attempt_at = o.next,
         updated_at = now()
     FROM o WHERE d.id = o.delivery
-)
-UPDATE standmeet.webhook_endpoints
-SET failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
-    enabled = enabled AND %(disabled_reason)s::text IS NULL,
-    disabled_reason = coalesce(%(disabled_reason)s, disabled_reason),
-    busy_until = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE busy_until END,
-    lease_token = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE lease_token END
-WHERE id = %(endpoint)s
+), endpoint AS (
+    UPDATE standmeet.webhook_endpoints
+    SET failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
+        enabled = enabled AND %(disabled_reason)s::text IS NULL,
+        disabled_reason = coalesce(%(disabled_reason)s, disabled_reason),
+        busy_until = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE busy_until END,
+        lease_token = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE lease_token END
+    WHERE id = %(endpoint)s AND (NOT %(healthy)s OR failing_since IS NOT NULL OR %(disabled_reason)s::text IS NOT NULL
+                                 OR lease_token = %(token)s::uuid)
+), woken AS (""" + _WAKE_NEXT_WAITER + """)
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM woken
+"""
+#: Of the messages of deliveries a batch recorded, those whose delivery still ended so and
+#: still names them (an operator's replay sets it pending with a new message), locked
+#: until the transaction that marks them done commits.
+STILL_MADE = """
+SELECT message_id::text FROM standmeet.webhook_deliveries
+WHERE message_id = ANY(%(messages)s::uuid[]) AND state <> 'pending' FOR UPDATE
 """
 SETTLE_DELIVERY = """
 UPDATE standmeet.webhook_deliveries
@@ -287,7 +332,7 @@ WHERE id = %(delivery)s
 
 @dataclass(frozen=True)
 class Outcome:
-    outcome: str                 # ok | http | redirect | timeout | connect | dns | tls | blocked | gone | error
+    outcome: str  # ok | http | redirect | timeout | connect | dns | tls | protocol | blocked | gone | error
     status_code: int | None = None
     error: str | None = None
     body: str | None = None
@@ -300,9 +345,14 @@ class Outcome:
 
 
 def _classify(exc: httpx.HTTPError) -> str:
+    """The outcome of a request that got no usable response: ``protocol`` when the
+    endpoint answered with something that is not well-formed HTTP/1.1 (a malformed
+    status line or header, bad framing, a head over its cap), not ``connect``."""
     text = str(exc).lower()
     if isinstance(exc, httpx.TimeoutException):
         return "timeout"
+    if isinstance(exc, httpx.ProtocolError):
+        return "protocol"
     if "ssl" in text or "certificate" in text:
         return "tls"
     if "name or service" in text or "nodename" in text or "getaddrinfo" in text:
@@ -336,10 +386,10 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
         "webhook-timestamp": str(timestamp),
         "webhook-signature": sign(secrets, msg_id, timestamp, body),
     }
-    tracing.inject_headers(headers)  # traceparent: the receiver can join the trace
-    try:
+    try:  # with the traceparent of its client span: the receiver can join the trace
         response = guarded_request("POST", url, allowed_networks=app_settings.current().allowed_networks,
-                                   timeout_s=timeout_s, max_bytes=BODY_CAP, headers=headers, content=body)
+                                   timeout_s=timeout_s, max_bytes=BODY_CAP, headers=headers, content=body,
+                                   propagate_trace=True)
     except UrlRefused as exc:
         return Outcome("blocked", error=str(exc))
     except httpx.HTTPError as exc:
@@ -365,7 +415,10 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
 #:   (token, endpoint, state, attempts, url, secrets, event id, type, payload, created_at,
 #:    due_in_s, batch ids, batch event ids, types, payloads, created_ats, batch message ids)
 #:       the lease is ours;
-#:   no row: the endpoint is busy (the message snoozes);
+#:   (NULL, NULL, 'busy', ahead, NULL × 6, busy_for_s, NULL × 6): the endpoint is busy:
+#:       the lease expires in busy_for_s, and ``ahead`` never-attempted pending deliveries
+#:       of the endpoint are older than this one (counted up to :data:`AHEAD_COUNTED`);
+#:       the actor snoozes (:func:`_busy_wait_s`);
 #:   (NULL, NULL, state, NULL, …): the delivery is no longer pending, or it or its
 #:       endpoint is gone or disabled: no lease is needed (a delivered one must not make
 #:       the endpoint's other deliveries snooze). A delivery made already (its state read
@@ -402,13 +455,32 @@ CROSS JOIN LATERAL (
     JOIN standmeet.webhook_events nev ON nev.id = n.event_id
 ) b
 UNION ALL
+SELECT NULL, NULL, 'busy', w.ahead, NULL, NULL, NULL, NULL, NULL, NULL,
+       extract(epoch FROM e.busy_until - now())::float8, NULL, NULL, NULL, NULL, NULL, NULL
+FROM target JOIN standmeet.webhook_endpoints e ON e.id = target.endpoint_id
+CROSS JOIN LATERAL (
+    SELECT count(*)::int AS ahead FROM (
+        SELECT FROM standmeet.webhook_deliveries a
+        WHERE a.endpoint_id = target.endpoint_id AND a.state = 'pending' AND a.attempts = 0 AND a.id < %(key)s
+        LIMIT 128) older
+) w
+WHERE NOT EXISTS (SELECT FROM taken)
+UNION ALL
 SELECT NULL, NULL, (SELECT d.state FROM standmeet.webhook_deliveries d WHERE d.id = %(key)s),
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT FROM target)
 """
+#: Older never-attempted deliveries TAKE_ENDPOINT counts at most (its ``LIMIT``).
+AHEAD_COUNTED = 128
+#: The lease given back by the middleware (the actor raised before recording), and the
+#: endpoint's next waiter woken, as SETTLE_ATTEMPTS does.
 RELEASE_ENDPOINT = """
-UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
-WHERE id = %(key)s AND lease_token = %(token)s::uuid
+WITH released AS (
+    UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
+    WHERE id = %(key)s AND lease_token = %(token)s::uuid
+), woken AS (""" + _WAKE_NEXT_WAITER.replace("%(endpoint)s", "%(key)s").replace(
+    "%(made)s::bigint[]", "'{}'::bigint[]") + """)
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM woken
 """
 
 
@@ -463,7 +535,7 @@ class _Attempt:
 
 
 @dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1,
-                lease=ENDPOINT_LEASE)
+                lease=ENDPOINT_LEASE, throws=(DeliveryFailed,))
 def deliver(delivery_id: int) -> None:
     settings = app_settings.current()
     message = CurrentMessage.get_current_message()
@@ -482,9 +554,12 @@ def deliver(delivery_id: int) -> None:
                  for i, e, t, p, c, m in zip(ids or (), event_ids or (), types or (), payloads or (),
                                              created_ats or (), message_ids or (), strict=True)]
     else:
-        # no lease taken (the delivery is no longer pending, or it or its endpoint is gone
-        # or disabled, or no worker runs this)
+        # no lease taken (the endpoint is busy; or the delivery is no longer pending, or it
+        # or its endpoint is gone or disabled; or no worker runs this)
         read = read_without_lease(message) if message is not None else ()
+        if read and read[0] == "busy":
+            raise Snooze(_busy_wait_s(read[8], read[1], settings),
+                         f"webhook.deliver: the endpoint of delivery {delivery_id} is busy")
         if read and read[0] is not None and read[0] != "pending":
             return  # made already (by a batch, or an earlier run): the lease statement read it
         # a short read, the connection returned at once
@@ -506,14 +581,15 @@ def deliver(delivery_id: int) -> None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
     todo = [_Due(delivery_id, int(attempts), int(event_id), event_type, payload, created_at), *batch]
     signing = open_secrets(list(secrets))
-    made: list[_Attempt] = []
+    own: _Attempt | None = None
+    finished: list[str] = []  # messages of batch deliveries recorded at their end, marked done with the last
     # 2. POST each holding no database connection, within the total deadline, ending early
-    #    enough before the job's own limit that the attempts are always recorded; the next
-    #    one only while the whole HTTP timeout and the margin still fit, and only after a
-    #    success (a failing endpoint keeps its other deliveries for their own jobs)
-    for due in todo:
-        if made and (not made[-1].outcome.ok or not _room_for_another(settings.webhook_http_timeout_s)):
-            break
+    #    enough before the job's own limit that the attempts are always recorded, and
+    #    record each before the next POST (a crash re-sends at most the one in flight);
+    #    the next one only after a success and while the whole HTTP timeout and the margin
+    #    still fit (a failing endpoint keeps its other deliveries for their own jobs). The
+    #    record of the last one also gives the lease back.
+    for n, due in enumerate(todo):
         timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
         started = datetime.now(timezone.utc)
         t0 = time.monotonic()
@@ -524,21 +600,56 @@ def deliver(delivery_id: int) -> None:
         except (TimeLimitExceeded, DeadlineExceeded) as exc:
             # the job's own limit fired during the request: still an attempt, a timeout
             deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
-            made.append(_attempt(due, started, t0, Outcome(
-                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})")))
-            _settle(message, endpoint_id, token, made)
+            _settle(message, endpoint_id, token, [_attempt(due, started, t0, Outcome(
+                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})"))],
+                    finished)
             raise
         except Exception as exc:
-            made.append(_attempt(due, started, t0, Outcome("error", error=f"{type(exc).__name__}: {exc}")))
-            _settle(message, endpoint_id, token, made)
+            _settle(message, endpoint_id, token, [_attempt(due, started, t0, Outcome(
+                "error", error=f"{type(exc).__name__}: {exc}"))], finished)
             raise
-        made.append(_attempt(due, started, t0, outcome))
-    # 3. record the attempts and give the lease back, in one statement
-    _settle(message, endpoint_id, token, made)
-    own = made[0]
+        made = _attempt(due, started, t0, outcome)
+        own = own or made
+        last = n == len(todo) - 1 or not outcome.ok or not _room_for_another(settings.webhook_http_timeout_s)
+        # 3. record it in one statement; after the last, also give the lease back and
+        #    mark done the queued messages of the batch's deliveries that reached their end
+        #    (one left queued by a crash meanwhile runs, finds its delivery made, and ends)
+        if made.due.message_id is not None and made.state != "pending":
+            finished.append(made.due.message_id)
+        if last:
+            _settle(message, endpoint_id, token, [made], finished)
+            break
+        _settle(message, endpoint_id, None, [made], [])
+    assert own is not None
     if own.retry_in_s is not None:
         raise Retry(f"delivery {delivery_id}: {own.outcome.outcome} {own.outcome.status_code or ''}".strip(),
                     delay=int(own.retry_in_s * 1000))
+    if own.state == "failed":
+        # the job ends rejected, saying why (the message's error), not done
+        reason = own.outcome.error or f"the endpoint answered {own.outcome.status_code}"
+        failed = DeliveryFailed(f"delivery {delivery_id} {_FAILED_AS.get(own.outcome.outcome, 'failed')}: {reason}")
+        logger.warning("webhook %s", failed)
+        if message is not None:
+            message.options["error"] = f"DeliveryFailed: {failed}"[:MAX_REASON]
+        raise failed
+
+
+#: How a delivery that failed for good is logged, by its last outcome.
+_FAILED_AS = {"blocked": "blocked by the request-forgery guard", "gone": "gone (410): the endpoint is disabled"}
+#: A waiter further back than a batch waits one more lease per batch ahead of it, at most
+#: this many (it is woken, or its delivery made, long before in a working chain).
+MAX_LEASES_BEHIND = 4
+
+
+def _busy_wait_s(busy_for_s: float | None, ahead: int | None, settings: app_settings.AppSettings) -> float:
+    """How long a delivery whose endpoint is busy snoozes: until the lease expires (the
+    holder gives it back sooner and wakes the next waiter, and makes the never-attempted
+    deliveries of its batch, oldest first, finishing their messages as they wait), and one
+    lease more per batch of older deliveries ahead of it (up to MAX_LEASES_BEHIND); never
+    under STANDMEET_WEBHOOK_BUSY_SNOOZE_S, and with up to 10 % of jitter."""
+    behind = min(int(ahead or 0) // BATCH_MAX, MAX_LEASES_BEHIND)
+    wait = max(float(busy_for_s or 0.0), 0.0) + behind * settings.webhook_lease_s
+    return max(wait, settings.webhook_busy_snooze_s) * (1 + random.random() / 10)
 
 
 def _room_for_another(http_timeout_s: float) -> bool:
@@ -564,16 +675,17 @@ def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Atte
     return _Attempt(due, started, ms, outcome, new_state, retry_in)
 
 
-def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attempt]) -> None:
-    """Record the attempts, the endpoint's health and each delivery's next try, and give
-    the lease back (one statement). The messages of the deliveries that reached their end
-    (not one retried later, which its message carries; the job's own is running) are
-    marked done while still queued, in the same transaction: a message is never done
-    unless its delivery's attempt is recorded, so a delivery sent back to pending meanwhile
-    (an operator's replay reusing that message) is never left with nothing to carry it."""
+def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attempt], finished: list[str]) -> None:
+    """Record the attempts, the endpoint's health and each delivery's next try, and, with
+    the lease's token, give the lease back and wake the endpoint's next waiter (one
+    statement). ``finished``: messages of deliveries whose attempts are recorded (now or
+    before) and reached their end (not one retried later, which its message carries; the
+    job's own is running), marked done while still queued, in the same transaction: a
+    message is never done unless its delivery's attempt is recorded, so a delivery sent
+    back to pending meanwhile (an operator's replay reusing that message) is never left
+    with nothing to carry it."""
     now = time.time()
     last = made[-1].outcome
-    finished = [a.due.message_id for a in made if a.due.message_id is not None and a.state != "pending"]
     params = {
         "delivery": [a.due.delivery_id for a in made], "attempt": [a.due.attempts + 1 for a in made],
         "started": [a.started for a in made], "ms": [a.ms for a in made],
@@ -582,13 +694,15 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attem
         "truncated": [a.outcome.truncated for a in made], "state": [a.state for a in made],
         "next": [None if a.retry_in_s is None else datetime.fromtimestamp(now + a.retry_in_s, timezone.utc)
                  for a in made],
+        "made": [a.due.delivery_id for a in made],
         "endpoint": endpoint_id, "healthy": last.ok, "token": token,
         "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None}
     with db.connection() as conn:
-        if finished:  # two statements, one transaction; otherwise one autocommit statement
+        if finished:  # one transaction; otherwise one autocommit statement
             with conn.transaction():
                 conn.execute(SETTLE_ATTEMPTS, params)
-                finish_queued(conn, finished)
+                still = [r[0] for r in conn.execute(STILL_MADE, {"messages": finished}).fetchall()]
+                finish_queued(conn, still)
         else:
             conn.execute(SETTLE_ATTEMPTS, params)
     if token is not None and message is not None:

@@ -81,7 +81,8 @@ def set_tracer_provider(provider: Any) -> None:
     _provider = provider
 
 
-def _tracer() -> Any:
+def tracer() -> Any:
+    """The tracer of this library's spans (the provider set here, else the global one)."""
     provider = _provider if _provider is not None else trace.get_tracer_provider()
     return provider.get_tracer(TRACER_NAME)
 
@@ -125,7 +126,7 @@ def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
     attributes = {"messaging.operation.name": SEND, "messaging.operation.type": SEND, **attributes}
     if "messaging.destination.name" in attributes:
         name = span_name(str(attributes["messaging.operation.name"]), str(attributes["messaging.destination.name"]))
-    span = _tracer().start_span(name, kind=SpanKind.PRODUCER, attributes=attributes)
+    span = tracer().start_span(name, kind=SpanKind.PRODUCER, attributes=attributes)
     try:
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
@@ -142,7 +143,7 @@ class Consumed:
         parent = propagate.extract(dict(carrier or {}))
         producer = trace.get_current_span(parent).get_span_context()
         links = [Link(producer)] if producer.is_valid else []
-        self.span = _tracer().start_span(name, context=parent, kind=SpanKind.CONSUMER,
+        self.span = tracer().start_span(name, context=parent, kind=SpanKind.CONSUMER,
                                          attributes=dict(attributes), links=links)
         self.token = otel_context.attach(trace.set_span_in_context(self.span, parent))
 

@@ -82,7 +82,7 @@ def test_one_trace_runs_from_emit_through_the_relay_and_fanout_to_the_webhook_po
     with http_server() as (url, server):
         webhooks.add_endpoint(url, ["order.paid"])
         start_worker(queues=["webhook"], threads=4)
-        tracer = tracing._tracer()
+        tracer = tracing.tracer()
         with tracer.start_as_current_span("checkout request") as request:
             with psycopg.connect(database_url) as conn, conn.transaction():
                 webhooks.emit_event(conn, "order.paid", {"order": 42})
@@ -238,7 +238,7 @@ def test_a_batch_enqueued_under_a_span_carries_its_trace_on_every_message(broker
     from tests.support.jobs import mark
 
     # Given a current span (a request being served)
-    with tracing._tracer().start_as_current_span("batch request") as request:
+    with tracing.tracer().start_as_current_span("batch request") as request:
         trace_id = format(request.get_span_context().trace_id, "032x")
         # When a batch is enqueued
         messages = enqueue_many([mark.message(f"traced-{i}") for i in range(3)])
