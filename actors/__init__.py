@@ -10,9 +10,13 @@ Actors start no threads: background work is a job, or a periodic job.
 from __future__ import annotations
 
 from actors import queues  # noqa: F401  (declares the queues before any actor names one)
+from actors import settings as _settings
 from broker import configure
 
 configure()
+# The application's settings, checked as the process starts: a malformed or out-of-range
+# value refuses it here, in one line naming the variable (not later, in a worker's boot).
+_settings.current()
 
 from actors import (  # noqa: E402  (declared once the broker exists)
     cli,

@@ -9,10 +9,13 @@ is one line naming what was wrong, exit status 1, checked before the database is
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 
 from actors import settings as app_settings
+from actors.secretbox import DEFAULT_RESEAL_BATCH
 from broker import app, opscli
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
@@ -23,6 +26,9 @@ MAIL_TEST_WAIT_S = 12.0
 SMTP_PROBE_TIMEOUT_S = 5.0
 #: ``search --limit`` bounds.
 MAX_SEARCH_LIMIT = 1000
+#: The longest a command waits for an outcome (``write --wait-s``, ``mail test --wait-s``):
+#: the bound of STANDMEET_RECEIPT_WAIT_S.
+MAX_WAIT_S = 3_600.0
 
 
 def _usage(args: argparse.Namespace) -> int:
@@ -31,8 +37,6 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def cmd_emit(args: argparse.Namespace) -> int:
-    import json
-
     import psycopg
 
     try:
@@ -57,10 +61,17 @@ def cmd_emit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_s(option: str, value: float | None) -> float | None:
+    """A wait option: finite, from 0 to MAX_WAIT_S seconds (None: the default)."""
+    if value is not None and not (math.isfinite(value) and 0 <= value <= MAX_WAIT_S):
+        raise StandmeetError(f"{option} {value!r} must be a finite number of seconds from 0 to {MAX_WAIT_S:g}")
+    return value
+
+
 def cmd_write(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
+    wait_s = _wait_s("--wait-s", args.wait_s)
     settings = app_settings.current()
     try:
         size = Path(args.file).stat().st_size
@@ -80,8 +91,8 @@ def cmd_write(args: argparse.Namespace) -> int:
     from actors.documents import write_document
     from broker.pgbroker import current_broker
 
-    result = write_document(title.strip() or Path(args.file).stem, body, wait_s=args.wait_s)
-    print(json.dumps(result))
+    result = write_document(title.strip() or Path(args.file).stem, body, wait_s=wait_s)
+    print(json.dumps(result), flush=True)  # the answer is out before the connections close
     current_broker().close()
     return 0
 
@@ -101,6 +112,8 @@ SELECT "state"::text, error, message->'options'->>'traceback' FROM dramatiq.queu
 def cmd_mail_test(args: argparse.Namespace) -> int:
     import smtplib
 
+    wait_s = _wait_s("--wait-s", args.wait_s)
+    assert wait_s is not None
     settings = app_settings.current()
     server = f"{settings.smtp_host}:{settings.smtp_port}"
     try:  # the server first: an unreachable one is named at once, worker or not
@@ -116,7 +129,7 @@ def cmd_mail_test(args: argparse.Namespace) -> int:
     from broker import db
 
     message = test_mail.send(args.address)
-    end = time.monotonic() + max(0.0, args.wait_s)
+    end = time.monotonic() + wait_s
     while True:
         with db.connection() as conn:
             row = conn.execute(MAIL_OUTCOME, (message.message_id,)).fetchone()
@@ -137,8 +150,6 @@ def cmd_mail_test(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    import json
-
     if not 1 <= args.limit <= MAX_SEARCH_LIMIT:
         print(f"standmeet-jobs: --limit must be from 1 to {MAX_SEARCH_LIMIT}, not {args.limit}", file=sys.stderr)
         return 1
@@ -207,10 +218,29 @@ def cmd_webhooks_add(args: argparse.Namespace) -> int:
     _actors()
     from actors.webhooks import add_endpoint
 
-    endpoint_id, secret = add_endpoint(args.url, [e.strip() for e in args.events.split(",") if e.strip()],
-                                       secret=given)
-    print(endpoint_id if given else f"{endpoint_id}\t{secret}")
+    events = [e.strip() for e in args.events.split(",") if e.strip()]
+    endpoint_id, secret = add_endpoint(args.url, events, secret=given)
+    added = {"id": endpoint_id, "url": args.url, "events": events,
+             "secret": None if given else secret}  # a given secret is never echoed
+    if args.json:
+        print(json.dumps(added))
+        return 0
+    print(f"id: {endpoint_id}\nurl: {args.url}\nevents: {','.join(events)}")
+    print(f"secret: {secret}" if not given else "secret: (as given; not shown)")
     return 0
+
+
+def cmd_webhooks_rotate_secrets(args: argparse.Namespace) -> int:
+    from actors.secretbox import reseal_all
+
+    _actors()
+    report = reseal_all(batch_size=args.batch_size,
+                        on_unreadable=lambda where: print(f"standmeet-jobs: {where} cannot be decrypted by any key "
+                                                          f"of {app_settings.VARIABLE}; left as it is",
+                                                          file=sys.stderr, flush=True))
+    print(f"re-encrypted {report.resealed} secret(s) with the first key of {app_settings.VARIABLE}; "
+          f"{report.current} already were; {len(report.unreadable)} could not be decrypted")
+    return 1 if report.unreadable else 0
 
 
 def _given_secret(args: argparse.Namespace) -> str | None:
@@ -284,7 +314,8 @@ def _setup_emit(p: argparse.ArgumentParser) -> None:
 
 def _setup_write(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a text file: its first line is the title, the rest the body")
-    p.add_argument("--wait-s", type=float, default=None, help="how long to wait for the index (default 2)")
+    p.add_argument("--wait-s", type=float, default=None,
+                   help=f"how long to wait for the index, 0 to {MAX_WAIT_S:g} (default: STANDMEET_RECEIPT_WAIT_S)")
     p.set_defaults(func=cmd_write)
 
 
@@ -324,12 +355,19 @@ def _setup_fetch_new(p: argparse.ArgumentParser) -> None:
 
 def _setup_webhooks(p: argparse.ArgumentParser) -> None:
     wh = p.add_subparsers(metavar="ACTION")
-    q = wh.add_parser("add", help="register an endpoint; prints its id (and its secret when generated)")
+    q = wh.add_parser("add", help="register an endpoint; prints its id, url, events (and its secret when generated)")
     q.add_argument("url")
     q.add_argument("--events", required=True, help="event types, comma-separated ('*' for all)")
     q.add_argument("--secret", help="a whsec_… signing secret, or - to read it from stdin (default: a new one)")
     q.add_argument("--secret-file", metavar="PATH", help="read the whsec_… signing secret from this file")
+    q.add_argument("--json", action="store_true",
+                   help='one JSON object: {"id", "url", "events", "secret"} (secret null when given)')
     q.set_defaults(func=cmd_webhooks_add)
+    q = wh.add_parser("rotate-secrets", help="re-encrypt every stored secret with the first key of "
+                      "STANDMEET_SECRET_KEY (idempotent); exits 1 naming any secret no key decrypts")
+    q.add_argument("--batch-size", type=int, default=DEFAULT_RESEAL_BATCH, metavar="N",
+                   help=f"endpoints re-encrypted per transaction (default {DEFAULT_RESEAL_BATCH})")
+    q.set_defaults(func=cmd_webhooks_rotate_secrets)
     q = wh.add_parser("list", help="the endpoints, enabled or not, and why")
     q.set_defaults(func=cmd_webhooks_list)
     for action in ("disable", "enable"):

@@ -11,6 +11,7 @@ indexed. ``indexed: false`` means "not yet" — the jobs still run; it is never 
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -21,6 +22,9 @@ from broker.enqueue import enqueue
 from broker.errors import StandmeetError
 from broker.pgbroker import current_broker
 from broker.receipts import channel_for
+
+#: The longest a write waits for its receipts (the bound of STANDMEET_RECEIPT_WAIT_S).
+MAX_WAIT_S = 3_600.0
 
 INSERT_DOCUMENT = """
 INSERT INTO standmeet.documents (title, body, kind) VALUES (%(title)s, %(body)s, %(kind)s) RETURNING id
@@ -56,11 +60,14 @@ def write_document(title: str, body: str, *, wait_s: float | None = None, wiki_d
     """Store a document and its wiki page, index both, and wait up to ``wait_s``.
 
     Raises :class:`DocumentRefused` before writing anything for a document over
-    ``STANDMEET_DOCUMENT_MAX_BYTES`` or holding a NUL character.
+    ``STANDMEET_DOCUMENT_MAX_BYTES`` or holding a NUL character, or for a wait that is
+    not a finite number of seconds from 0 to :data:`MAX_WAIT_S`.
     """
     broker = current_broker()
     check_document(title, body, max_bytes=app_settings.current().document_max_bytes)
     wait_s = broker.settings.receipt_wait_s if wait_s is None else wait_s
+    if not (math.isfinite(wait_s) and 0 <= wait_s <= MAX_WAIT_S):  # before anything is written
+        raise DocumentRefused(f"the wait {wait_s!r} must be a finite number of seconds from 0 to {MAX_WAIT_S:g}")
     channel = channel_for("index")
     with ExitStack() as waiting:
         with db.connection() as conn, conn.transaction():

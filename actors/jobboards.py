@@ -1,4 +1,4 @@
-"""The fetch queue: job sources (JSON or RSS/Atom feeds) and their postings.
+"""The fetch queue: job sources (JSON, RSS 0.9x, RSS 1.0, RSS 2.0 or Atom feeds) and their postings.
 
 ``jobs.fetch_source(source_id)`` fetches one source with a conditional request
 (``If-None-Match`` / ``If-Modified-Since``), parses it and upserts its postings
@@ -6,7 +6,8 @@ idempotently; a 304 transfers nothing. At most one fetch per source is queued or
 running at any time: ``standmeet.source_fetches`` has the source as its primary key,
 and :func:`fetch_new` inserts there and enqueues in one transaction (a unique
 constraint, not a check-then-insert). A broken or malformed feed records a clear
-error on its source; the other sources go on.
+error on its source; the other sources go on. XML is parsed by ``defusedxml``: a feed
+carrying a DTD (entity expansion, external entities) is refused, the reason recorded.
 
 Each source has its own time limit (the message's ``time_limit`` option, which wins
 over the actor's and the queue's), and its URL passes the request-forgery guard when
@@ -22,6 +23,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any
 
+import defusedxml
+import defusedxml.ElementTree as defused
 import dramatiq
 import httpx
 
@@ -40,6 +43,12 @@ MAX_FEED_BYTES = 5 * 1024 * 1024
 #: Total time for one fetch (shortened to what remains of the source's time limit).
 FETCH_TIMEOUT_S = 30.0
 KINDS = ("json", "rss")
+#: The namespaces of the feed formats read: RSS 0.90 and 1.0 are RDF; 0.91-0.94 and 2.0 have none.
+RDF_NS = "http://www.w3.org/1999/02/22-rdf-syntax-ns#"
+RSS090_NS = "http://my.netscape.com/rdf/simple/0.9/"
+RSS10_NS = "http://purl.org/rss/1.0/"
+DC_NS = "http://purl.org/dc/elements/1.1/"
+ATOM_NS = "http://www.w3.org/2005/Atom"
 #: The longest time limit a source may have (the fetch queue's own jobs are 60 s).
 MAX_TIME_LIMIT_S = 3600.0
 
@@ -149,42 +158,105 @@ def fetch_new() -> int:
 
 
 def parse(kind: str, content: bytes) -> list[Posting]:
-    """Postings of a JSON feed (a list, or {"jobs": [...]}) or an RSS/Atom feed."""
+    """Postings of a JSON feed (a list, or {"jobs": [...]}) or an RSS 0.9x, RSS 1.0 (RDF),
+    RSS 2.0 or Atom feed. A feed carrying a DTD is refused (see :func:`xml_root`)."""
     if kind == "json":
-        try:
-            data = json.loads(content)
-        except ValueError as exc:
-            raise FeedError(f"malformed JSON feed: {exc}") from None
-        items = data.get("jobs", data.get("items")) if isinstance(data, dict) else data
-        if not isinstance(items, list):
-            raise FeedError("JSON feed has no list of jobs (expected a list, or an object with 'jobs')")
-        postings = []
-        for n, item in enumerate(items):
-            if not isinstance(item, dict) or "id" not in item or "title" not in item:
-                raise FeedError(f"JSON feed item {n} needs an 'id' and a 'title'")
-            postings.append(Posting(str(item["id"]), str(item["title"]), item.get("url"), item.get("published")))
-        return postings
+        return _parse_json(content)
+    root = xml_root(content)
+    if root.tag == "rss":  # RSS 0.91 to 0.94 and 2.0: no namespace
+        return [_rss_item(item, "") for item in root.iter("item")]
+    if root.tag == f"{{{RDF_NS}}}RDF":  # RSS 0.90 and 1.0: RDF, items beside the channel
+        return [_rss_item(item, ns) for ns in (RSS10_NS, RSS090_NS) for item in root.iter(f"{{{ns}}}item")]
+    if root.tag == f"{{{ATOM_NS}}}feed":
+        return [_atom_entry(entry) for entry in root.iter(f"{{{ATOM_NS}}}entry")]
+    raise FeedError(f"not an RSS or Atom feed (root element <{_shown(root.tag)}>)")
+
+
+def _parse_json(content: bytes) -> list[Posting]:
     try:
-        root = ET.fromstring(content)
+        data = json.loads(content)
+    except (ValueError, RecursionError) as exc:
+        what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise FeedError(f"malformed JSON feed: {what}") from None
+    items = data.get("jobs", data.get("items")) if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise FeedError("JSON feed has no list of jobs (expected a list, or an object with 'jobs')")
+    postings = []
+    for n, item in enumerate(items):
+        if not isinstance(item, dict) or "id" not in item or "title" not in item:
+            raise FeedError(f"JSON feed item {n} needs an 'id' and a 'title'")
+        postings.append(Posting(str(item["id"]), str(item["title"]), item.get("url"), item.get("published")))
+    return postings
+
+
+def xml_root(content: bytes) -> ET.Element:
+    """The root element of an XML feed, parsed by ``defusedxml``: a DTD (and so any entity
+    declaration, billion laughs or external entity) is refused, in one line saying what it held."""
+    try:
+        return defused.fromstring(content, forbid_dtd=True, forbid_entities=True, forbid_external=True)
+    except defusedxml.DTDForbidden as exc:
+        raise FeedError(_dtd_reason(content, exc)) from None
+    except (defusedxml.EntitiesForbidden, defusedxml.ExternalReferenceForbidden) as exc:
+        raise FeedError(_entity_reason(exc)) from None
     except ET.ParseError as exc:
         raise FeedError(f"malformed RSS/Atom feed: {exc}") from None
-    atom = "{http://www.w3.org/2005/Atom}"
-    postings = []
-    for item in root.iter("item"):  # RSS 2.0
-        guid = item.findtext("guid") or item.findtext("link")
-        if not guid:
-            raise FeedError("RSS item without a guid or a link")
-        postings.append(Posting(guid, item.findtext("title") or "", item.findtext("link"), item.findtext("pubDate")))
-    for entry in root.iter(f"{atom}entry"):  # Atom
-        link = entry.find(f"{atom}link")
-        href = link.get("href") if link is not None else None
-        entry_id = entry.findtext(f"{atom}id") or href
-        if not entry_id:
-            raise FeedError("Atom entry without an id or a link")
-        postings.append(Posting(entry_id, entry.findtext(f"{atom}title") or "", href, entry.findtext(f"{atom}updated")))
-    if root.tag not in ("rss", f"{atom}feed") and not postings:
-        raise FeedError(f"not an RSS or Atom feed (root element <{root.tag}>)")
-    return postings
+
+
+def _dtd_reason(content: bytes, refused: defusedxml.DTDForbidden) -> str:
+    """Why a feed with a DTD is refused: what the DTD declares, when it declares an entity."""
+    try:  # stops at the first entity declaration: nothing is expanded or fetched
+        defused.fromstring(content, forbid_dtd=False, forbid_entities=True, forbid_external=True)
+    except (defusedxml.EntitiesForbidden, defusedxml.ExternalReferenceForbidden) as exc:
+        return _entity_reason(exc)
+    except ET.ParseError:
+        pass
+    return (f"refused: the feed carries a DTD (<!DOCTYPE {_shown(refused.name)}>); a feed needs none, "
+            "and a DTD can declare entities that expand or read files")
+
+
+def _entity_reason(exc: Exception) -> str:
+    name = _shown(getattr(exc, "name", None) or "?")
+    sysid, pubid = getattr(exc, "sysid", None), getattr(exc, "pubid", None)
+    if sysid or pubid or isinstance(exc, defusedxml.ExternalReferenceForbidden):
+        return (f"refused: the feed declares the external entity {name!r} ({_shown(sysid or pubid or '?')}), "
+                "which would read a file or another host (XXE)")
+    return (f"refused: the feed declares the entity {name!r} in a DTD; entities can expand a small feed "
+            "into gigabytes (billion laughs)")
+
+
+def _shown(text: object, limit: int = 80) -> str:
+    """Text from a feed, fit for a one-line error: control characters replaced, cut at ``limit``."""
+    clean = "".join(ch if ch.isprintable() else "?" for ch in str(text))
+    return clean if len(clean) <= limit else clean[:limit] + "…"
+
+
+def _text(element: ET.Element, tag: str) -> str | None:
+    found = element.findtext(tag)
+    return found.strip() if found is not None and found.strip() else None
+
+
+def _rss_item(item: ET.Element, ns: str) -> Posting:
+    """An RSS item: ``ns`` is "" for RSS 0.91-0.94 and 2.0, the RDF feed's namespace for 0.90 and 1.0."""
+    q = f"{{{ns}}}" if ns else ""
+    link = _text(item, f"{q}link")
+    about = item.get(f"{{{RDF_NS}}}about")
+    guid = _text(item, "guid") if not ns else about
+    external_id = guid or link
+    if not external_id:
+        raise FeedError("RSS item without a guid or a link")
+    published = _text(item, "pubDate") if not ns else _text(item, f"{{{DC_NS}}}date")
+    return Posting(external_id, _text(item, f"{q}title") or "", link, published)
+
+
+def _atom_entry(entry: ET.Element) -> Posting:
+    links = entry.findall(f"{{{ATOM_NS}}}link")
+    alternate = [link for link in links if link.get("rel", "alternate") == "alternate"]
+    href = next((link.get("href") for link in alternate + links if link.get("href")), None)
+    entry_id = _text(entry, f"{{{ATOM_NS}}}id") or href
+    if not entry_id:
+        raise FeedError("Atom entry without an id or a link")
+    published = _text(entry, f"{{{ATOM_NS}}}updated") or _text(entry, f"{{{ATOM_NS}}}published")
+    return Posting(entry_id, _text(entry, f"{{{ATOM_NS}}}title") or "", href, published)
 
 
 def _record(source_id: int, status: str, error: str | None, etag: str | None = None, last_modified: str | None = None) -> None:

@@ -73,6 +73,11 @@ class Waiter:
         return self.event.wait(timeout_s) and not self.failed and not self.pending
 
 
+#: The listener notices it is stopped within this long (a process exits as soon as it has
+#: its answer, not a second later), as the relay does.
+STOP_CHECK_S = 0.1
+
+
 class Listener:
     """The one LISTEN connection of this process for one channel, and its waiters."""
 
@@ -130,7 +135,7 @@ class Listener:
 
     # -- the connection ---------------------------------------------------------------
 
-    def listen_once(self, stop: threading.Event, timeout_s: float = 1.0) -> int:
+    def listen_once(self, stop: threading.Event, timeout_s: float = STOP_CHECK_S) -> int:
         """Connect if needed, then dispatch the notifications of up to ``timeout_s``."""
         where = listen_url(self.url)
         if self._conn is None or self._conn.closed:
@@ -169,7 +174,7 @@ class Listener:
         backoff = Backoff(start_s=0.05, cap_s=2.0)
         while not stop.is_set():
             try:
-                self.listen_once(stop)
+                self.listen_once(stop, timeout_s=STOP_CHECK_S)
                 self.outage.ok()
                 backoff.reset()
             except Exception as exc:  # never dies: said once, retried with back-off

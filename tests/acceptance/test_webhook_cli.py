@@ -26,9 +26,9 @@ def test_add_list_ping_disable_enable_and_replay(broker, database_url, subproces
     with http_server() as (url, server):
         added = cli(env, "add", url, "--events", "order.paid,order.refunded")
         assert added.returncode == 0, added.stderr
-        endpoint_text, secret = added.stdout.split()
-        endpoint = int(endpoint_text)
-        assert secret.startswith("whsec_")
+        fields = dict(line.split(": ", 1) for line in added.stdout.splitlines())
+        endpoint, secret = int(fields["id"]), fields["secret"]
+        assert secret.startswith("whsec_") and fields["url"] == url
         assert f"{endpoint}\t{url}\torder.paid,order.refunded\tenabled" in cli(env, "list").stdout
         # ping: two events through outbox -> fanout -> deliver
         start_worker(queues=["webhook"], threads=8)
