@@ -7,6 +7,12 @@
 The message row and its NOTIFY are part of the caller's transaction: consumers are
 woken at commit, and a rollback leaves nothing behind. Middleware that Dramatiq runs
 on enqueue (``before_enqueue`` / ``after_enqueue``) still runs.
+
+A message is checked before any statement runs, as ``emit`` checks an event, so a
+refused one leaves the caller's transaction usable: its arguments must be JSON Postgres
+stores (no NaN or infinity, ``\\u0000`` or lone surrogate: ``check_json_value``), its
+options values its run can use, and its encoded size at most STANDMEET_MESSAGE_MAX_BYTES
+(:class:`broker.errors.InvalidMessage`, :class:`broker.errors.MessageTooLarge`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms
     if message.queue_name not in broker.queues:
         raise dramatiq.errors.QueueNotFound(message.queue_name)
     broker.emit_before("enqueue", message, delay_ms)
-    conn.execute(sql.ENQUEUE_ONE, enqueue_one_params(message, delay_ms))
+    params = enqueue_one_params(message, delay_ms, max_bytes=broker.settings.message_max_bytes)
+    conn.execute(sql.ENQUEUE_ONE, params)
     broker.emit_after("enqueue", message, delay_ms)
     return message
 
@@ -48,7 +55,8 @@ def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message]) -> 
         if message.queue_name not in broker.queues:
             raise dramatiq.errors.QueueNotFound(message.queue_name)
         broker.emit_before("enqueue", message, None)
-    conn.execute(sql.ENQUEUE, enqueue_params(messages))
+    params = enqueue_params(messages, max_bytes=broker.settings.message_max_bytes)
+    conn.execute(sql.ENQUEUE, params)
     for message in messages:
         broker.emit_after("enqueue", message, None)
     return messages

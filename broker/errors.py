@@ -13,10 +13,14 @@
     ├── OutboxError                    an event cannot be emitted; nothing was written
     │   ├── UnknownTopic               no route for that topic
     │   ├── PayloadTooLarge            the payload is over STANDMEET_OUTBOX_MAX_PAYLOAD_BYTES
-    │   └── InvalidPayload             not storable JSON (NaN, \u0000, a lone surrogate, too deep)
+    │   └── InvalidPayload             not storable JSON (NaN, \\u0000, a lone surrogate, too deep)
+    ├── MessageRefused                 a message cannot be sent or enqueued; nothing was written
+    │   ├── InvalidMessage             arguments not storable JSON, or an option its run cannot use
+    │   └── MessageTooLarge            over STANDMEET_MESSAGE_MAX_BYTES encoded
     ├── JobError                       raised inside jobs, by the job layer
     │   ├── DeadlineExceeded           a cooperative deadline (the job's time limit) has passed
-    │   └── JobCancelled               an operator cancelled the running job
+    │   ├── JobCancelled               an operator cancelled the running job
+    │   └── ResultRefused              the job's result cannot be kept (not JSON): the job fails
     └── Deferred  (also dramatiq.Retry) the job asks to run later; not a failure
         └── middleware.Snooze          run again after N seconds, retry count untouched
 
@@ -91,6 +95,21 @@ class InvalidPayload(OutboxError):
     lone surrogate, a non-string key, or nesting deeper than the limit."""
 
 
+class MessageRefused(StandmeetError):
+    """A message cannot be sent or enqueued. Raised before anything is written, so the
+    caller's transaction stays usable. The message names the value and the limit."""
+
+
+class InvalidMessage(MessageRefused):
+    """The message's arguments are not JSON Postgres can store (NaN or an infinity, a
+    ``\\u0000``, a lone surrogate, an object that is not JSON, nesting too deep), or one
+    of its options holds a value its run could not use (``max_retries='3'``)."""
+
+
+class MessageTooLarge(MessageRefused):
+    """The encoded message is over STANDMEET_MESSAGE_MAX_BYTES."""
+
+
 class JobError(StandmeetError):
     """Raised inside a job by the job layer itself."""
 
@@ -101,6 +120,11 @@ class DeadlineExceeded(JobError):
 
 class JobCancelled(JobError):
     """An operator cancelled the running job (seen at its next deadline check)."""
+
+
+class ResultRefused(JobError):
+    """The job returned a value its result backend cannot keep (a ``set``, an object that
+    is not JSON): the job fails for good with this reason, and a waiter gets it at once."""
 
 
 class CutOff(Interrupt):

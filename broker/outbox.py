@@ -48,7 +48,11 @@ from broker import detach, pgpool, sql, tracing
 from broker.backoff import Backoff
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.pgbroker import (
+    MAX_JSON_DEPTH,
     batch_params,
+    check_encoded_size,
+    check_json_value,
+    checked_json,
     compact_json,
     current_broker,
     message_json,
@@ -106,47 +110,16 @@ def routes_for(topic: str) -> list[Route]:
 
 
 #: Deepest nesting of objects and lists a payload may have.
-MAX_PAYLOAD_DEPTH = 32
-
-
-def _bad_text(text: str) -> str | None:
-    if "\x00" in text:
-        return "a \\u0000 (NUL) character, which Postgres cannot store"
-    if any("\ud800" <= c <= "\udfff" for c in text):
-        return "a lone surrogate (not valid Unicode)"
-    return None
+MAX_PAYLOAD_DEPTH = MAX_JSON_DEPTH
 
 
 def check_payload(topic: str, payload: Any) -> None:
     """Refuse what Postgres' jsonb would refuse (inside the caller's transaction, aborting
-    it), before anything is written. Walks iteratively: depth cannot blow the stack."""
+    it), before anything is written: :func:`broker.pgbroker.check_json_value`, the check
+    messages get too, raising :class:`InvalidPayload`."""
     if not isinstance(payload, dict):
         raise InvalidPayload(f"the payload of {topic!r} must be a JSON object, not {type(payload).__name__}")
-    stack: list[tuple[Any, int, str]] = [(payload, 1, "$")]
-    while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, dict | list | tuple):
-            if depth > MAX_PAYLOAD_DEPTH:
-                raise InvalidPayload(f"the payload of {topic!r} nests deeper than {MAX_PAYLOAD_DEPTH} levels")
-            if isinstance(value, dict):
-                for key, item in value.items():
-                    if not isinstance(key, str):
-                        raise InvalidPayload(f"the payload of {topic!r} has a non-string key at {path}")
-                    bad = _bad_text(key)
-                    if bad:
-                        raise InvalidPayload(f"a key of the payload of {topic!r} at {path} holds {bad}")
-                    stack.append((item, depth + 1, f"{path}.{key[:40]}"))
-            else:
-                stack.extend((item, depth + 1, f"{path}[{n}]") for n, item in enumerate(value))
-        elif isinstance(value, str):
-            bad = _bad_text(value)
-            if bad:
-                raise InvalidPayload(f"the payload of {topic!r} holds {bad} at {path}")
-        elif isinstance(value, float):
-            if value != value or value in (float("inf"), float("-inf")):
-                raise InvalidPayload(f"the payload of {topic!r} holds {value!r} at {path}, which JSON cannot express")
-        elif value is not None and not isinstance(value, bool | int):
-            raise InvalidPayload(f"the payload of {topic!r} holds a {type(value).__name__} at {path}, not JSON")
+    check_json_value(payload, what=f"the payload of {topic!r}", error=InvalidPayload)
 
 
 def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
@@ -241,6 +214,8 @@ class _Pass:
     foreign: bool  # an enqueue hook other than the tracing one: every message is hooked
     hooked_unless_carried: bool  # a message without a carrier goes through the hooks
     now_ms: int
+    #: STANDMEET_MESSAGE_MAX_BYTES: an event making a larger message is failed, with the reason
+    max_bytes: int
     targets: dict[str, _Target] = field(default_factory=dict)
     #: topic -> its routes with their targets
     routes: dict[str, list[tuple[Route, _Target]]] = field(default_factory=dict)
@@ -255,7 +230,7 @@ def _begin_pass() -> _Pass:
     foreign = bool(broker._hooks("after_enqueue")) or not broker.before_enqueue_only_carries_traces()
     # without a carrier of its own, a message needs the tracing hook only when it has work
     hooked_unless_carried = foreign or (bool(broker._hooks("before_enqueue")) and not tracing.nothing_to_carry())
-    return _Pass(broker, foreign, hooked_unless_carried, int(time.time() * 1000))
+    return _Pass(broker, foreign, hooked_unless_carried, int(time.time() * 1000), broker.settings.message_max_bytes)
 
 
 #: One relay pass takes up to ``limit`` pending rows of the topics this relay routes
@@ -342,6 +317,11 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                                   f'"options":{compact_json(options) if options else "{}"},'
                                   f'"message_id":"{message_id}","message_timestamp":{state.now_ms}}}',
                                   target.priority))
+            for item, (r, _) in zip(built, pairs, strict=True):  # compact JSON: ASCII, a byte a character
+                if isinstance(item, Message):
+                    checked_json(item, max_bytes=state.max_bytes)
+                else:
+                    check_encoded_size(len(item[0]), r.actor, state.max_bytes)
         except Exception as exc:  # the event's own fault: keep it, say why, go on with the rest
             logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
             conn.execute(RELAY_FAIL_EVENT, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})

@@ -33,9 +33,13 @@ What it guarantees:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+import math
 import os
+import re
+import reprlib
 import select
 import socket
 import threading
@@ -56,7 +60,14 @@ from dramatiq.middleware.threading import raise_thread_exception
 
 from broker import app, detach, sql, tracing
 from broker.backoff import Backoff
-from broker.errors import ConfigError, CutOff, Deferred
+from broker.errors import (
+    ConfigError,
+    CutOff,
+    Deferred,
+    InvalidMessage,
+    MessageTooLarge,
+    ResultRefused,
+)
 from broker.pgpool import (
     DISCONNECTS,
     TRANSACTION,
@@ -66,7 +77,7 @@ from broker.pgpool import (
     open_send_pool,
     topology_for,
 )
-from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
+from broker.settings import MIB, PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
 from broker.wakeups import WakeListener
 
 logger = logging.getLogger("standmeet.broker")
@@ -94,6 +105,8 @@ JOIN_POLL_S = 0.02
 CLOSE_FLUSH_S = 5.0
 #: Longest text of an error kept on a rejected message.
 MAX_ERROR_CHARS = 4000
+#: Longest text of a message's call (actor and arguments) in a log line.
+MAX_LOGGED_CALL_CHARS = 300
 
 _local = threading.local()
 
@@ -372,9 +385,10 @@ class Outcome:
     message_id: str
     claim: int
     queue_name: str
-    outcome: str  # done | rejected | queued
-    #: the message as it is now; None when a run that returned left it as claimed
-    message_json: str | None
+    outcome: str  # done | rejected | queued | rerun (no outcome: see sql.SETTLE)
+    #: the message's options as the run left them (JSON); None when unchanged. Only they
+    #: change in a run: the arguments are not sent again
+    options_json: str | None
     delay_s: float = 0.0
     error: str | None = None
     followups: list[tuple[Message, float]] = field(default_factory=list)
@@ -389,6 +403,8 @@ class SettleContext:
     followups: list[tuple[Message, float]] = field(default_factory=list)
     returned: bool = False
     skipped: bool = False
+    #: what broke in the after-hooks, when one raised (the reason of a run with no outcome)
+    hook_failure: str | None = None
 
 
 class Settler:
@@ -514,7 +530,7 @@ class Settler:
         plain: list[Outcome] = []
         other: list[Outcome] = []
         for o in outcomes:
-            (plain if o.message_json is None and not o.followups else other).append(o)
+            (plain if o.outcome == "done" and o.options_json is None and not o.followups else other).append(o)
         awaited = app.awaited_queues()
         # No pipeline mode: psycopg's pipeline loop spun on the always-writable socket while
         # waiting (a tenth of the process's interpreter time in a drain). The start marks go
@@ -527,7 +543,8 @@ class Settler:
         elif started:
             conn.execute(sql.MARK_STARTED, {"ids": s_ids, "claims": s_claims, "worker_id": self.broker.worker_id})
         if other:
-            conn.execute(sql.SETTLE, {**settle_params(other, awaited), "worker_id": self.broker.worker_id})
+            conn.execute(sql.SETTLE, {**settle_params(other, awaited), "worker_id": self.broker.worker_id,
+                                      "max_runs_without_outcome": self.broker.settings.max_runs_without_outcome})
         self.broker.outage.ok()
         self.written += len(outcomes)
         per_queue: dict[str, int] = {}
@@ -550,7 +567,7 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str]) -> dict[s
         "ids": [o.message_id for o in outcomes],
         "claims": [o.claim for o in outcomes],
         "outcomes": [o.outcome for o in outcomes],
-        "messages": [o.message_json for o in outcomes],  # None: left as it is
+        "options": [o.options_json for o in outcomes],  # None: left as it is
         "delays": [o.delay_s for o in outcomes],
         "errors": [o.error for o in outcomes],
         "f_parents": [parent for parent, _, _ in followups],
@@ -614,6 +631,14 @@ class ClaimedMessage(MessageProxy):
         self.standmeet_metrics_start: float | None = None
         self.standmeet_log_start: tuple[float, int] | None = None
         self.standmeet_cancel_watched = False
+
+    def __str__(self) -> str:
+        """The call, as Dramatiq's log lines print it, cut to MAX_LOGGED_CALL_CHARS: a
+        message's arguments can be a megabyte."""
+        return logged_call(self._message)
+
+    def __repr__(self) -> str:
+        return f"<ClaimedMessage {self.message_id} {logged_call(self._message)}>"
 
 
 class StandmeetBroker(dramatiq.Broker):
@@ -717,14 +742,16 @@ class StandmeetBroker(dramatiq.Broker):
         if context is not None:
             self.emit_before("enqueue", message, delay)
             if message.message_id == context.proxy.message_id:
-                context.requeue_delay_ms = int(delay or 0)
-            else:
-                context.followups.append((as_message(message), (delay or 0) / 1000.0))
+                context.requeue_delay_ms = int(delay_seconds(delay) * 1000)
+            else:  # refused here, not in the settler: a bad message must not hold up the others
+                enqueue_one_params(message, delay, max_bytes=self.settings.message_max_bytes)
+                context.followups.append((as_message(message), delay_seconds(delay)))
             self.emit_after("enqueue", message, delay)
             return message
         self.emit_before("enqueue", message, delay)
+        params = enqueue_one_params(message, delay, max_bytes=self.settings.message_max_bytes)
         try:
-            self.execute(sql.ENQUEUE_ONE, enqueue_one_params(message, delay))
+            self.execute(sql.ENQUEUE_ONE, params)
         except DISCONNECTS as exc:
             raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
         self.emit_after("enqueue", message, delay)
@@ -745,7 +772,7 @@ class StandmeetBroker(dramatiq.Broker):
             message.options.pop("eta", None)
             if hooked:
                 self.emit_before("enqueue", message, delay)
-        params = enqueue_params(batch, delay)
+        params = enqueue_params(batch, delay, max_bytes=self.settings.message_max_bytes)
         try:
             if conn is not None:
                 conn.execute(sql.ENQUEUE, params)
@@ -802,8 +829,12 @@ class StandmeetBroker(dramatiq.Broker):
         for middleware, hook in reversed(self._hooks("after_" + signal)):
             try:
                 hook(self, *args, **kwargs)
-            except Exception:
+            except Exception as exc:
                 self.logger.critical("Unexpected failure in after_%s of %r.", signal, middleware, exc_info=True)
+                context: SettleContext | None = getattr(_local, "settling", None)
+                if context is not None and context.hook_failure is None:
+                    context.hook_failure = (f"after_{signal} of {type(middleware).__name__} raised "
+                                            f"{type(exc).__name__}: {exc}")
 
     # -- the settle path ------------------------------------------------------------
 
@@ -822,6 +853,10 @@ class StandmeetBroker(dramatiq.Broker):
         cut_off = signal == "process_message" and isinstance(exception, CutOff)
         if signal == "process_message" and (cut_off or isinstance(exception, Deferred)):
             signal, kwargs = "skip_message", {}
+        if signal == "process_message" and exception is None and kwargs.get("result") is not None:
+            exception = self._refused_result(proxy, kwargs["result"])
+            if exception is not None:
+                kwargs = {"exception": exception}
         context = getattr(proxy, "standmeet_settle", None)
         if context is None and claim_of(proxy) is not None:
             context = proxy.standmeet_settle = SettleContext(proxy)  # type: ignore[union-attr]
@@ -839,6 +874,22 @@ class StandmeetBroker(dramatiq.Broker):
         if cut_off and context is not None and context.requeue_delay_ms is None:
             context.requeue_delay_ms = 0
 
+    def _refused_result(self, proxy: MessageProxy, result: Any) -> ResultRefused | None:
+        """Ask the middleware that keep results (a ``refuse_result(broker, message, result)``
+        hook returns why it cannot keep it, or None) before any after-hook sees the result.
+        A refused result fails the run for good, with the reason: the after-hooks then see
+        that failure (no retry, no success callback, the failure stored for waiters)."""
+        for _, refuse in self._hooks("refuse_result"):
+            reason = refuse(self, proxy, result)
+            if reason:
+                refused = ResultRefused(reason)
+                logger.error("message %s failed: %s", proxy.message_id, reason)
+                proxy.stuff_exception(refused)
+                proxy.options["error"] = f"ResultRefused: {reason}"
+                proxy.fail()
+                return refused
+        return None
+
     def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
         """Hand a finished run's outcome to the settler and free its running slot.
 
@@ -852,22 +903,30 @@ class StandmeetBroker(dramatiq.Broker):
         key = (proxy.message_id, claim)
         context: SettleContext | None = getattr(proxy, "standmeet_settle", None)
         followups = context.followups if context is not None else []
+        options = options_json(proxy)
+        if options is None:  # what a middleware left in them cannot be stored: as they were claimed
+            context = None
         if rejected:
-            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "rejected", message_json(proxy),
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "rejected", options,
                               error=rejection_reason(proxy), followups=followups)
         elif context is not None and context.requeue_delay_ms is not None:
-            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", message_json(proxy),
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", options,
                               delay_s=context.requeue_delay_ms / 1000.0, followups=followups)
         elif context is not None and (context.returned or context.skipped):
             unchanged = getattr(proxy, "standmeet_claimed_options", None) == proxy.options
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done",
-                              None if unchanged else message_json(proxy), followups=followups)
+                              None if unchanged else options, followups=followups)
         else:
-            # Neither returned, nor retried, nor rejected: a middleware failed in the
-            # middle of the after-hooks. Never record it as done: run it again.
-            logger.error("message %s ended without an outcome; running it again", proxy.message_id)
-            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", message_json(proxy),
-                              delay_s=self.settings.min_backoff_ms / 1000.0, followups=followups)
+            # Neither returned, nor retried, nor rejected: a middleware failed in the middle
+            # of the after-hooks (its retry logic raised). Never record it as done: run it
+            # again, counted, until STANDMEET_MAX_RUNS_WITHOUT_OUTCOME rejects it with the reason.
+            reason = (context.hook_failure if context is not None else None) or (
+                "its options cannot be stored as JSON" if options is None else "no middleware decided its outcome")
+            logger.error("message %s ended without an outcome (%s); running it again, at most %d runs so",
+                         proxy.message_id, reason, self.settings.max_runs_without_outcome)
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "rerun", None,
+                              delay_s=self.settings.min_backoff_ms / 1000.0, error=storable_text(reason),
+                              followups=[])
         proxy.standmeet_settle = None  # type: ignore[attr-defined]
         # The slot is free: this thread hands the next buffered claim to the worker itself.
         consumer_thread = self._consumer_thread(proxy.queue_name) if self.may_claim else None
@@ -1120,7 +1179,8 @@ class StandmeetBroker(dramatiq.Broker):
             listener(result)
         for row in rows:
             logger.warning(
-                "crash rescue: %d message(s) of queue %r requeued (%d suspect), %d rejected after too many crashes",
+                "crash rescue: %d message(s) of queue %r requeued (%d suspect), %d rejected (too many crashes, "
+                "or cancelled)",
                 int(row[1]), row[0], int(row[3]), int(row[2]),
             )
         return result
@@ -1276,9 +1336,13 @@ class StandmeetConsumer(Consumer):
             return 0
         start_now = self.state.start_now()
         rows = conn.execute(sql.CLAIM, {"queue": self.state.name, "n": want, "n_start": start_now,
-                                        "worker_id": self.broker.worker_id}).fetchall()
+                                        "worker_id": self.broker.worker_id,
+                                        **claim_size_params(self.broker.settings.message_max_bytes)}).fetchall()
         rows.sort(key=lambda row: row[2])
-        for text, number, rank, row_id, row_queue in rows:
+        for text, number, rank, row_id, row_queue, refusal in rows:
+            if text is None:  # rejected by the claim itself: never loaded here
+                logger.error("queue %r: message %s rejected: %s", self.state.name, row_id, refusal)
+                continue
             message = self._decode(conn, text, row_id, row_queue)
             if message is None:
                 continue
@@ -1471,6 +1535,246 @@ def message_priority(message: Message | MessageProxy) -> int:
     return int(value)
 
 
+#: Dramatiq's options whose values are numbers, with the least each may be: (minimum,
+#: whole numbers only). A value of another type, not finite, below its minimum or above
+#: MAX_OPTION_VALUE is refused at send: in a run it would make the retry logic raise.
+NUMERIC_OPTIONS: dict[str, tuple[float, bool]] = {
+    "max_retries": (0, True), "retries": (0, True), "min_backoff": (0, False), "max_backoff": (0, False),
+    "time_limit": (1, False), "max_age": (1, False), "delay": (0, False), "result_ttl": (1, False),
+    "priority": (-(2 ** 31), True), "max_snoozes": (0, True), "snoozes": (0, True),
+}
+#: Options that are true or false.
+BOOLEAN_OPTIONS = frozenset({"store_results", "pipe_ignore", "notify_shutdown"})
+#: Largest number an option may hold: ten years of milliseconds, and below ``int4``'s
+#: ceiling for ``priority``.
+MAX_OPTION_VALUE = 10 * 366 * 86_400_000
+#: Deepest nesting of objects and lists a value may have (messages' arguments, events' payloads).
+MAX_JSON_DEPTH = 32
+#: In JSON text (ASCII, as Dramatiq's encoder writes it), what may be a value Postgres
+#: refuses: NaN or an infinity, a ``\u0000``, a surrogate. Only options whose text holds
+#: one of these are walked, to clear it (a string may hold those letters).
+_SUSPECT = re.compile(r"NaN|Infinity|\\u0000|\\ud[89a-f]")
+#: A surrogate code point in a Python text: a lone one (a pair is one character).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "a \\u0000 (NUL) character, which Postgres cannot store"
+    if not text.isascii() and any("\ud800" <= c <= "\udfff" for c in text):
+        return "a lone surrogate (not valid Unicode)"
+    return None
+
+
+def check_json_value(value: Any, *, what: str, error: type[Exception] = InvalidMessage) -> None:
+    """Refuse, with ``error`` naming ``what`` and where, a value Postgres' jsonb would
+    refuse (in a caller's transaction, aborting it) or JSON cannot express: NaN or an
+    infinity, a ``\\u0000``, a lone surrogate, a non-string key, an object that is not
+    JSON, or nesting deeper than MAX_JSON_DEPTH. The one check of everything written as
+    JSON: events (``emit``), messages (sends, ``enqueue``, ``enqueue_many``). Walks
+    iteratively: depth cannot blow the stack. A first walk only looks; the path of what it
+    found is spelt out by a second (a send pays no text per value)."""
+    if _storable_json(value):
+        return
+    stack: list[tuple[Any, int, str]] = [(value, 1, "$")]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth > MAX_JSON_DEPTH:
+                raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    if not isinstance(key, str):
+                        raise error(f"{what} has a non-string key at {path}")
+                    bad = _bad_text(key)
+                    if bad:
+                        raise error(f"a key of {what} at {path} holds {bad}")
+                    stack.append((inner, depth + 1, f"{path}.{key[:40]}"))
+            else:
+                stack.extend((inner, depth + 1, f"{path}[{n}]") for n, inner in enumerate(item))
+        elif isinstance(item, str):
+            bad = _bad_text(item)
+            if bad:
+                raise error(f"{what} holds {bad} at {path}")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise error(f"{what} holds {item!r} at {path}, which JSON cannot express")
+        elif item is not None and not isinstance(item, bool | int):
+            raise error(f"{what} holds a {type(item).__name__} at {path}, not JSON")
+
+
+def _storable_json(value: Any) -> bool:
+    """Whether :func:`check_json_value` would let ``value`` pass: the same rules, no paths."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        kind = type(item)
+        if kind is str:
+            if "\x00" in item or (not item.isascii() and _SURROGATE.search(item)):
+                return False
+        elif kind is int or kind is bool or item is None:
+            continue
+        elif kind is float:
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            if depth > MAX_JSON_DEPTH:
+                return False
+            for key, inner in item.items():
+                if type(key) is not str or "\x00" in key or (not key.isascii() and _SURROGATE.search(key)):
+                    return False
+                stack.append((inner, depth + 1))
+        elif isinstance(item, list | tuple):
+            if depth > MAX_JSON_DEPTH:
+                return False
+            stack.extend((inner, depth + 1) for inner in item)
+        else:
+            return False  # a str, int or float subclass, or not JSON: the careful walk decides
+    return True
+
+
+def check_options(message: Message | MessageProxy) -> None:
+    """Refuse a message whose Dramatiq options hold a value its run could not use
+    (``max_retries='3'``, a negative ``time_limit``…), naming the option and the value."""
+    options = message.options
+    for name in options.keys() & NUMERIC_OPTIONS.keys():
+        value = options[name]
+        if name in ("max_retries", "priority", "delay") and value is None:
+            continue  # no cap on retries; the actor's priority; no delay
+        minimum, whole = NUMERIC_OPTIONS[name]
+        kind = "a whole number" if whole else "a number"
+        if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
+                or not math.isfinite(value) or not minimum <= value <= MAX_OPTION_VALUE):
+            raise InvalidMessage(f"option {name}={value!r} of a message to {message.actor_name!r} is not "
+                                 f"{kind} from {minimum:g} to {MAX_OPTION_VALUE}")
+    for name in options.keys() & BOOLEAN_OPTIONS:
+        if not isinstance(options[name], bool):
+            raise InvalidMessage(f"option {name}={options[name]!r} of a message to {message.actor_name!r} "
+                                 "is not true or false")
+
+
+def delay_seconds(delay: Any) -> float:
+    """A send's ``delay`` (milliseconds, or None) in seconds; a clear error if it is not one."""
+    if delay is None:
+        return 0.0
+    if (isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay)
+            or not 0 <= delay <= MAX_OPTION_VALUE):
+        raise InvalidMessage(f"delay={delay!r} is not a number of milliseconds from 0 to {MAX_OPTION_VALUE}")
+    return delay / 1000.0
+
+
+def check_message(message: Message) -> None:
+    """Refuse a message whose options its run cannot use (:func:`check_options`) or whose
+    arguments or options are not JSON Postgres stores (:func:`check_json_value`, as
+    ``emit`` checks an event), naming the value and where it is."""
+    check_options(message)
+    if _storable_json((message.args, message.kwargs, message.options)):
+        return
+    for part, value in (("arguments", message.args), ("keyword arguments", message.kwargs),
+                        ("options", message.options)):
+        check_json_value(value, what=f"the {part} of a message to {message.actor_name!r}")
+
+
+def check_encoded_size(size: int, actor_name: str, max_bytes: int) -> None:
+    """:class:`MessageTooLarge`, naming the size and the limit, for a message to
+    ``actor_name`` of ``size`` bytes encoded over ``max_bytes``."""
+    if size > max_bytes:
+        raise MessageTooLarge(
+            f"the message to {actor_name!r} is {size} bytes encoded, over the limit of {max_bytes} "
+            "(STANDMEET_MESSAGE_MAX_BYTES); store large data in a table and send its id")
+
+
+def _check_size(size: int, message: Message, max_bytes: int) -> None:
+    check_encoded_size(size, message.actor_name, max_bytes)
+
+
+def default_max_bytes() -> int:
+    """STANDMEET_MESSAGE_MAX_BYTES of the configured broker (1 MiB without one)."""
+    current = dramatiq.broker.global_broker
+    return current.settings.message_max_bytes if isinstance(current, StandmeetBroker) else MIB
+
+
+def checked_json(message: Message | MessageProxy, *, max_bytes: int | None = None) -> str:
+    """The message's JSON text, once it is known to be one Postgres stores and no larger
+    than ``max_bytes`` (default: :func:`default_max_bytes`); :class:`InvalidMessage` or
+    :class:`MessageTooLarge` otherwise, before anything is written."""
+    plain = as_message(message)
+    check_message(plain)
+    text = message_json(plain)
+    limit = default_max_bytes() if max_bytes is None else max_bytes
+    _check_size(len(text) if text.isascii() else len(text.encode("utf-8")), plain, limit)
+    return text
+
+
+def claim_size_params(max_bytes: int) -> dict[str, int]:
+    """What :data:`broker.sql.CLAIM` refuses: a row whose text, as Postgres writes it (a
+    space after each ``,`` and ``:``, so up to 1.5 times the compact text a send measured),
+    is over 1.5 × ``max_bytes``: never one a send accepted. A row whose stored size is
+    below a sixth of that is not measured."""
+    claim_max = max_bytes * 3 // 2
+    return {"claim_max_bytes": claim_max, "claim_cheap_bytes": (claim_max - 64) // 6}
+
+
+#: Options as the settle writes them: what jsonb refuses raises (NaN, an infinity).
+_strict_json = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def options_json(message: Message | MessageProxy) -> str | None:
+    """The message's options as JSON Postgres stores (a NUL or a lone surrogate in a text,
+    such as an exception's message in a traceback, replaced by U+FFFD); None when a
+    middleware left in them what JSON cannot hold."""
+    try:
+        text = _strict_json(message.options)
+    except (TypeError, ValueError, RecursionError):
+        logger.error("message %s: its options cannot be stored as JSON; they are kept as claimed",
+                     message.message_id)
+        return None
+    if _SUSPECT.search(text) is not None:
+        return _strict_json(_storable(json.loads(text)))
+    return text
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
+
+
+def storable_text(text: str) -> str:
+    """``text`` as Postgres stores it: a NUL or a lone surrogate becomes U+FFFD."""
+    text = text.replace("\x00", "\ufffd")
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+#: Dramatiq prints a message as its call; each value shown is cut while it is written, so
+#: a megabyte of arguments is never turned into text to be logged.
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 120
+_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 8
+_short.maxlevel = 3
+
+
+def logged_call(message: Message) -> str:
+    """``actor(args…)`` as Dramatiq prints a message, cut to MAX_LOGGED_CALL_CHARS."""
+    shown: list[str] = []
+    length = 0
+    values = itertools.chain(map(_short.repr, message.args),
+                             (f"{k}={_short.repr(v)}" for k, v in message.kwargs.items()))
+    for text in values:
+        shown.append(text)
+        length += len(text) + 2
+        if length > MAX_LOGGED_CALL_CHARS:
+            break
+    call = f"{message.actor_name}({', '.join(shown)})"
+    if len(call) > MAX_LOGGED_CALL_CHARS:
+        call = f"{call[:MAX_LOGGED_CALL_CHARS]}… ({len(message.args)} args, {len(message.kwargs)} kwargs)"
+    return call
+
+
 def rejection_reason(message: MessageProxy) -> str:
     """Why a message is rejected, kept on its row: never the bare word 'failed'."""
     reason = message.options.get("error")
@@ -1481,20 +1785,45 @@ def rejection_reason(message: MessageProxy) -> str:
             reason = traceback_text
         elif exc is not None:
             reason = f"{type(exc).__name__}: {exc}"
-    return str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:]
+    return storable_text(str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:])
 
 
-def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.ENQUEUE` for ``messages``, due after ``delay`` ms."""
+def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None, *,
+                   max_bytes: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.sql.ENQUEUE` for ``messages``, due after ``delay`` ms;
+    :class:`InvalidMessage` or :class:`MessageTooLarge` (naming the message) for a batch
+    holding one Postgres would refuse or one over ``max_bytes`` (default:
+    :func:`default_max_bytes`), before anything is written."""
     batch = [as_message(m) for m in messages]
+    delay_s = delay_seconds(delay)
+    for m in batch:
+        check_message(m)
+    limit = default_max_bytes() if max_bytes is None else max_bytes
     priorities = [str(message_priority(m)) for m in batch]
     if all(_encoded_as_dramatiq_would(m) for m in batch):
         # one encoder call for the whole array: the same text as joining each message's
         # (a third less time for a batch of thousands)
         array = compact_json([_fields(m) for m in batch])
+        if len(array) > limit:  # one of them may be too large: each one's text ends at its id
+            _check_sizes(array, batch, limit)
     else:
-        array = f"[{','.join(message_json(m) for m in batch)}]"
-    return _array_params(array, priorities, delay_s=(delay or 0) / 1000.0)
+        array = f"[{','.join(checked_json(m, max_bytes=limit) for m in batch)}]"
+    return _array_params(array, priorities, delay_s=delay_s)
+
+
+def _check_sizes(array: str, batch: Sequence[Message], max_bytes: int) -> None:
+    """Each message's size in the JSON ``array`` of ``batch`` (ASCII, in order): the distance
+    from the end of one message's id to the end of the next's (its last field but one)."""
+    start = 0
+    for m in batch:
+        marker = f'"message_id":"{m.message_id}"'
+        end = array.find(marker, start)
+        if end < 0:  # not where it should be: measure it alone
+            _check_size(len(message_json(m)), m, max_bytes)
+            continue
+        end += len(marker)
+        _check_size(end - start, m, max_bytes)
+        start = end
 
 
 def batch_params(texts: Sequence[str], priorities: Sequence[str], *, delay_s: float = 0.0) -> dict[str, Any]:
@@ -1507,10 +1836,14 @@ def _array_params(array: str, priorities: Sequence[str], *, delay_s: float) -> d
     return {"messages": array, "priorities": f"{{{','.join(priorities)}}}", "delay_s": delay_s}
 
 
-def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.ENQUEUE_ONE` for ``message``, due after ``delay`` ms."""
-    return {"queue": message.queue_name, "message_id": message.message_id, "message": message_json(message),
-            "delay_s": (delay or 0) / 1000.0, "priority": message_priority(message)}
+def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None, *,
+                       max_bytes: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.sql.ENQUEUE_ONE` for ``message``, due after ``delay`` ms;
+    refused as :func:`checked_json` says, before anything is written."""
+    delay_s = delay_seconds(delay)
+    return {"queue": message.queue_name, "message_id": message.message_id,
+            "message": checked_json(message, max_bytes=max_bytes),
+            "delay_s": delay_s, "priority": message_priority(message)}
 
 
 def refuse_non_json_encoder() -> None:

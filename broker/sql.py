@@ -82,6 +82,28 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
 #: worker.
 _ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"
 
+#: Who cancelled the message of row ``q`` and when, as ``jobs cancel`` words it: the start
+#: of the ``error`` of every message settled as cancelled (followed by how its run ended).
+_CANCELLED_BY = (
+    "'cancelled by ' || coalesce(q.cancelled_by, 'an operator') || ' at '"
+    " || to_char(q.cancelled_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
+)
+
+
+def _oversize(alias: str) -> str:
+    """The size of the message of row ``alias`` when a claim must refuse it (NULL when it
+    fits), decided in the statement: a row is never loaded into a worker to be measured.
+
+    Postgres' text of a jsonb is at most six times its stored size (a control character,
+    one byte, is written ``\\u0001``), so an uncompressed row whose stored size is at most
+    ``claim_cheap_bytes`` fits without being measured: reading the size of a stored value
+    never fetches it. Only a compressed or larger one is turned into text to be measured."""
+    return (f"CASE WHEN pg_column_compression({alias}.message) IS NULL"
+            f" AND pg_column_size({alias}.message) <= %(claim_cheap_bytes)s THEN NULL"
+            f" ELSE (SELECT t.n FROM (SELECT octet_length({alias}.message::text) AS n) AS t"
+            " WHERE t.n > %(claim_max_bytes)s) END")
+
+
 #: Claim up to ``n`` due messages of a queue for this worker process, lower priority
 #: number first, then oldest due. Rows locked by a concurrent claimer are skipped, not
 #: waited on. The first ``n_start`` are marked started (they run at once); the rest are
@@ -90,16 +112,21 @@ _ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) AS async
 #: when no other message of its set runs anywhere, one at a time: the advisory lock
 #: of its set (held for this statement only) keeps two claimers from racing.
 #: A paused queue is claimed from by nobody. The claim commits asynchronously (_ASYNC_COMMIT).
+#: A picked row that must not run is rejected by the claim itself, with the reason, and
+#: comes back with no text (NULL): a cancelled one (none should be queued; whatever put
+#: it back, it never runs), or one whose text is over ``claim_max_bytes`` (_oversize).
 CLAIM = """
 WITH normal AS (
-    SELECT message_id, priority, eta FROM dramatiq.queue
+    SELECT message_id, priority, eta, cancelled_at IS NOT NULL AS cancelled, """ + _oversize("n") + """ AS oversize
+    FROM dramatiq.queue n
     WHERE queue_name = %(queue)s AND "state" = 'queued' AND eta <= now() AND suspect_of IS NULL
       AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
     ORDER BY priority, eta
     LIMIT %(n)s
     FOR UPDATE SKIP LOCKED
 ), suspect AS (
-    SELECT s.message_id, s.priority, s.eta FROM dramatiq.queue s
+    SELECT s.message_id, s.priority, s.eta, s.cancelled_at IS NOT NULL AS cancelled, """ + _oversize("s") + """ AS oversize
+    FROM dramatiq.queue s
     WHERE s.queue_name = %(queue)s AND s."state" = 'queued' AND s.eta <= now() AND s.suspect_of IS NOT NULL
       AND NOT EXISTS (SELECT 1 FROM standmeet.queue_pauses p WHERE p.queue_name = %(queue)s)
       AND NOT EXISTS (SELECT 1 FROM dramatiq.queue c
@@ -109,17 +136,26 @@ WITH normal AS (
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT message_id, row_number() OVER (ORDER BY priority, eta) AS rn
+    SELECT message_id, cancelled, oversize, (cancelled OR oversize IS NOT NULL) AS refused,
+           row_number() OVER (ORDER BY priority, eta) AS rn
     FROM (SELECT * FROM suspect UNION ALL SELECT * FROM normal) AS both_kinds
     ORDER BY priority, eta
     LIMIT %(n)s
 )
 UPDATE dramatiq.queue q
-SET "state" = 'consumed', mtime = now(), worker_id = %(worker_id)s, claims = q.claims + 1,
-    started_at = CASE WHEN picked.rn <= %(n_start)s THEN now() END
+SET "state" = (CASE WHEN picked.refused THEN 'rejected' ELSE 'consumed' END)::dramatiq.state,
+    mtime = now(), claims = q.claims + 1,
+    worker_id = CASE WHEN picked.refused THEN NULL ELSE %(worker_id)s::uuid END,
+    started_at = CASE WHEN NOT picked.refused AND picked.rn <= %(n_start)s THEN now() END,
+    error = CASE WHEN picked.cancelled THEN """ + _CANCELLED_BY + """ || ': found queued; not run'
+                 WHEN picked.refused
+                 THEN 'rejected when claimed: its message is ' || picked.oversize || ' bytes as Postgres writes it, over the '
+                      || %(claim_max_bytes)s || ' a claim accepts (1.5 x STANDMEET_MESSAGE_MAX_BYTES)'
+                 ELSE q.error END
 FROM picked, """ + _ASYNC_COMMIT + """
 WHERE q.message_id = picked.message_id
-RETURNING q.message::text, q.claims, picked.rn, q.message_id::text, q.queue_name
+RETURNING CASE WHEN picked.refused THEN NULL ELSE q.message::text END, q.claims, picked.rn, q.message_id::text,
+          q.queue_name, CASE WHEN picked.refused THEN q.error END
 """
 
 #: Seconds until the next queued message of a queue is due (None when there is none, or
@@ -164,7 +200,14 @@ GROUP BY queue_name, chunk
 #:   done      the actor returned
 #:   rejected  failed for good, with the reason
 #:   queued    run again after a delay: a retry with back-off or a snooze (which never
-#:             counts a retry); a cancelled message is rejected instead
+#:             counts a retry)
+#:   rerun     the run ended with no outcome (its retry logic raised): run again after a
+#:             delay, counted in ``runs_without_outcome``; rejected with the reason (the
+#:             error given) once ``max_runs_without_outcome`` runs ended so
+#: A cancelled message is never done nor queued again: it is rejected, the error saying who
+#: cancelled it and how its run ended (a rejection keeps its own reason).
+#: ``options`` is the message's options as the run left them (NULL: unchanged): only they
+#: change in a run, so the arguments are neither sent nor parsed again.
 #: In the same statement (one transaction): the messages the settled runs sent from their
 #: after-hooks (pipelines, callbacks) are enqueued, only for claims that were settled;
 #: receipts are sent for final states of awaited queues (RECEIPTS_OF_SETTLED), and
@@ -172,17 +215,29 @@ GROUP BY queue_name, chunk
 SETTLE = """
 WITH outcome AS (
     SELECT * FROM unnest(%(ids)b::uuid[], %(claims)s::int[], %(outcomes)b::text[],
-                         %(messages)b::jsonb[], %(delays)s::float8[], %(errors)b::text[])
-         AS o(message_id, claims, outcome, message, delay_s, error)
+                         %(options)b::jsonb[], %(delays)s::float8[], %(errors)b::text[])
+         AS o(message_id, claims, outcome, options, delay_s, error)
 ), settled AS (
     UPDATE dramatiq.queue q
-    SET "state" = (CASE WHEN o.outcome = 'queued' AND q.cancelled_at IS NOT NULL THEN 'rejected'
+    SET "state" = (CASE WHEN o.outcome = 'rejected' THEN 'rejected'
+                        WHEN q.cancelled_at IS NOT NULL THEN 'rejected'
+                        WHEN o.outcome = 'rerun' AND q.runs_without_outcome + 1 >= %(max_runs_without_outcome)s
+                             THEN 'rejected'
+                        WHEN o.outcome = 'rerun' THEN 'queued'
                         ELSE o.outcome END)::dramatiq.state,
-        message = coalesce(o.message, q.message),
-        eta = CASE WHEN o.outcome = 'queued' THEN now() + make_interval(secs => o.delay_s) ELSE q.eta END,
+        message = CASE WHEN o.options IS NULL THEN q.message
+                       ELSE jsonb_set(q.message, '{options}', o.options) END,
+        runs_without_outcome = q.runs_without_outcome + (o.outcome = 'rerun')::int,
+        eta = CASE WHEN o.outcome IN ('queued', 'rerun') THEN now() + make_interval(secs => o.delay_s) ELSE q.eta END,
         error = CASE WHEN o.outcome = 'rejected' THEN o.error
-                     WHEN o.outcome = 'queued' AND q.cancelled_at IS NOT NULL
-                          THEN coalesce(q.error, 'cancelled: not retried')
+                     WHEN q.cancelled_at IS NOT NULL
+                          THEN """ + _CANCELLED_BY + """ || CASE o.outcome
+                               WHEN 'done' THEN ': its run returned after the cancellation'
+                               WHEN 'rerun' THEN ': its run ended with no outcome; not run again'
+                               ELSE ': not retried' END
+                     WHEN o.outcome = 'rerun' AND q.runs_without_outcome + 1 >= %(max_runs_without_outcome)s
+                          THEN 'rejected: ' || (q.runs_without_outcome + 1) || ' runs ended with no outcome'
+                               || ' (STANDMEET_MAX_RUNS_WITHOUT_OUTCOME); the last: ' || coalesce(o.error, 'no reason given')
                      WHEN o.outcome = 'done' THEN NULL
                      ELSE q.error END,
         worker_id = NULL, started_at = NULL, mtime = now()
@@ -209,8 +264,9 @@ FROM (SELECT queue_name FROM settled WHERE state = 'queued'
 #: The common settle, many at once: runs that returned, sent nothing from their
 #: after-hooks and left their message as it was claimed. Only the state changes (the
 #: message text is not sent, parsed or rewritten); receipts as in SETTLE. Each only if it
-#: is still the claim it names. The start marks of other claims (MARK_STARTED's, never a
-#: claim settled here) ride along in the same statement: one round trip, no pipeline.
+#: is still the claim it names; a cancelled one is rejected, as SETTLE says. The start
+#: marks of other claims (MARK_STARTED's, never a claim settled here) ride along in the
+#: same statement: one round trip, no pipeline.
 SETTLE_DONE = """
 WITH marked AS (
     UPDATE dramatiq.queue q SET started_at = now()
@@ -219,10 +275,13 @@ WITH marked AS (
       AND q.started_at IS NULL
 ), settled AS (
     UPDATE dramatiq.queue q
-    SET "state" = 'done', error = NULL, worker_id = NULL, started_at = NULL, mtime = now()
+    SET "state" = (CASE WHEN q.cancelled_at IS NULL THEN 'done' ELSE 'rejected' END)::dramatiq.state,
+        error = CASE WHEN q.cancelled_at IS NOT NULL
+                     THEN """ + _CANCELLED_BY + """ || ': its run returned after the cancellation' END,
+        worker_id = NULL, started_at = NULL, mtime = now()
     FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS o(message_id, claims)
     WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
-    RETURNING q.queue_name, q.message_id, 'done' AS state
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state
 )""" + RECEIPTS_OF_SETTLED
 
 #: Record that prefetched claims have started running (they can now be blamed for a
@@ -245,19 +304,22 @@ WHERE message_id = %(message_id)s
 #: A message for an actor this process does not have (a rolling deploy?): back to the
 #: queue for a later or other worker, and rejected with the reason after ``max_claims``.
 UNKNOWN_ACTOR = """
-UPDATE dramatiq.queue
-SET "state" = CASE WHEN claims >= %(max_claims)s THEN 'rejected'::dramatiq.state ELSE 'queued'::dramatiq.state END,
+UPDATE dramatiq.queue q
+SET "state" = CASE WHEN q.claims >= %(max_claims)s OR q.cancelled_at IS NOT NULL THEN 'rejected'::dramatiq.state
+                   ELSE 'queued'::dramatiq.state END,
     eta = now() + make_interval(secs => %(delay_s)s), worker_id = NULL, started_at = NULL, mtime = now(),
-    error = %(error)s
-WHERE message_id = %(message_id)s
+    error = CASE WHEN q.cancelled_at IS NOT NULL THEN """ + _CANCELLED_BY + """ || ': not run' ELSE %(error)s END
+WHERE q.message_id = %(message_id)s
 """
 
 #: Give claimed-but-not-started messages back to their queue, without blame, and wake
-#: its consumers.
+#: its consumers; one cancelled meanwhile is rejected instead, never to run.
 REQUEUE = """
 WITH requeued AS (
     UPDATE dramatiq.queue q
-    SET "state" = 'queued', worker_id = NULL, started_at = NULL, mtime = now()
+    SET "state" = (CASE WHEN q.cancelled_at IS NULL THEN 'queued' ELSE 'rejected' END)::dramatiq.state,
+        error = CASE WHEN q.cancelled_at IS NULL THEN q.error ELSE """ + _CANCELLED_BY + """ || ': not run' END,
+        worker_id = NULL, started_at = NULL, mtime = now()
     FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS r(message_id, claims)
     WHERE q.message_id = r.message_id AND q.claims = r.claims AND q."state" = 'consumed'
       AND q.worker_id = %(worker_id)s
@@ -296,9 +358,10 @@ WITH cleared AS (
     SET crashes = CASE WHEN q.blamed_worker = %(worker_id)s::uuid THEN greatest(q.crashes - 1, 0) ELSE q.crashes END,
         blamed_worker = CASE WHEN q.blamed_worker = %(worker_id)s::uuid THEN NULL ELSE q.blamed_worker END,
         suspect_of = CASE WHEN q.suspect_of = %(worker_id)s::uuid THEN NULL ELSE q.suspect_of END,
-        "state" = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid
+        "state" = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid AND q.cancelled_at IS NULL
                        THEN 'queued'::dramatiq.state ELSE q."state" END,
-        error = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid THEN NULL ELSE q.error END,
+        error = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid AND q.cancelled_at IS NULL
+                     THEN NULL ELSE q.error END,
         mtime = now()
     WHERE q.message_id = ANY(%(ids)b::uuid[])
       AND (q.blamed_worker = %(worker_id)s::uuid OR q.suspect_of = %(worker_id)s::uuid)
@@ -309,15 +372,19 @@ FROM cleared
 """
 
 #: A graceful stop: the process is recorded as stopped and every message it still holds
-#: (a job cut off at the shutdown timeout) goes back to its queue without blame.
+#: (a job cut off at the shutdown timeout) goes back to its queue without blame; one
+#: cancelled is rejected instead, never to run again.
 STOP_WORKER = """
 WITH stopped AS (
     UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %(worker_id)s RETURNING id
 ), requeued AS (
-    UPDATE dramatiq.queue
-    SET "state" = 'queued', worker_id = NULL, started_at = NULL, mtime = now()
-    WHERE worker_id = %(worker_id)s AND "state" = 'consumed'
-    RETURNING queue_name
+    UPDATE dramatiq.queue q
+    SET "state" = (CASE WHEN q.cancelled_at IS NULL THEN 'queued' ELSE 'rejected' END)::dramatiq.state,
+        error = CASE WHEN q.cancelled_at IS NULL THEN q.error
+                     ELSE """ + _CANCELLED_BY + """ || ': its worker stopped while holding it; not run again' END,
+        worker_id = NULL, started_at = NULL, mtime = now()
+    WHERE q.worker_id = %(worker_id)s AND q."state" = 'consumed'
+    RETURNING q.queue_name
 )
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
@@ -330,7 +397,8 @@ FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 #:     re-run with no other of its set beside it): a crash is counted, and past
 #:     ``max_crashes`` it is rejected with the reason;
 #:   * started beside others, no suspect among them: each becomes a suspect of that set,
-#:     no crash counted; started beside a suspect: innocent, no blame.
+#:     no crash counted; started beside a suspect: innocent, no blame;
+#:   * cancelled (``jobs cancel`` while it ran): rejected, never run again.
 #: A process never rescues its own claims (it lives: it is running this; its heartbeat
 #: may only look old because its thread was held up).
 #: Nothing is rescued within ``after_s`` of the server becoming this database's (its
@@ -368,9 +436,12 @@ WITH epoch AS MATERIALIZED (
         blamed_worker = CASE WHEN v.verdict = 'blame' THEN v.worker_id ELSE q.blamed_worker END,
         suspect_of = CASE WHEN v.verdict = 'suspect' THEN v.worker_id ELSE q.suspect_of END,
         worker_id = NULL, started_at = NULL, mtime = now(),
-        "state" = CASE WHEN v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s
+        "state" = CASE WHEN q.cancelled_at IS NOT NULL
+                            OR (v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s)
                        THEN 'rejected'::dramatiq.state ELSE 'queued'::dramatiq.state END,
-        error = CASE WHEN v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s
+        error = CASE WHEN q.cancelled_at IS NOT NULL
+                     THEN """ + _CANCELLED_BY + """ || ': its worker process died holding it; not run again'
+                     WHEN v.verdict = 'blame' AND q.crashes + 1 > %(max_crashes)s
                      THEN 'rejected: its worker process died while running it '
                           || (q.crashes + 1) || ' times'
                      ELSE q.error END

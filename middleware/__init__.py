@@ -13,7 +13,8 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
                          finished job; a cancelled running job stops at its next check
                          (before Retries, so their after-hooks see its decision)
 7. ``Retries``           retry failures with back-off; the delay lives in the database
-8. ``Results``           results in Postgres (``store_results=True``), none for a snoozed run
+8. ``Results``           results in Postgres (``store_results=True``), none for a snoozed run;
+                         a result that is not JSON fails its job
 9. ``GroupCallbacks``    (Dramatiq's) group completion callbacks, on the Postgres rate limiter
 10. ``SnoozePolicy``     run a job again later without counting a retry
 11. ``KeyedLease``       at most one message in flight per key (an actor's ``lease``), by a
@@ -48,7 +49,7 @@ from middleware.job_log import JobLog
 from middleware.keyed_lease import Held, KeyedLease, Lease, given_back, lease_of
 from middleware.metrics import Metrics
 from middleware.queue_concurrency import QueueConcurrency
-from middleware.results import Results
+from middleware.results import results_middleware
 from middleware.retries import Retries
 from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
 from middleware.time_limit import TimeLimit
@@ -62,7 +63,7 @@ def default_middleware(
 ) -> list[Any]:
     """The policies every broker of ours runs, in order; results and group callbacks
     when their backends are given (``broker.configure()`` gives the Postgres ones)."""
-    stores = [Results(backend=results)] if results is not None else []
+    stores = [results_middleware(backend=results)] if results is not None else []
     groups = [GroupCallbacks(rate_limiter)] if rate_limiter is not None else []
     return [
         ConnectionBudget(),

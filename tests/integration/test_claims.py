@@ -9,9 +9,13 @@ import psycopg
 from dramatiq.broker import MessageProxy
 
 from broker import sql
-from broker.pgbroker import QueueState, StandmeetConsumer, enqueue_params
+from broker.pgbroker import QueueState, StandmeetConsumer, claim_size_params, enqueue_params
+from broker.settings import MIB
 from tests.support.db import query
 from tests.support.jobs import mark
+
+#: What the claim statement refuses, at the default STANDMEET_MESSAGE_MAX_BYTES.
+CLAIM_SIZES = claim_size_params(MIB)
 
 
 def _state(url: str, message_id: str) -> list[tuple[str, int]]:
@@ -207,7 +211,8 @@ def test_settles_commit_synchronously_and_claims_asynchronously_without_session_
     message = mark.send("claimed-asynchronously")
     with psycopg.connect(database_url) as conn:
         claimed = conn.execute(sql.CLAIM, {"queue": message.queue_name, "n": 1, "n_start": 1,
-                                           "worker_id": "00000000-0000-0000-0000-000000000000"}).fetchall()
+                                           "worker_id": "00000000-0000-0000-0000-000000000000",
+                                           **CLAIM_SIZES}).fetchall()
         assert len(claimed) == 1
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
         conn.rollback()
@@ -325,7 +330,7 @@ def test_a_claim_reads_about_as_many_rows_as_it_claims_whatever_the_backlog(data
         # When one claim of 6 runs (rolled back: nothing is taken)
         [(plan,)] = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.CLAIM,
-            {"queue": queue, "n": 6, "n_start": 6, "worker_id": str(uuid.uuid4())},
+            {"queue": queue, "n": 6, "n_start": 6, "worker_id": str(uuid.uuid4()), **CLAIM_SIZES},
         ).fetchall()
         conn.rollback()
         conn.execute("DELETE FROM dramatiq.queue WHERE queue_name = %s", (queue,))
@@ -584,7 +589,7 @@ def test_a_give_back_whose_outcome_is_unknown_is_never_started_here_and_is_tried
     assert consumer.give_back_after > time.monotonic()  # after a back-off
     # and another process claims those messages and runs them
     other = str(uuid.uuid4())
-    query(database_url, sql.CLAIM, {"queue": "index", "n": 10, "n_start": 10, "worker_id": other})
+    query(database_url, sql.CLAIM, {"queue": "index", "n": 10, "n_start": 10, "worker_id": other, **CLAIM_SIZES})
     assert sorted(r[0] for r in query(database_url, "SELECT message_id::text FROM dramatiq.queue"
                                                     " WHERE worker_id = %s", (other,))) == sorted(ids[2:])
     # Then this process never starts them, though its slot frees

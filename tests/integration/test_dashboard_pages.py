@@ -105,14 +105,16 @@ def test_the_overview_shows_each_queue_by_state_with_throughput(broker, database
 def test_the_overview_and_workers_pages_say_how_many_running_jobs_are_not_yet_started(
         broker, database_url, dashboard):
     from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.pgbroker import claim_size_params, enqueue_params
+    from broker.settings import MIB
 
     # Given three messages claimed by this worker process: one started, two claimed ahead
     broker.prove_alive()
     messages = [Message(queue_name="dash_prefetch", actor_name="dash.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
     query(database_url, sql.ENQUEUE, enqueue_params(messages))
-    query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id})
+    query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id,
+                                    **claim_size_params(MIB)})
     try:
         with dashboard() as client:
             page = client.get("/")

@@ -1,0 +1,122 @@
+"""Cancel holds everywhere: a cancelled message is never claimed again, and every path
+that ends its claim (a settle, a give-back, a graceful stop, a crash rescue) settles it
+as cancelled, never done nor queued."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import dramatiq
+import psycopg
+
+from broker import ops, sql
+from broker.pgbroker import claim_size_params, enqueue_params
+from broker.settings import MIB
+from tests.support.db import query, scalar, wait_for
+from tests.support.jobs import noop, record_finish, record_start
+
+CLAIM_SIZES = claim_size_params(MIB)
+#: How long the holding actor waits for its release before it gives up (a test bound).
+HOLD_LIMIT_S = 30
+
+
+@dramatiq.actor(actor_name="test.cancel_holds.hold", queue_name="index", max_retries=0)
+def hold(key: str) -> None:
+    """Runs until the test releases it (a counter row), then returns."""
+    run = record_start("test.cancel_holds.hold", "index", key)
+    released = f"release:{key}"
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not scalar_released(released):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key} was never released")
+        time.sleep(0.01)  # the job's own wait for its release, not the test's
+    record_finish(run)
+
+
+def scalar_released(key: str) -> bool:
+    from broker import db
+
+    with db.connection() as conn:
+        return conn.execute("SELECT 1 FROM test_counters WHERE key = %s", (key,)).fetchone() is not None
+
+
+def _row(url: str, message_id: str) -> tuple[str, str | None, object]:
+    rows = query(url, "SELECT state::text, error, cancelled_at FROM dramatiq.queue WHERE message_id = %s",
+                 (message_id,))
+    assert rows, message_id
+    return rows[0]
+
+
+def _claimed(url: str, label: str, *, started: bool) -> tuple[str, str, int]:
+    """A message of ``noop`` enqueued and claimed by a process that is not running (no row
+    in worker_processes): (message id, that process's id, claim number)."""
+    message = noop.message(label)
+    worker = str(uuid.uuid4())
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute("UPDATE dramatiq.queue SET queue_name = 'cancel_holds' WHERE message_id = %s",
+                     (message.message_id,))
+        rows = conn.execute(sql.CLAIM, {"queue": "cancel_holds", "n": 1, "n_start": 1 if started else 0,
+                                        "worker_id": worker, **CLAIM_SIZES}).fetchall()
+    assert [r[3] for r in rows] == [message.message_id]
+    return message.message_id, worker, int(rows[0][1])
+
+
+def _cancel(url: str, message_id: str) -> None:
+    with psycopg.connect(url) as conn:
+        assert ops.cancel_jobs(conn, message_ids=[message_id], by="ops@host") == 1
+
+
+def _assert_cancelled(url: str, message_id: str, how: str) -> None:
+    state, error, cancelled_at = _row(url, message_id)
+    assert (state, cancelled_at is not None) == ("rejected", True), (state, error)
+    assert error.startswith("cancelled by ops@host at ") and how in error, error
+
+
+def test_a_cancelled_running_job_that_returns_is_settled_as_cancelled_not_done(broker, database_url, start_worker):
+    start_worker(queues=["index"], threads=2)
+    message = hold.send("returns-after-cancel")
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'returns-after-cancel'"),
+             timeout_s=15, what="the job to start")
+    _cancel(database_url, message.message_id)
+    query(database_url, "INSERT INTO test_counters (key, value) VALUES ('release:returns-after-cancel', 1)")
+    wait_for(lambda: _row(database_url, message.message_id)[0] != "consumed", timeout_s=15,
+             what="the run to be settled")
+    _assert_cancelled(database_url, message.message_id, "its run returned after the cancellation")
+
+
+def test_a_cancelled_prefetched_message_given_back_is_rejected_not_requeued(broker, database_url):
+    message_id, worker, claim = _claimed(database_url, "prefetched", started=False)
+    _cancel(database_url, message_id)
+    query(database_url, sql.REQUEUE, {"ids": [message_id], "claims": [claim], "worker_id": worker})
+    _assert_cancelled(database_url, message_id, "not run")
+
+
+def test_a_cancelled_message_held_by_a_gracefully_stopped_worker_is_rejected_not_requeued(broker, database_url):
+    message_id, worker, _ = _claimed(database_url, "stopped", started=True)
+    _cancel(database_url, message_id)
+    query(database_url, sql.STOP_WORKER, {"worker_id": worker})
+    _assert_cancelled(database_url, message_id, "its worker stopped while holding it")
+
+
+def test_a_cancelled_message_of_a_dead_worker_is_rejected_by_rescue_not_requeued(broker, database_url):
+    message_id, _, _ = _claimed(database_url, "rescued", started=True)
+    _cancel(database_url, message_id)
+    # the rescue of a process with no heartbeat row, by another one, with a window that has passed
+    epoch_age_s = scalar(database_url, "SELECT EXTRACT(EPOCH FROM now() - standmeet.server_epoch_since())::float8")
+    query(database_url, sql.RESCUE, {"after_s": min(1.0, epoch_age_s / 2), "max_crashes": 3,
+                                     "worker_id": str(uuid.uuid4())})
+    _assert_cancelled(database_url, message_id, "its worker process died holding it")
+
+
+def test_a_queued_row_marked_cancelled_is_rejected_by_the_claim_and_never_handed_out(broker, database_url):
+    message = noop.message("queued-cancelled")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute("UPDATE dramatiq.queue SET queue_name = 'cancel_holds', cancelled_at = now(),"
+                     " cancelled_by = 'ops@host' WHERE message_id = %s", (message.message_id,))
+        rows = conn.execute(sql.CLAIM, {"queue": "cancel_holds", "n": 5, "n_start": 5,
+                                        "worker_id": str(uuid.uuid4()), **CLAIM_SIZES}).fetchall()
+    assert [(r[0], r[3]) for r in rows] == [(None, message.message_id)]  # no text: never loaded
+    _assert_cancelled(database_url, message.message_id, "found queued; not run")
