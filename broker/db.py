@@ -11,12 +11,17 @@ Through a transaction pooler a session setting would outlive the job on a server
 connection another client gets next, so there the borrowed connection runs in one
 transaction, its deadline ``SET LOCAL``: committed when the block ends, rolled back if it
 raises.
+
+An ``async def`` actor uses :func:`aconnection` instead (``async with db.aconnection() as
+conn``): the same deadline on a connection of the block's own, so that no statement
+blocks the event loop the process's async jobs share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -27,11 +32,12 @@ from broker.pgpool import (
     SET_LOCAL_STATEMENT_TIMEOUT,
     SET_STATEMENT_TIMEOUT,
     close_quietly,
+    connect_kwargs,
     open_app_pool,
     topology_for,
 )
 
-__all__ = ["close_quietly", "connection", "open_pool"]
+__all__ = ["aconnection", "close_quietly", "connection", "open_pool"]
 
 open_pool = open_app_pool
 
@@ -60,6 +66,33 @@ def connection(*, timeout_s: float | None = None) -> Iterator[psycopg.Connection
                 yield conn
     finally:
         pool.putconn(conn)
+
+
+@asynccontextmanager
+async def aconnection(*, timeout_s: float | None = None) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """For ``async def`` actors: an autocommit async connection whose statements stop at
+    the job's deadline (its ``statement_timeout``, ``SET LOCAL`` in one transaction through
+    a transaction pooler). One connection for the block, closed when it ends: a running
+    async job holds at most the one it opened, as a sync job holds one of the pool's."""
+    found = services.current()
+    limit = deadline.remaining_s()
+    if timeout_s is not None:
+        limit = timeout_s if limit is None else min(limit, timeout_s)
+    session = topology_for(found.url).session_state
+    try:
+        conn = await psycopg.AsyncConnection.connect(found.url, autocommit=True, **connect_kwargs(found.url))
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
+    try:
+        if session:
+            await conn.execute(SET_STATEMENT_TIMEOUT, (str(_ms(limit)),))
+            yield conn
+        else:
+            async with conn.transaction():
+                await conn.execute(SET_LOCAL_STATEMENT_TIMEOUT, (str(_ms(limit)),))
+                yield conn
+    finally:
+        await conn.close()
 
 
 def _checkout(pool: ConnectionPool, statement_timeout_ms: int, *, session: bool = True) -> psycopg.Connection:

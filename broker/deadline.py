@@ -1,4 +1,4 @@
-"""The running job's deadline, per worker thread.
+"""The running job's deadline, per worker thread (and the coroutines it runs).
 
 Dramatiq's TimeLimit raises an asynchronous exception, which cannot interrupt a
 blocking socket read or a running SQL statement. So the time-limit middleware also
@@ -9,6 +9,12 @@ it, and long actors call :func:`check` between batches.
 :func:`check` also stops a job an operator cancelled while it ran: the cancellation
 middleware names the thread's running message (:func:`set_message`) and its watcher
 marks the ones cancelled in the database (:func:`mark_cancelled`).
+
+Both live in context variables: a worker thread has a context of its own, and an
+``async def`` actor's coroutine, run on the event loop thread, starts from a copy of the
+context of the worker thread that waits for it, so it sees its job's deadline and
+cancellation too (``asyncio.wait_for(…, deadline.remaining_s())``, or the helpers that
+read it).
 """
 
 from __future__ import annotations
@@ -20,27 +26,29 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import DeadlineExceeded, JobCancelled
 
-_local = threading.local()
+_deadline: ContextVar[float | None] = ContextVar("standmeet_job_deadline", default=None)
+_message_id: ContextVar[str | None] = ContextVar("standmeet_job_message_id", default=None)
 _cancelled: set[str] = set()
 _cancelled_lock = threading.Lock()
 
 
 def set_deadline(seconds_from_now: float | None) -> None:
-    _local.deadline = None if seconds_from_now is None else time.monotonic() + seconds_from_now
+    _deadline.set(None if seconds_from_now is None else time.monotonic() + seconds_from_now)
 
 
 def clear() -> None:
-    _local.deadline = None
+    _deadline.set(None)
 
 
 def remaining_s() -> float | None:
     """Seconds left for the running job, or None outside a job (or with no limit)."""
-    deadline = getattr(_local, "deadline", None)
+    deadline = _deadline.get()
     if deadline is None:
         return None
     return deadline - time.monotonic()
@@ -48,7 +56,7 @@ def remaining_s() -> float | None:
 
 def set_message(message_id: str | None) -> None:
     """The message this thread runs now (None: none)."""
-    _local.message_id = message_id
+    _message_id.set(message_id)
 
 
 def mark_cancelled(message_ids: Iterable[str]) -> None:
@@ -64,7 +72,7 @@ def forget(message_id: str) -> None:
 
 def cancelled() -> bool:
     """Whether an operator cancelled the job this thread runs."""
-    message_id = getattr(_local, "message_id", None)
+    message_id = _message_id.get()
     if message_id is None:
         return False
     with _cancelled_lock:

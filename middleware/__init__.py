@@ -20,6 +20,9 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 11. ``KeyedLease``       at most one message in flight per key (an actor's ``lease``), by a
                          row lease; busy means snooze (the webhook endpoint lease is one)
 12. ``GracefulShutdown`` stop the relay and claiming on SIGTERM
+13. ``AsyncIO``          (Dramatiq's) one event loop per worker process: ``async def`` actors
+                         run there while their worker thread waits, so every policy above
+                         holds for them (a time limit or a cut-off cancels the coroutine)
 
 The broker disarms the time limit before any after-hook runs, so the limit never fires
 inside the settle path; what after-hooks send (retries, snoozes, pipelines, callbacks)
@@ -32,6 +35,7 @@ from typing import Any
 
 from dramatiq.middleware import (
     AgeLimit,
+    AsyncIO,
     Callbacks,
     CurrentMessage,
     GroupCallbacks,
@@ -88,4 +92,5 @@ def default_middleware(
         SnoozePolicy(),
         KeyedLease(),
         GracefulShutdown(),
+        AsyncIO(),
     ]
