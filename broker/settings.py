@@ -314,6 +314,9 @@ class Settings(Declared):
     max_crashes: int = Field(3, ge=0, le=1_000, description="a job that killed its worker more often is rejected, with the reason")
     retention_days: float = Field(7.0, ge=0, le=36_500, description="finished messages kept")
     prune_batch: int = Field(5_000, ge=1, le=1_000_000, description="finished messages pruned per batch")
+    history_retention_days: float = Field(
+        14.0, ge=0, le=3_650, description="the per-minute history of each queue and actor (throughput, "
+        "failures, wait and run times) and every job's attempts are kept this long")
     outbox_max_payload_bytes: int = Field(64 * 1024, ge=2, le=GIB, description="largest event payload `emit` accepts")
     relay_batch: int = Field(1000, ge=1, le=100_000, description="outbox rows per relay pass (one transaction)")
     relay_poll_s: float = Field(1.0, ge=0.01, le=3_600, description="the relay's fallback poll")
