@@ -24,7 +24,9 @@ What ``run`` guarantees as a supervisor (:class:`Supervisor`):
 * Children never outlive it: each asks Linux for a SIGTERM when ``run`` dies.
 * A child that refuses its configuration (exit :data:`~broker.worker.CONFIG_REFUSED_EXIT`)
   stops ``run`` with its one-line reason and that exit status; a crash is restarted after
-  a back-off doubling from :data:`RESTART_MIN_BACKOFF_S` to :data:`RESTART_MAX_BACKOFF_S`.
+  the runtime's one back-off (:class:`broker.backoff.Backoff`): a step doubling from
+  :data:`RESTART_MIN_BACKOFF_S` to :data:`RESTART_MAX_BACKOFF_S`, each wait jittered into
+  [half, full] of its step so that children that crashed together do not restart together.
 """
 
 from __future__ import annotations
@@ -41,15 +43,22 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
+from broker.backoff import Backoff
 from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
 from broker.embedded import resolve_database_url, stop_embedded
 from broker.errors import BudgetError, ConfigError, StandmeetError
 from broker.logging_setup import configure_logging
 from broker.migrate import migrate
 from broker.settings import LOG_FORMATS, Settings, undeclared
-from broker.worker import CONFIG_REFUSED_EXIT, load_modules
+from broker.worker import (
+    CONFIG_REFUSED_EXIT,
+    OneLineParser,
+    bounded_int,
+    check_worker_numbers,
+    load_modules,
+)
 
 logger = logging.getLogger("standmeet")
 
@@ -57,10 +66,14 @@ logger = logging.getLogger("standmeet")
 CHILD_EXIT_GRACE_S = 5.0
 #: A second Ctrl-C forces the exit only this long after the first signal.
 FORCE_AFTER_S = 1.0
-#: A crashed child is restarted after a back-off that doubles (reset once it ran a while).
+#: A crashed child is restarted after a back-off whose step doubles (reset once it ran a
+#: while); each wait is jittered into [half, full] of the step.
 RESTART_MIN_BACKOFF_S = 1.0
 RESTART_MAX_BACKOFF_S = 30.0
 RESTART_RESET_AFTER_S = 60.0
+#: The most worker processes ``run --processes`` and ``check --processes`` take (the
+#: server's connections refuse far fewer, saying how many fit).
+PROCESSES_MOST = 1_000_000
 #: What ``signal.signal`` takes and gives back.
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 #: How often the supervisor looks at its children (and at the signals it received).
@@ -126,13 +139,6 @@ def say(line: str) -> None:
     print(f"standmeet-jobs: {line}", file=sys.stderr)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments are one line naming what was wrong (``--help`` shows the usage)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -177,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dashboard", help="serve the web dashboard (see and steer the jobs in a browser)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; others need STANDMEET_DASHBOARD_PASSWORD)")
-    p.add_argument("--port", type=int, default=8420, help="port (default 8420)")
+    p.add_argument("--port", type=bounded_int(low=1, high=65535), default=8420, help="port (default 8420)")
     p.add_argument("--read-only", action="store_true", help="show everything, change nothing")
     p.set_defaults(func=cmd_dashboard)
 
@@ -210,12 +216,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_counts(threads: int, processes: int | None) -> None:
-    """Refuse nonsensical counts in one line, before anything else is looked at."""
-    if processes is not None and processes < 1:
-        raise ConfigError(f"--processes {processes}: at least 1 worker process is needed")
-    if threads < 0:
-        raise ConfigError(f"--threads {threads}: a worker needs at least 1 thread (0: the sum of its queues' limits)")
+def check_counts(threads: int, processes: int | None, *, shutdown_ms: int | None = None) -> None:
+    """Refuse counts and timeouts out of range in one line naming the option, the value
+    and the range, before anything else is looked at."""
+    if processes is not None and not 1 <= processes <= PROCESSES_MOST:
+        raise ConfigError(f"--processes {processes}: give 1 to {PROCESSES_MOST} worker processes")
+    check_worker_numbers(threads=threads, shutdown_ms=shutdown_ms)
 
 
 def threads_per_worker(settings: Settings, queues: Sequence[str], threads: int) -> int:
@@ -283,7 +289,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
     settings = Settings.from_env()
-    check_counts(args.threads, args.processes)
+    check_counts(args.threads, args.processes, shutdown_ms=args.worker_shutdown_timeout)
     args.modules = [*(args.positional_modules or []), *(args.modules or [])] or ["actors"]
     load_modules(args.modules)
     # What each child will check at its start, checked here first, from the same declarations.
@@ -424,6 +430,11 @@ class Signals:
             self.on_force()
 
 
+def restart_backoff() -> Backoff:
+    """The back-off of a crashed child's restarts: the runtime's one, jittered."""
+    return Backoff(start_s=RESTART_MIN_BACKOFF_S, cap_s=RESTART_MAX_BACKOFF_S)
+
+
 @dataclass
 class Child:
     """One supervised command: its running process (if any) and its restart state."""
@@ -434,7 +445,8 @@ class Child:
     refusal_fd: int | None = None
     started_at: float = 0.0
     restart_at: float | None = None
-    backoff_s: float = RESTART_MIN_BACKOFF_S
+    #: the waits before its restarts (reset once it ran :data:`RESTART_RESET_AFTER_S`)
+    backoff: Backoff = field(default_factory=restart_backoff)
 
     @property
     def name(self) -> str:
@@ -479,9 +491,11 @@ class Supervisor:
     signals: Signals
     children: list[Child] = field(default_factory=list)
     refusal: str | None = None
+    #: makes each child's restart back-off (one each)
+    backoff: Callable[[], Backoff] = restart_backoff
 
     def run(self) -> int:
-        self.children = [Child(command) for command in self.commands]
+        self.children = [Child(command, backoff=self.backoff()) for command in self.commands]
         self.signals.on_force = self._force
         try:
             for child in self.children:
@@ -529,11 +543,11 @@ class Supervisor:
                     return
                 child.forget_process()
                 if ran > RESTART_RESET_AFTER_S:
-                    child.backoff_s = RESTART_MIN_BACKOFF_S
-                logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.1f s",
-                             process.pid, child.name, process.returncode, ran, child.backoff_s)
-                child.restart_at = now + child.backoff_s
-                child.backoff_s = min(child.backoff_s * 2, RESTART_MAX_BACKOFF_S)
+                    child.backoff.reset()
+                wait_s = child.backoff.next_s()
+                logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.2f s",
+                             process.pid, child.name, process.returncode, ran, wait_s)
+                child.restart_at = now + wait_s
             if child.restart_at is not None and now >= child.restart_at and not self.signals.stopping:
                 self._start(child, restarted=True)
 

@@ -23,13 +23,14 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
 
-from broker.errors import StandmeetError
+from broker.app import PeriodicJob
+from broker.errors import ConfigError, StandmeetError
 
 #: The states :func:`list_jobs`, :func:`count_jobs` and the bulk actions filter on.
 JOB_STATES: tuple[str, ...] = ("queued", "delayed", "running", "done", "rejected", "cancelled")
@@ -37,6 +38,16 @@ JOB_STATES: tuple[str, ...] = ("queued", "delayed", "running", "done", "rejected
 DEFAULT_RESCUE_AFTER_S = 20.0
 #: Longest page :func:`list_jobs` returns.
 MAX_LIMIT = 1000
+#: Furthest a page of :func:`list_jobs` may start (finite, so that no typed offset overflows).
+MAX_OFFSET = 100_000_000
+#: Oldest age ``since`` may say (``36500d``: a hundred years, the longest retention).
+MAX_SINCE_AGE_S = 36_500 * 86_400.0
+#: Fewest hex digits a job id prefix needs to name a job (``status`` prints 8).
+MIN_ID_PREFIX_HEX = 8
+#: How many of the jobs an ambiguous id prefix matches are named.
+AMBIGUOUS_SHOWN = 5
+#: Largest id of an outbox event or a webhook endpoint (Postgres bigint).
+MAX_BIGINT = 2 ** 63 - 1
 
 
 class OpsError(StandmeetError, ValueError):
@@ -94,10 +105,11 @@ class WorkerStatus(_Row):
 class PeriodicStatus(_Row):
     job: str
     last_run: datetime | None           # the start of the latest period it was enqueued for
-    next_due: datetime | None           # None when its interval is not known
+    next_due: datetime | None           # None when its schedule is not known; a cron job's in its zone
     interval_s: float | None
     last_message_id: str | None
     last_state: str | None              # that run's job state (None once pruned)
+    schedule: str | None = None         # "every 900 s", or "0 3 * * * (Europe/Berlin)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,28 +381,44 @@ def worker_overview(conn: psycopg.Connection[Any], *,
     return out
 
 
-def periodic_overview(conn: psycopg.Connection[Any],
-                      intervals: Mapping[str, float] | None = None) -> list[PeriodicStatus]:
-    """Each periodic job's last run and next due time (``intervals``: job → seconds).
+#: Every schedule a scheduler recorded when it started (``periodic.publish_schedules``).
+PERIODIC_SCHEDULES = "SELECT job, actor, interval_s, cron, timezone FROM standmeet.periodic_schedules"
 
-    A job in ``intervals`` that never ran is listed too, due at the start of the
-    current period; ``next_due`` is None for a job whose interval is not given.
+
+def periodic_overview(conn: psycopg.Connection[Any], declared: Sequence[PeriodicJob] = ()) -> list[PeriodicStatus]:
+    """Each periodic job's schedule, last run and next due time: the jobs ``declared`` in
+    this process and those any scheduler recorded (so a process that does not load the
+    application's modules shows them too), and any job that ran.
+
+    A job that never ran is due at the start of its current period (an interval), or at
+    its next fire time (cron, in its zone); ``next_due`` is None when its schedule is not
+    known (a job that ran, whose scheduler this version cannot read).
     """
-    intervals = dict(intervals or {})
-    seen: dict[str, PeriodicStatus] = {}
-    for job, last_run, message_id, state in conn.execute(PERIODIC_OVERVIEW).fetchall():
-        interval = intervals.get(job)
-        next_due = last_run + timedelta(seconds=interval) if interval is not None else None
-        seen[job] = PeriodicStatus(job, last_run, next_due, interval, message_id, state)
-    missing = [job for job in intervals if job not in seen]
-    if missing:
-        now = _db_now(conn)
-        for job in missing:
-            interval = intervals[job]
-            start = now.timestamp() - (now.timestamp() % interval)
-            seen[job] = PeriodicStatus(job, None, datetime.fromtimestamp(start, timezone.utc), interval,
-                                       None, None)
+    jobs: dict[str, PeriodicJob] = {}
+    for name, actor, interval_s, cron, zone in conn.execute(PERIODIC_SCHEDULES).fetchall():
+        try:
+            jobs[name] = PeriodicJob(name, actor, interval_s, cron=cron, timezone=zone)
+        except ConfigError:  # recorded by another version, in a form this one refuses
+            continue
+    jobs.update({job.name: job for job in declared})
+    now = _db_now(conn)
+    seen = {job: _periodic_status(job, jobs.get(job), now, last_run, message_id, state)
+            for job, last_run, message_id, state in conn.execute(PERIODIC_OVERVIEW).fetchall()}
+    for name, job in jobs.items():
+        seen.setdefault(name, _periodic_status(name, job, now, None, None, None))
     return [seen[job] for job in sorted(seen)]
+
+
+def _periodic_status(name: str, job: PeriodicJob | None, now: datetime, last_run: datetime | None,
+                     message_id: str | None, state: str | None) -> PeriodicStatus:
+    if job is None:
+        return PeriodicStatus(name, last_run, None, None, message_id, state)
+    next_due: datetime | None
+    if job.interval_s is not None:
+        next_due = last_run + timedelta(seconds=job.interval_s) if last_run else job.period_start(now)
+    else:
+        next_due = job.next_run(now)
+    return PeriodicStatus(name, last_run, next_due, job.interval_s, message_id, state, job.every)
 
 
 def outbox_lag_s(conn: psycopg.Connection[Any]) -> float | None:
@@ -542,8 +570,8 @@ def parse_event_id(value: str) -> int:
         number = int(str(value).strip())
     except ValueError:
         raise OpsError(f"{value!r} is not an outbox event id (a number)") from None
-    if number <= 0:
-        raise OpsError(f"{value!r} is not an outbox event id (a positive number)")
+    if not 0 < number <= MAX_BIGINT:
+        raise OpsError(f"{value!r} is not an outbox event id (a number from 1 to {MAX_BIGINT})")
     return number
 
 
@@ -569,7 +597,7 @@ JOB_FILTERS = """
 AND (%(queue)s::text IS NULL OR q.queue_name = %(queue)s)
 AND (%(actor)s::text IS NULL OR q.message->>'actor_name' = %(actor)s)
 AND (%(since)s::timestamptz IS NULL OR q.enqueued_at >= %(since)s)
-AND (%(id_prefix)s::text IS NULL OR q.message_id::text LIKE %(id_prefix)s)
+AND (%(id_low)s::uuid IS NULL OR q.message_id BETWEEN %(id_low)s::uuid AND %(id_high)s::uuid)
 AND (%(message_ids)s::uuid[] IS NULL OR q.message_id = ANY(%(message_ids)s::uuid[]))
 AND (%(search)s::text IS NULL
      OR (q.message->'args')::text ILIKE %(search)s
@@ -623,8 +651,8 @@ def list_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue:
     """
     if not 0 < limit <= MAX_LIMIT:
         raise OpsError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
-    if offset < 0:
-        raise OpsError(f"offset must not be negative, not {offset}")
+    if not 0 <= offset <= MAX_OFFSET:
+        raise OpsError(f"offset must be between 0 and {MAX_OFFSET}, not {offset}")
     params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id)
     rows = conn.execute(LIST_JOBS, {**params, "limit": limit, "offset": offset}).fetchall()
     return [JobSummary(r[0], r[1], r[2] or "", r[3], int(r[4]), r[5], r[6], r[7]) for r in rows]
@@ -659,16 +687,20 @@ def show_job(conn: psycopg.Connection[Any], message_id: str) -> JobDetail | None
 
 #: Rejected jobs matching the filters back to their queue, due now: retries and crashes
 #: reset, error and traceback cleared, who and when recorded (columns and options), a
-#: cancellation lifted; each queue's consumers are woken once.
+#: cancellation lifted; each queue's consumers are woken once. A cancelled job among them
+#: is retried only with ``include_cancelled``; otherwise it is left as it is, and counted.
 RETRY_JOBS = (
-    "WITH picked AS (\n"
-    "    SELECT q.message_id FROM dramatiq.queue q\n"
+    "WITH matched AS (\n"
+    "    SELECT q.message_id, q.cancelled_at IS NOT NULL AS cancelled FROM dramatiq.queue q\n"
     "    WHERE q.\"state\" = 'rejected' AND " + JOB_FILTERS +
     "    ORDER BY q.message_id\n"
     "    FOR UPDATE\n"
+    "), picked AS (\n"
+    "    SELECT message_id, cancelled FROM matched WHERE %(include_cancelled)s OR NOT cancelled\n"
     "), retried AS (\n"
     "    UPDATE dramatiq.queue q\n"
     "    SET \"state\" = 'queued', eta = now(), mtime = now(), worker_id = NULL, error = NULL, crashes = 0,\n"
+    "        runs_without_outcome = 0,\n"
     "        cancelled_at = NULL, cancelled_by = NULL, retried_at = now(), retried_by = %(by)s,\n"
     "        message = jsonb_set(q.message, '{options}',\n"
     "            (coalesce(q.message->'options', '{}'::jsonb) - 'traceback' - 'error')\n"
@@ -676,12 +708,15 @@ RETRY_JOBS = (
     "                                  'retried_at', to_jsonb(now())))\n"
     "    FROM picked\n"
     "    WHERE q.message_id = picked.message_id\n"
-    "    RETURNING q.queue_name\n"
+    "    RETURNING q.queue_name, q.message_id::text AS message_id, picked.cancelled\n"
     "), woken AS (\n"
     "    SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')\n"
     "    FROM (SELECT DISTINCT queue_name FROM retried) AS queues\n"
     ")\n"
-    "SELECT (SELECT count(*) FROM retried), (SELECT count(*) FROM woken)\n"
+    "SELECT (SELECT count(*) FROM retried),\n"
+    "       (SELECT count(*) FROM matched WHERE cancelled AND NOT %(include_cancelled)s),\n"
+    "       (SELECT coalesce(array_agg(message_id ORDER BY message_id), '{}') FROM retried WHERE cancelled),\n"
+    "       (SELECT count(*) FROM woken)\n"
 )
 
 #: Cancel the queued, delayed or running jobs matching the filters. One not running is
@@ -714,22 +749,49 @@ CANCEL_JOBS = (
 )
 
 
-def retry_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
-               state: str = "rejected", queue: str | None = None, actor: str | None = None,
-               since: datetime | str | None = None, search: str | None = None, by: str) -> int:
-    """Send rejected jobs (the ids given, or every one matching the filters) back to
-    their queue, due now, with their retries reset; return how many.
+@dataclasses.dataclass(frozen=True)
+class RetryOutcome(_Row):
+    """What :func:`retry_jobs_outcome` did."""
 
-    Only rejected jobs are retried (``state`` may narrow to ``cancelled``); a job
-    queued, running or done is left alone.
+    retried: int                        # jobs sent back to their queue
+    skipped_cancelled: int              # cancelled jobs that matched and were left alone (cancel is final)
+    retried_cancelled: list[str]        # ids of cancelled jobs retried all the same (named, or included)
+
+
+def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
+                       state: str | None = None, queue: str | None = None, actor: str | None = None,
+                       since: datetime | str | None = None, search: str | None = None,
+                       include_cancelled: bool | None = None, by: str) -> RetryOutcome:
+    """Send rejected jobs (the ids given, or every one matching the filters) back to
+    their queue, due now, with their retries reset; say how many, and how many cancelled
+    ones it left alone.
+
+    Only rejected jobs are retried (``state`` may narrow to ``rejected`` or ``cancelled``);
+    a job queued, running or done is left alone. Cancel is final: a cancelled job is
+    retried only when ``include_cancelled`` says so, which by default (None) it does for
+    ``state="cancelled"`` and for ids given without a state (an operator naming the job),
+    and for no filter otherwise.
     """
-    if state not in ("rejected", "cancelled"):
+    if state not in (None, "rejected", "cancelled"):
         raise OpsError(f"only rejected or cancelled jobs can be retried, not {state!r} ones")
+    if include_cancelled is None:
+        include_cancelled = state == "cancelled" or (message_ids is not None and state is None)
     params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
                          message_ids=message_ids)
     with conn.transaction():
-        row = conn.execute(RETRY_JOBS, {**params, "by": _by(by)}).fetchone()
-    return int(row[0]) if row else 0
+        row = conn.execute(RETRY_JOBS, {**params, "by": _by(by), "include_cancelled": include_cancelled}).fetchone()
+    if row is None:
+        return RetryOutcome(0, 0, [])
+    return RetryOutcome(int(row[0]), int(row[1]), [str(i) for i in row[2]])
+
+
+def retry_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
+               state: str | None = None, queue: str | None = None, actor: str | None = None,
+               since: datetime | str | None = None, search: str | None = None,
+               include_cancelled: bool | None = None, by: str) -> int:
+    """:func:`retry_jobs_outcome`, returning how many jobs were retried."""
+    return retry_jobs_outcome(conn, message_ids=message_ids, state=state, queue=queue, actor=actor, since=since,
+                              search=search, include_cancelled=include_cancelled, by=by).retried
 
 
 def cancel_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
@@ -770,6 +832,9 @@ SELECT count(*), pg_notify(standmeet.enqueue_channel(%(queue)s), '') FROM resume
 
 PAUSED_QUEUES = "SELECT queue_name, paused_at, paused_by FROM standmeet.queue_pauses ORDER BY queue_name"
 
+#: Whether any job (of any age) names the queue.
+QUEUE_HAS_JOBS = "SELECT EXISTS (SELECT 1 FROM dramatiq.queue WHERE queue_name = %(queue)s)"
+
 
 def pause_queue(conn: psycopg.Connection[Any], name: str, *, by: str) -> bool:
     """Stop every process claiming from ``name``; False when it was paused already.
@@ -785,6 +850,12 @@ def resume_queue(conn: psycopg.Connection[Any], name: str) -> bool:
     """Let every process claim from ``name`` again; False when it was not paused."""
     with conn.transaction():
         row = conn.execute(RESUME_QUEUE, {"queue": _queue_name(name)}).fetchone()
+    return bool(row and row[0])
+
+
+def queue_has_jobs(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Whether any job, finished long ago included, is of queue ``name``."""
+    row = conn.execute(QUEUE_HAS_JOBS, {"queue": _queue_name(name)}).fetchone()
     return bool(row and row[0])
 
 
@@ -962,6 +1033,9 @@ def parse_since(value: datetime | str | None, *, now: datetime | None = None) ->
     match = _AGE.match(value)
     if match:
         seconds = float(match.group(1)) * _AGE_UNITS[match.group(2)]
+        if not seconds <= MAX_SINCE_AGE_S:  # also refuses an age too long to be a number
+            raise OpsError(f"since {value.strip()!r} is too long ago: give an age from 0s to "
+                           f"{MAX_SINCE_AGE_S / 86_400:.0f}d, or an ISO time")
         return (now or datetime.now(timezone.utc)) - timedelta(seconds=seconds)
     try:
         parsed = datetime.fromisoformat(value.strip())
@@ -978,25 +1052,80 @@ def parse_message_id(value: str) -> str:
         raise OpsError(f"{value!r} is not a job id (a UUID like 0b5a…-…)") from None
 
 
+_HEX = frozenset("0123456789abcdef")
+_UUID_SHAPE = "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+
+
+def id_range(prefix: str, *, min_hex: int = 1) -> tuple[str, str]:
+    """The lowest and highest job id that start with ``prefix`` (hex digits, with or
+    without the dashes where a UUID has them): a range the primary key's index answers.
+    Refused in one line when it is not the start of a job id or has fewer than
+    ``min_hex`` hex digits."""
+    text = str(prefix).strip().lower()
+    if "-" in text:
+        shaped = len(text) <= len(_UUID_SHAPE) and all(
+            (c == "-") == (shape == "-") and (c == "-" or c in _HEX) for c, shape in zip(text, _UUID_SHAPE, strict=False))
+    else:
+        shaped = len(text) <= 32 and all(c in _HEX for c in text)
+    digits = text.replace("-", "")
+    if not shaped or not digits:
+        raise OpsError(f"{prefix!r} is not a job id or the start of one (hex digits, as in 0b5a1c2d)")
+    if len(digits) < min_hex:
+        raise OpsError(f"{prefix!r} is not a job id: a prefix needs at least {min_hex} hex digits "
+                       f"(status prints {MIN_ID_PREFIX_HEX}), or give the whole id")
+    return str(uuid.UUID(digits.ljust(32, "0"))), str(uuid.UUID(digits.ljust(32, "f")))
+
+
+#: The first few job ids in a range of ids (an index range scan of the primary key).
+JOB_IDS_IN_RANGE = """
+SELECT q.message_id::text FROM dramatiq.queue q
+WHERE q.message_id BETWEEN %(low)s::uuid AND %(high)s::uuid
+ORDER BY q.message_id
+LIMIT %(limit)s
+"""
+
+
+def resolve_job_id(conn: psycopg.Connection[Any], value: str) -> str:
+    """The job id ``value`` names: a whole id (returned as it is, whether or not the job
+    exists), or a prefix of at least :data:`MIN_ID_PREFIX_HEX` hex digits that exactly one
+    job's id starts with. A shorter prefix, one no job's id starts with, or one several
+    do (the first :data:`AMBIGUOUS_SHOWN` are named) is refused in one line."""
+    text = str(value).strip()
+    if len(text.replace("-", "")) >= 32:
+        return parse_message_id(text)
+    low, high = id_range(text, min_hex=MIN_ID_PREFIX_HEX)
+    found = [r[0] for r in conn.execute(JOB_IDS_IN_RANGE, {"low": low, "high": high,
+                                                           "limit": AMBIGUOUS_SHOWN + 1}).fetchall()]
+    if not found:
+        raise OpsError(f"no job id starts with {text!r} (never enqueued, or pruned after the retention)")
+    if len(found) > 1:
+        more = " and more" if len(found) > AMBIGUOUS_SHOWN else ""
+        raise OpsError(f"job id prefix {text!r} is ambiguous: it matches {', '.join(found[:AMBIGUOUS_SHOWN])}{more}; "
+                       "give more of the id")
+    return found[0]
+
+
+def resolve_job_ids(conn: psycopg.Connection[Any], values: Iterable[str]) -> list[str]:
+    """:func:`resolve_job_id` of each value, in order, each id once."""
+    return list(dict.fromkeys(resolve_job_id(conn, v) for v in values))
+
+
 def job_filters(*, state: str | None = None, queue: str | None = None, actor: str | None = None,
                 since: datetime | str | None = None, search: str | None = None,
                 message_id: str | None = None, message_ids: Iterable[str] | None = None) -> dict[str, Any]:
     """The parameters of :data:`JOB_FILTERS`, checked."""
     if state is not None and state not in JOB_STATES:
         raise OpsError(f"unknown job state {state!r}; one of {', '.join(JOB_STATES)}")
-    id_prefix = None
+    id_low = id_high = None
     if message_id:
-        prefix = message_id.strip().lower()
-        if not re.fullmatch(r"[0-9a-f-]{1,36}", prefix):
-            raise OpsError(f"{message_id!r} is not a job id or the start of one")
-        id_prefix = prefix + "%"
+        id_low, id_high = id_range(message_id)
     ids = None if message_ids is None else [parse_message_id(m) for m in message_ids]
     pattern = None
     if search:
         pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
     return {
         "state": state, "queue": queue or None, "actor": actor or None, "since": parse_since(since),
-        "id_prefix": id_prefix, "message_ids": ids, "search": pattern,
+        "id_low": id_low, "id_high": id_high, "message_ids": ids, "search": pattern,
     }
 
 

@@ -3,7 +3,7 @@
     standmeet-jobs status [--json] [--check [--max-age-s N] [--queues Q …]]
     standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--limit N] [--json]
     standmeet-jobs jobs show ID [--show-args] [--json]
-    standmeet-jobs jobs retry ID … | jobs retry --state rejected [--queue Q] [--actor A] [--since T]
+    standmeet-jobs jobs retry ID … | jobs retry --state rejected [--queue Q] [--actor A] [--since T] [--include-cancelled]
     standmeet-jobs jobs cancel ID … | jobs cancel --queue Q [--state queued|delayed|running] [--actor A]
     standmeet-jobs queues list | pause Q | resume Q
     standmeet-jobs outbox list [--failed] [--topic T] [--limit N] [--json]
@@ -13,13 +13,22 @@
 A table by default (rich), ``--json`` for scripts. They read the database only (the
 queries of :mod:`broker.ops`): they import neither the broker's consumers nor the
 application (``actors``). Every action is recorded in ``standmeet.operator_actions``.
+
+What they print of a job, a queue, an actor, an event or an endpoint is printed as text:
+never read as rich markup, control characters and direction overrides shown as escapes
+(:func:`printable`). Wherever a job id is taken, a unique prefix of at least
+:data:`broker.ops.MIN_ID_PREFIX_HEX` hex digits will do (``status`` prints 8). Every
+number and age has a finite range, refused in one line naming the option (exit 2). Cancel
+is final: a retry by filter leaves cancelled jobs alone unless ``--include-cancelled``.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import getpass
 import json
+import re
 import socket
 import sys
 from collections.abc import Iterator, Sequence
@@ -29,13 +38,18 @@ from typing import Any
 
 import psycopg
 
-from broker import ops, pgpool
+from broker import app, ops, pgpool
 from broker.embedded import resolve_database_url
 from broker.errors import DatabaseUnavailable, StandmeetError
-from broker.settings import Settings, masked_url
+from broker.redact import hidden_options
+from broker.settings import MONTH_S, Settings, masked_url
+from broker.worker import bounded_float, bounded_int
 
 #: ``status --check`` fails when a queue's oldest due job has waited longer than this.
 DEFAULT_MAX_AGE_S = 300.0
+#: The page sizes and offsets the commands take.
+LIMIT = bounded_int(low=1, high=ops.MAX_LIMIT)
+OFFSET = bounded_int(low=0, high=ops.MAX_OFFSET)
 
 
 class UsageError(StandmeetError):
@@ -50,7 +64,7 @@ def add_commands(sub: Any) -> None:
                    help="exit 1 when a due job waited too long, due work has no live worker "
                    "(STANDMEET_QUEUE_UNSERVED_MAX_AGE_S), a queue has no live worker, or outbox events no "
                    "live process routes waited too long (STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S): health probes")
-    p.add_argument("--max-age-s", type=float, default=DEFAULT_MAX_AGE_S,
+    p.add_argument("--max-age-s", type=bounded_float(low=0, high=MONTH_S), default=DEFAULT_MAX_AGE_S,
                    help=f"with --check: the longest a due job may wait (default {DEFAULT_MAX_AGE_S:g})")
     p.add_argument("--queues", nargs="*",
                    help="with --check: the queues that need a live worker even with nothing due (default: the "
@@ -63,33 +77,36 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--state", choices=ops.JOB_STATES)
     q.add_argument("--queue")
     q.add_argument("--actor")
-    q.add_argument("--since", help="enqueued since: an ISO time or an age (15m, 2h, 1d)")
+    q.add_argument("--since", type=_since, help="enqueued since: an ISO time or an age (15m, 2h, 1d; at most 36500d)")
     q.add_argument("--search", help="text in the job's arguments")
-    q.add_argument("--limit", type=int, default=50)
-    q.add_argument("--offset", type=int, default=0)
+    q.add_argument("--limit", type=LIMIT, default=50, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 50)")
+    q.add_argument("--offset", type=OFFSET, default=0, help=f"skip this many first (0 to {ops.MAX_OFFSET})")
     q.add_argument("--json", action="store_true", help="a JSON list")
     q.set_defaults(func=cmd_jobs_list)
 
     q = jobs.add_parser("show", help="one job: options, retries, error and traceback, timeline")
-    q.add_argument("id")
+    q.add_argument("id", help="the job's id, or a unique prefix of it (at least 8 hex digits)")
     q.add_argument("--show-args", action="store_true", help="show its arguments (hidden by default)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_jobs_show)
 
-    q = jobs.add_parser("retry", help="send rejected jobs back to their queue, retries reset")
-    q.add_argument("ids", nargs="*", metavar="ID")
+    q = jobs.add_parser("retry", help="send rejected jobs back to their queue, retries reset; cancelled ones "
+                        "only when named by id or with --include-cancelled")
+    q.add_argument("ids", nargs="*", metavar="ID", help="job ids, or unique prefixes of them (8+ hex digits)")
     q.add_argument("--state", choices=("rejected", "cancelled"), help="retry every job in this state …")
     q.add_argument("--queue", help="… of this queue")
     q.add_argument("--actor", help="… of this actor")
-    q.add_argument("--since", help="… enqueued since (an ISO time or an age: 15m, 2h, 1d)")
+    q.add_argument("--since", type=_since, help="… enqueued since (an ISO time or an age: 15m, 2h, 1d)")
+    q.add_argument("--include-cancelled", action="store_true",
+                   help="… cancelled ones included (cancel is final otherwise: they are skipped and counted)")
     q.set_defaults(func=cmd_jobs_retry)
 
     q = jobs.add_parser("cancel", help="a queued or delayed job never runs; a running one is not retried")
-    q.add_argument("ids", nargs="*", metavar="ID")
+    q.add_argument("ids", nargs="*", metavar="ID", help="job ids, or unique prefixes of them (8+ hex digits)")
     q.add_argument("--state", choices=("queued", "delayed", "running"), help="cancel every job in this state …")
     q.add_argument("--queue", help="… of this queue")
     q.add_argument("--actor", help="… of this actor")
-    q.add_argument("--since", help="… enqueued since (an ISO time or an age)")
+    q.add_argument("--since", type=_since, help="… enqueued since (an ISO time or an age)")
     q.set_defaults(func=cmd_jobs_cancel)
 
     p = sub.add_parser("queues", help="list, pause and resume queues")
@@ -110,7 +127,7 @@ def add_commands(sub: Any) -> None:
                           "routes their topic) or failed (with the reason)")
     q.add_argument("--failed", action="store_true", help="only failed events")
     q.add_argument("--topic", help="only this topic's")
-    q.add_argument("--limit", type=int, default=50)
+    q.add_argument("--limit", type=LIMIT, default=50, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 50)")
     q.add_argument("--json", action="store_true", help="a JSON list")
     q.set_defaults(func=cmd_outbox_list)
     q = outbox.add_parser("retry", help="failed events back to pending: a relay that routes their topic "
@@ -124,8 +141,8 @@ def add_commands(sub: Any) -> None:
 def add_webhook_deliveries(webhooks: Any) -> None:
     """``webhooks deliveries``, for an application that has webhooks to add to its command."""
     q = webhooks.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
-    q.add_argument("endpoint", type=int, nargs="?", help="only this endpoint's")
-    q.add_argument("--limit", type=int, default=100)
+    q.add_argument("endpoint", type=bounded_int(low=1, high=ops.MAX_BIGINT), nargs="?", help="only this endpoint's")
+    q.add_argument("--limit", type=LIMIT, default=100, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 100)")
     q.add_argument("--json", action="store_true", help="a JSON list")
     q.set_defaults(func=cmd_webhooks_deliveries)
 
@@ -139,7 +156,7 @@ def status_document(conn: psycopg.Connection[Any], settings: Settings) -> dict[s
     known = {q.name for q in queues}
     queues += [ops.QueueStatus(name, 0, 0, 0, 0, 0, 0, None, False) for name in settings.queues if name not in known]
     workers = ops.worker_overview(conn, rescue_after_s=settings.rescue_after_s)
-    periodic = ops.periodic_overview(conn, periodic_intervals())
+    periodic = ops.periodic_overview(conn, app.periodic_jobs())
     outbox = ops.outbox_overview(conn, rescue_after_s=settings.rescue_after_s)
     return {
         "queues": [ops.jsonable(q) for q in sorted(queues, key=lambda q: q.name)],
@@ -207,34 +224,33 @@ def _print_status(doc: dict[str, Any]) -> None:
     t = _table("queue", "queued", "delayed", "running", "rejected 24h", "done 5m", "done 1h", "oldest due",
                "workers", "paused")
     for q in doc["queues"]:
-        t.add_row(q["name"], str(q["queued"]), str(q["delayed"]), _running(q["running"], q["prefetched"]),
-                  str(q["rejected"]),
-                  str(q["done_5m"]), str(q["done_1h"]), _age(q["oldest_queued_age_s"]),
-                  _serving(q), f"paused by {q['paused_by'] or '?'}" if q["paused"] else "")
+        _row(t, q["name"], q["queued"], q["delayed"], _running(q["running"], q["prefetched"]), q["rejected"],
+             q["done_5m"], q["done_1h"], _age(q["oldest_queued_age_s"]),
+             _serving(q), f"paused by {q['paused_by'] or '?'}" if q["paused"] else "")
     out.print(t)
     t = _table("worker", "host", "pid", "queues", "started", "heartbeat", "alive", "running")
     for w in doc["workers"]:
         jobs = ", ".join(f"{j['actor']} {j['id'][:8]}" for j in w["running_jobs"][:4])
         more = f" +{len(w['running_jobs']) - 4}" if len(w["running_jobs"]) > 4 else ""
-        t.add_row(w["id"][:8], w["host"], str(w["pid"]), ",".join(w["queues"]), _when(w["started_at"]),
-                  _age(w["last_heartbeat_age_s"]) + " ago", "yes" if w["alive"] else "no",
-                  _running(w["running"], w["prefetched"]) + (f": {jobs}{more}" if jobs else ""))
+        _row(t, w["id"][:8], w["host"], w["pid"], ",".join(w["queues"]), _when(w["started_at"]),
+             _age(w["last_heartbeat_age_s"]) + " ago", "yes" if w["alive"] else "no",
+             _running(w["running"], w["prefetched"]) + (f": {jobs}{more}" if jobs else ""))
     out.print(t)
-    t = _table("periodic job", "last run", "next due", "last state")
+    t = _table("periodic job", "schedule", "last run", "next due", "last state")
     for p in doc["periodic"]:
-        t.add_row(p["job"], _when(p["last_run"]), _when(p["next_due"]), p["last_state"] or "")
+        _row(t, p["job"], p["schedule"] or "", _when(p["last_run"]), _when(p["next_due"]), p["last_state"] or "")
     out.print(t)
     lag = doc["outbox_lag_s"]
-    out.print(f"outbox: {'nothing waiting' if lag is None else 'oldest unrelayed event waited ' + _age(lag)}")
+    _line(out, f"outbox: {'nothing waiting' if lag is None else 'oldest unrelayed event waited ' + _age(lag)}")
     outbox = doc["outbox"]
     for topic in outbox["unrouted"]:
-        out.print(f"outbox: {topic['events']} event(s) of topic {topic['topic']} that no live process routes "
-                  f"(oldest {_age(topic['oldest_age_s'])})")
+        _line(out, f"outbox: {topic['events']} event(s) of topic {topic['topic']} that no live process routes "
+                   f"(oldest {_age(topic['oldest_age_s'])})")
     if outbox["failed"]:
-        out.print(f"outbox: {outbox['failed']} failed event(s) (standmeet-jobs outbox list --failed; "
-                  "outbox retry --failed)")
+        _line(out, f"outbox: {outbox['failed']} failed event(s) (standmeet-jobs outbox list --failed; "
+                   "outbox retry --failed)")
     live = [r for r in outbox["relays"] if r["alive"]]
-    out.print(f"relays: {len(live)} live, routing {', '.join(outbox['routed_topics']) or 'no topic'}")
+    _line(out, f"relays: {len(live)} live, routing {', '.join(outbox['routed_topics']) or 'no topic'}")
 
 
 def _serving(q: dict[str, Any]) -> str:
@@ -251,6 +267,8 @@ JOB_LIST_KEYS = ("id", "queue", "actor", "state", "retries", "enqueued_at", "err
 def cmd_jobs_list(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     with _connect(settings) as conn:
+        if args.queue:
+            _known_queue(conn, settings, args.queue)
         jobs = ops.list_jobs(conn, state=args.state, queue=args.queue, actor=args.actor, since=args.since,
                              search=args.search, limit=args.limit, offset=args.offset)
     if args.json:
@@ -259,7 +277,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     t = _table("id", "queue", "actor", "state", "retries", "enqueued", "error")
     for j in jobs:
         state = j.state + (" (cancelled)" if j.cancelled_at else "")
-        t.add_row(j.id, j.queue, j.actor, state, str(j.retries), _when(j.enqueued_at), j.error or "")
+        _row(t, j.id, j.queue, j.actor, state, j.retries, _when(j.enqueued_at), j.error or "")
     _console().print(t)
     return 0
 
@@ -267,14 +285,16 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
 def cmd_jobs_show(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     with _connect(settings) as conn:
-        job = ops.show_job(conn, args.id)
+        message_id = ops.resolve_job_id(conn, args.id)
+        job = ops.show_job(conn, message_id)
     if job is None:
-        raise UsageError(f"no job {args.id} (never enqueued, or pruned after the retention)")
+        raise UsageError(f"no job {message_id} (never enqueued, or pruned after the retention)")
     doc = ops.jsonable(job)
     doc["timeline"] = [{"event": name, "at": at.isoformat()} for name, at in job.timeline]
-    if not args.show_args:
+    if not args.show_args:  # its own arguments, and those of every message its options carry
         doc.pop("args")
         doc.pop("kwargs")
+        doc["options"] = hidden_options(doc["options"])
         doc["args_hidden"] = True
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -282,26 +302,26 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     out = _console()
     t = _table("field", "value", title=f"job {job.id}")
     for key in ("queue", "actor", "state", "retries", "claims", "crashes", "snoozes"):
-        t.add_row(key, str(doc[key]))
+        _row(t, key, doc[key])
     if job.worker_id:
-        t.add_row("worker", f"{job.worker_id[:8]} on {job.worker_host or '?'} pid {job.worker_pid or '?'}")
+        _row(t, "worker", f"{job.worker_id[:8]} on {job.worker_host or '?'} pid {job.worker_pid or '?'}")
     for name, at in job.timeline:
-        t.add_row(name, at.isoformat(timespec="milliseconds"))
+        _row(t, name, at.isoformat(timespec="milliseconds"))
     if job.retried_by:
-        t.add_row("retried by", job.retried_by)
+        _row(t, "retried by", job.retried_by)
     if job.cancelled_by:
-        t.add_row("cancelled by", job.cancelled_by)
-    t.add_row("options", json.dumps(doc["options"], sort_keys=True))
+        _row(t, "cancelled by", job.cancelled_by)
+    _row(t, "options", json.dumps(doc["options"], sort_keys=True))
     if args.show_args:
-        t.add_row("args", json.dumps(doc["args"]))
-        t.add_row("kwargs", json.dumps(doc["kwargs"]))
+        _row(t, "args", json.dumps(doc["args"]))
+        _row(t, "kwargs", json.dumps(doc["kwargs"]))
     else:
-        t.add_row("arguments", "hidden (--show-args)")
+        _row(t, "arguments", "hidden (--show-args)")
     if job.error and job.error != job.traceback:
-        t.add_row("error", job.error)
+        _row(t, "error", _text(job.error, lines=True))
     out.print(t)
     if job.traceback:
-        out.print(job.traceback, markup=False, highlight=False)
+        out.print(_text(job.traceback, lines=True))
     return 0
 
 
@@ -315,28 +335,45 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
 
 def _bulk(args: argparse.Namespace, action: str) -> int:
     filters = {"state": args.state, "queue": args.queue, "actor": args.actor, "since": args.since}
+    include_cancelled = bool(getattr(args, "include_cancelled", False))
     if args.ids and any(filters.values()):
         raise UsageError(f"give job ids or filters to {action}, not both")
     if not args.ids:
         if action == "retry" and not args.state:
             raise UsageError("give job ids, or --state rejected (or cancelled) with optional --queue/--actor/--since")
+        if action == "retry" and args.state == "cancelled" and not include_cancelled:
+            raise UsageError("--state cancelled would retry cancelled jobs, and cancel is final: add "
+                             "--include-cancelled to retry them, or name each by its id")
         if action == "cancel" and not (args.queue or args.actor):
             raise UsageError("give job ids, or --queue or --actor (with optional --state/--since)")
-    ids = [ops.parse_message_id(i) for i in args.ids] or None
     by = operator_name()
     settings = Settings.from_env()
     with _connect(settings) as conn, conn.transaction():
+        ids = ops.resolve_job_ids(conn, args.ids) or None
+        if args.queue:
+            _known_queue(conn, settings, args.queue)
+        skipped, cancelled_retried = 0, []
         if action == "retry":
-            n = ops.retry_jobs(conn, message_ids=ids, state=args.state or "rejected", queue=args.queue,
-                               actor=args.actor, since=args.since, by=by)
+            outcome = ops.retry_jobs_outcome(conn, message_ids=ids, state=args.state, queue=args.queue,
+                                             actor=args.actor, since=args.since,
+                                             include_cancelled=True if include_cancelled else None, by=by)
+            n, skipped, cancelled_retried = outcome.retried, outcome.skipped_cancelled, outcome.retried_cancelled
         else:
             n = ops.cancel_jobs(conn, message_ids=ids, state=args.state, queue=args.queue, actor=args.actor,
                                 since=args.since, by=by)
         target: dict[str, Any] = {"message_ids": ids} if ids else {k: v for k, v in filters.items() if v}
+        if include_cancelled and not ids:
+            target["include_cancelled"] = True
         ops.record_action(conn, action=f"jobs.{action}", target=target, by=by, source="cli", affected=n)
         unchanged = _why_unchanged(conn, ids or [], action) if ids and n < len(ids) else []
     verb = "retried" if action == "retry" else "cancelled"
     print(f"{verb} {n} job(s)")
+    why = "named by its id" if ids else "--include-cancelled"
+    for message_id in cancelled_retried:
+        print(f"job {message_id} had been cancelled: retried all the same ({why})")
+    if skipped:
+        print(f"skipped {skipped} cancelled job(s): cancel is final (--include-cancelled retries them too, "
+              "or name each by its id)")
     if action == "cancel" and ids:
         with _connect(settings) as conn:
             for message_id in ids:
@@ -374,8 +411,8 @@ def cmd_queues_list(args: argparse.Namespace) -> int:
         return 0
     t = _table("queue", "queued", "delayed", "running", "workers", "paused")
     for q in queues:
-        t.add_row(q.name, str(q.queued), str(q.delayed), _running(q.running, q.prefetched), _serving(ops.jsonable(q)),
-                  f"since {_when(q.paused_at)} by {q.paused_by or '?'}" if q.paused else "")
+        _row(t, q.name, q.queued, q.delayed, _running(q.running, q.prefetched), _serving(ops.jsonable(q)),
+             f"since {_when(q.paused_at)} by {q.paused_by or '?'}" if q.paused else "")
     _console().print(t)
     return 0
 
@@ -405,9 +442,15 @@ def cmd_queues_resume(args: argparse.Namespace) -> int:
 
 
 def _known_queue(conn: psycopg.Connection[Any], settings: Settings, name: str) -> None:
+    """Refuse, naming the queues it knows (and the nearest), a queue that no declaration,
+    job (of any age), pause or live worker process names."""
     known = set(settings.queues) | {q.name for q in ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)}
-    if name not in known:
-        raise UsageError(f"unknown queue {name!r}; known: {', '.join(sorted(known))}")
+    if name in known or ops.queue_has_jobs(conn, name):
+        return
+    near = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    raise UsageError(f"unknown queue {name!r}: no job, pause or worker process names it; {hint}"
+                     f"known: {', '.join(sorted(known)) or 'none'}")
 
 
 # -- the outbox --------------------------------------------------------------------------
@@ -426,7 +469,7 @@ def cmd_outbox_list(args: argparse.Namespace) -> int:
         return 0
     t = _table("id", "topic", "state", "created", "age", "error")
     for e in events:
-        t.add_row(str(e.id), e.topic, e.state, _when(e.created_at), _age(e.age_s), e.error or "")
+        _row(t, e.id, e.topic, e.state, _when(e.created_at), _age(e.age_s), e.error or "")
     _console().print(t)
     return 0
 
@@ -471,8 +514,8 @@ def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
         return 0
     t = _table("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated")
     for d in deliveries:
-        t.add_row(str(d.id), str(d.endpoint_id), d.event, d.state, str(d.attempts),
-                  "" if d.last_status is None else str(d.last_status), d.last_error or "", _when(d.updated_at))
+        _row(t, d.id, d.endpoint_id, d.event, d.state, d.attempts,
+             "" if d.last_status is None else d.last_status, d.last_error or "", _when(d.updated_at))
     _console().print(t)
     return 0
 
@@ -481,15 +524,16 @@ def print_endpoints(settings: Settings) -> None:
     """``webhooks list``: each endpoint, enabled or not, and why it fails."""
     with _connect(settings) as conn:
         endpoints = ops.webhook_endpoints(conn)
-    for e in endpoints:
-        state = "enabled" if e.enabled else f"disabled ({e.disabled_reason})"
-        why = e.why_failing if e.enabled else None
+    for e in endpoints:  # tab-separated fields, each printable on one line
+        state = "enabled" if e.enabled else f"disabled ({printable(e.disabled_reason)})"
+        why = printable(e.why_failing) if e.enabled and e.why_failing else None
         counts = f"\t{e.pending} pending, {e.failed} failed" if e.pending or e.failed else ""
         last = ""
         if e.last_outcome and e.last_outcome != "ok" and not why:
-            last = f"\tlast attempt: {e.last_outcome}" + (f" HTTP {e.last_status}" if e.last_status else "") \
-                + (f": {e.last_error}" if e.last_error else "")
-        print(f"{e.id}\t{e.url}\t{','.join(e.event_types)}\t{state}" + (f"\t{why}" if why else "") + last + counts)
+            last = f"\tlast attempt: {printable(e.last_outcome)}" + (f" HTTP {e.last_status}" if e.last_status else "") \
+                + (f": {printable(e.last_error)}" if e.last_error else "")
+        types = ",".join(printable(t) for t in e.event_types)
+        print(f"{e.id}\t{printable(e.url)}\t{types}\t{state}" + (f"\t{why}" if why else "") + last + counts)
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -521,17 +565,50 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
             raise StandmeetError(f"the schema is not up to date: run `standmeet-jobs migrate` ({first})") from exc
 
 
-def periodic_intervals() -> dict[str, float]:
-    """job → interval, from the periodic table (which does not import the application)."""
-    from broker import app
 
-    return {job.name: job.interval_s for job in app.periodic_jobs()}
+
+#: What a terminal would act on rather than show: control characters (escape sequences
+#: start with one) and the marks that reorder text; newlines and tabs are kept in multi-line text.
+_UNPRINTABLE_IN_A_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNPRINTABLE_IN_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: object, *, lines: bool = False) -> str:
+    """``value`` as text a terminal shows exactly: each control character or direction
+    mark written as its escape (``\\x1b``, ``\\u202e``); newlines and tabs kept only with
+    ``lines``. Rich markup is another matter: print the result as :class:`rich.text.Text`."""
+    pattern = _UNPRINTABLE_IN_LINES if lines else _UNPRINTABLE_IN_A_LINE
+    return pattern.sub(_escaped, str(value))
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _text(value: object, *, lines: bool = False) -> Any:
+    """``value`` as rich text that is never read as markup."""
+    from rich.text import Text
+
+    return Text(printable(value, lines=lines))
+
+
+def _row(table: Any, *values: object) -> None:
+    """A table row of plain text (each value printable; rich text as it is)."""
+    from rich.text import Text
+
+    table.add_row(*(v if isinstance(v, Text) else _text(v) for v in values))
+
+
+def _line(console: Any, line: str) -> None:
+    console.print(_text(line))
 
 
 def _console() -> Any:
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    # markup and emoji codes off as well: no string this prints is read as anything but text
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False, markup=False, emoji=False)
 
 
 def _table(*columns: str, title: str | None = None) -> Any:
@@ -540,6 +617,15 @@ def _table(*columns: str, title: str | None = None) -> Any:
 
     t = Table(*columns, title=title, box=box.SIMPLE_HEAD, title_justify="left")
     return t
+
+
+def _since(value: str) -> str:
+    """An argparse ``type``: an ISO time or an age within range (checked, given on as typed)."""
+    try:
+        ops.parse_since(value)
+    except ops.OpsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _age(seconds: float | None) -> str:

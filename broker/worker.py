@@ -28,13 +28,15 @@ import ctypes
 import gc
 import importlib
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import dramatiq
 
@@ -51,6 +53,54 @@ FORCE_AFTER_S = 1.0
 CONFIG_REFUSED_EXIT = 78
 #: prctl(2): the signal a process gets when the thread that started it exits.
 PR_SET_PDEATHSIG = 1
+#: The most threads one worker process may be given (``--threads``).
+THREADS_MOST = 10_000
+#: The longest ``--worker-shutdown-timeout``: a day, as STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S allows.
+SHUTDOWN_TIMEOUT_MOST_MS = 86_400_000
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are one line naming what was wrong, exit 2 (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def bounded_int(*, low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``low`` to ``high``, else one line saying so."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give {low} to {high}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {low} to {high}")
+        return value
+    return whole_number
+
+
+def bounded_float(*, low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number from ``low`` to ``high``, else one line saying so."""
+    def number(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number: give {low:.15g} to {high:.15g}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{text.strip()} is out of range: give {low:.15g} to {high:.15g}")
+        return value
+    return number
+
+
+def check_worker_numbers(*, threads: int, shutdown_ms: int | None) -> None:
+    """Refuse a thread count or a shutdown timeout out of range, in one line naming the
+    option, the value and the range (:class:`ConfigError`)."""
+    if not 0 <= threads <= THREADS_MOST:
+        raise ConfigError(f"--threads {threads}: give 1 to {THREADS_MOST} threads per worker process "
+                          "(0: the sum of the served queues' limits)")
+    if shutdown_ms is not None and not 0 <= shutdown_ms <= SHUTDOWN_TIMEOUT_MOST_MS:
+        raise ConfigError(f"--worker-shutdown-timeout {shutdown_ms}: give 0 to {SHUTDOWN_TIMEOUT_MOST_MS} "
+                          "milliseconds")
 
 
 def die_with_supervisor(supervisor_pid: int) -> bool:
@@ -115,7 +165,7 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m broker.worker", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m broker.worker", description=__doc__.split("\n")[0])
     parser.add_argument("modules", nargs="*", default=["actors"], help="modules that declare actors (default: actors)")
     parser.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="worker threads (default: the sum of the served queues' limits)")
@@ -154,8 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, on_signal)
 
     try:
-        if args.threads < 0:
-            raise ConfigError(f"--threads {args.threads}: a worker needs at least 1 thread (0: the default)")
+        check_worker_numbers(threads=args.threads, shutdown_ms=args.worker_shutdown_timeout)
         from broker.budget import process_connections, served_queues
         from broker.pgbroker import current_broker
 

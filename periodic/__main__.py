@@ -15,7 +15,6 @@ dies with it (see :mod:`broker.worker`).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import signal
@@ -23,14 +22,19 @@ import sys
 import threading
 
 from apscheduler.schedulers.background import BackgroundScheduler
-from apscheduler.triggers.interval import IntervalTrigger
 
 from broker import services
 from broker.budget import SCHEDULER_TICK_THREADS, check_budget, scheduler_connections, served_queues
 from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
 from broker.logging_setup import configure_logging
 from broker.settings import Settings
-from broker.worker import add_supervision_arguments, die_with_supervisor, load_modules, refuse
+from broker.worker import (
+    OneLineParser,
+    add_supervision_arguments,
+    die_with_supervisor,
+    load_modules,
+    refuse,
+)
 
 logger = logging.getLogger("standmeet.periodic")
 
@@ -46,7 +50,7 @@ def load_jobs(path: str) -> list:  # type: ignore[type-arg]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m periodic", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m periodic", description=__doc__.split("\n")[0])
     parser.add_argument("modules", nargs="*", default=["actors"],
                         help="modules that declare actors and periodic jobs (default: actors)")
     parser.add_argument("--jobs", default=None, metavar="MODULE:ATTRIBUTE",
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import broker as runtime
     from broker.pgbroker import StandmeetBroker
-    from periodic import periodic_jobs, tick_or_say, utcnow
+    from periodic import CRON_TICK_S, periodic_jobs, publish_schedules, tick_or_say, trigger, utcnow
 
     try:
         settings = Settings.from_env()
@@ -91,16 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     # As many tick threads as the connection budget counts for the scheduler.
     scheduler = BackgroundScheduler(timezone="UTC", executors={
         "default": {"type": "threadpool", "max_workers": SCHEDULER_TICK_THREADS}})
+    try:  # every process shows these schedules, whatever modules it loads
+        publish_schedules(jobs)
+    except Exception as exc:  # the jobs still run; the dashboard shows less
+        logger.warning("could not record the periodic schedules: %s", str(exc).strip().splitlines()[0])
     now = utcnow()
     for job in jobs:
         try:  # the current period first; then on each period boundary
             tick_or_say(job)
         except Exception:
             logger.exception("periodic %s: first tick failed; the next boundary will try again", job.name)
-        scheduler.add_job(
-            tick_or_say, IntervalTrigger(seconds=job.interval_s, start_date=job.period_start(now)),
+        scheduler.add_job(  # on its interval's boundaries, or every CRON_TICK_S for a cron job
+            tick_or_say, trigger(job, now),
             args=[job], id=job.name, name=job.name, max_instances=1, coalesce=True,
-            misfire_grace_time=max(1, int(job.interval_s / 2)),
+            misfire_grace_time=max(1, int((job.interval_s or CRON_TICK_S) / 2)),
         )
     scheduler.start()
     logger.info("scheduler running %d periodic job(s)", len(jobs))

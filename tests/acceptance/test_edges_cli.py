@@ -163,3 +163,79 @@ def test_a_forbidden_url_or_short_secret_is_refused_before_the_database_is_neede
     refused(cli(down, "sources", "add", "http://100.100.100.200/", "--kind", "rss"), "cloud metadata")
     refused(cli(down, "sources", "add", "http://8.8.8.8/", "--kind", "rss", "--time-limit-s", "nan"), "time limit")
     refused(cli(down, "webhooks", "add", "http://8.8.8.8/", "--events", "x", "--secret", "whsec_AAAA"), "at least 24")
+
+
+def parser_refused(result: subprocess.CompletedProcess[str], option: str, *words: str) -> str:
+    """The one line the parser prints for an option out of range (exit 2, no traceback)."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"argument {option}: " in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, option, words", [
+    (("jobs", "list", "--since", "99999999999d"), "--since", ("'99999999999d' is too long ago", "0s to 36500d")),
+    (("jobs", "list", "--since", "1" + "0" * 400 + "s"), "--since", ("0s to 36500d",)),
+    (("jobs", "retry", "--state", "rejected", "--since", "36501d"), "--since", ("0s to 36500d",)),
+    (("jobs", "cancel", "--queue", "index", "--since", "99999999999d"), "--since", ("0s to 36500d",)),
+    (("jobs", "list", "--limit", "0"), "--limit", ("give 1 to 1000",)),
+    (("jobs", "list", "--limit", "99999999999999999999999"), "--limit", ("give 1 to 1000",)),
+    (("jobs", "list", "--offset", "-1"), "--offset", ("give 0 to 100000000",)),
+    (("jobs", "list", "--offset", "1e9"), "--offset", ("not a whole number",)),
+    (("status", "--check", "--max-age-s", "nan"), "--max-age-s", ("give 0 to 2592000",)),
+    (("status", "--check", "--max-age-s", "inf"), "--max-age-s", ("give 0 to 2592000",)),
+    (("status", "--check", "--max-age-s", "-5"), "--max-age-s", ("give 0 to 2592000",)),
+    (("outbox", "list", "--limit", "-1"), "--limit", ("give 1 to 1000",)),
+    (("webhooks", "deliveries", "99999999999999999999"), "endpoint", ("give 1 to 9223372036854775807",)),
+    (("webhooks", "deliveries", "--limit", "100000"), "--limit", ("give 1 to 1000",)),
+    (("dashboard", "--port", "70000"), "--port", ("give 1 to 65535",)),
+    (("dashboard", "--port", "-1"), "--port", ("give 1 to 65535",)),
+])
+def test_numbers_and_ages_out_of_range_are_refused_by_the_parser_in_one_line(subprocess_env, args, option, words):
+    down = {**subprocess_env, "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{_closed_port()}/app"}
+    parser_refused(cli(down, *args), option, *words)  # before any database is needed
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--worker-shutdown-timeout", "-5"), "--worker-shutdown-timeout -5: give 0 to 86400000 milliseconds"),
+    (("--worker-shutdown-timeout", "99999999999999"), "give 0 to 86400000 milliseconds"),
+    (("--threads", "100000"), "--threads 100000: give 1 to 10000 threads per worker process"),
+    (("--processes", "99999999999"), "--processes 99999999999: give 1 to 1000000 worker processes"),
+])
+def test_run_refuses_numbers_out_of_range_before_starting_anything(subprocess_env, args, words):
+    result = cli(subprocess_env, "run", "--no-scheduler", *args)
+    assert result.returncode == 78, (result.stdout, result.stderr)
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("standmeet-jobs: --") and words in line, line
+    assert "Traceback" not in result.stderr and "started pid" not in result.stderr, result.stderr
+
+
+def test_check_refuses_numbers_out_of_range_in_one_line(subprocess_env):
+    refused(cli(subprocess_env, "check", "--threads", "-1"), "--threads -1: give 1 to 10000 threads")
+    refused(cli(subprocess_env, "check", "--processes", "0"), "--processes 0: give 1 to 1000000")
+
+
+@pytest.mark.parametrize("args, status, words", [
+    (("--worker-shutdown-timeout", "-5"), 78, "worker: --worker-shutdown-timeout -5: give 0 to 86400000 milliseconds"),
+    (("--threads", "-2"), 78, "worker: --threads -2: give 1 to 10000 threads"),
+    (("--threads", "inf"), 2, "python -m broker.worker: argument --threads: invalid int value: 'inf'"),
+])
+def test_the_worker_refuses_numbers_out_of_range_in_one_line(subprocess_env, args, status, words):
+    result = subprocess.run([sys.executable, "-m", "broker.worker", "tests.support.jobs", *args], env=subprocess_env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == status, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(words), line
+    assert "Traceback" not in result.stderr
+
+
+def test_the_scheduler_refuses_a_bad_argument_in_one_line(subprocess_env):
+    result = subprocess.run([sys.executable, "-m", "periodic", "--supervised-by", "me"], env=subprocess_env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "python -m periodic: argument --supervised-by: invalid int value: 'me'"], result.stderr

@@ -13,6 +13,7 @@ from actors import settings as app_settings
 from broker.settings import replace
 from tests.support.db import query, scalar, wait_for
 from tests.support.http import http_server
+from tests.support.job_rows import drop_queue, put_jobs
 from tests.support.jobs import SLEEP, noop
 from tests.support.procs import ROOT, running, worker_cmd
 
@@ -121,21 +122,120 @@ def test_jobs_are_listed_shown_retried_and_cancelled_from_the_command_line(
 
 def test_bad_input_is_one_line_naming_what_was_wrong(broker, subprocess_env):
     for args, says in [
-        (("jobs", "show", "17"), "'17' is not a job id"),
+        (("jobs", "show", "17"), "'17' is not a job id: a prefix needs at least 8 hex digits"),
         (("jobs", "show", "00000000-0000-0000-0000-000000000000"), "no job 00000000-0000-0000-0000-000000000000"),
-        (("jobs", "list", "--since", "last tuesday"), "is neither an ISO time nor an age"),
+        (("jobs", "show", "ffffffff"), "no job id starts with 'ffffffff'"),
+        (("jobs", "cancel", "0b5a"), "'0b5a' is not a job id: a prefix needs at least 8 hex digits"),
+        (("jobs", "retry", "0b5a-zz"), "'0b5a-zz' is not a job id or the start of one"),
         (("jobs", "retry"), "give job ids, or --state rejected"),
+        (("jobs", "retry", "--state", "cancelled"), "add --include-cancelled"),
         (("queues", "pause", "indx"), "unknown queue 'indx'"),
+        (("jobs", "list", "--queue", "indx"), "unknown queue 'indx': no job, pause or worker process names it;"),
+        (("jobs", "retry", "--state", "rejected", "--queue", "indx"), "unknown queue 'indx'"),
+        (("jobs", "cancel", "--queue", "indx"), "unknown queue 'indx'"),
     ]:
         result = cli(subprocess_env, *args)
         assert result.returncode == 1, (args, result.stdout)
         assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr
+        assert "unknown queue" not in says or "known: " in result.stderr  # the fix: the names it knows
     # arguments the parser refuses: one line too (exit 2, as argparse does)
-    result = cli(subprocess_env, "jobs", "list", "--state", "failed")
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("standmeet-jobs jobs list: argument --state: invalid choice: 'failed'")
+    for args, says in [
+        (("jobs", "list", "--state", "failed"), "standmeet-jobs jobs list: argument --state: invalid choice: 'failed'"),
+        (("jobs", "list", "--since", "last tuesday"),
+         "standmeet-jobs jobs list: argument --since: since 'last tuesday' is neither an ISO time"),
+    ]:
+        result = cli(subprocess_env, *args)
+        assert result.returncode == 2
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert result.stderr.startswith(says), result.stderr
+
+
+def test_a_queue_known_only_from_its_old_jobs_is_not_refused(broker, database_url, subprocess_env):
+    # Given a queue whose only job finished three days ago (no declaration, worker or pause names it)
+    (old,) = put_jobs(database_url, "long_ago", rejected_with="gone")
+    query(database_url, "UPDATE dramatiq.queue SET mtime = now() - interval '3 days' WHERE message_id = %s", (old,))
+    try:
+        listed = json.loads(ok(cli(subprocess_env, "jobs", "list", "--queue", "long_ago", "--json")))
+    finally:
+        drop_queue(database_url, "long_ago")
+    assert [j["id"] for j in listed] == [old]
+
+
+def test_cancel_is_final_no_filtered_retry_touches_a_cancelled_job_unless_told(broker, database_url, subprocess_env):
+    # Given two rejected jobs of a queue, and a third, delayed 10 minutes, that an operator
+    # cancels by the 8 characters `status` shows
+    queue = "cancel_final"
+    rejected = put_jobs(database_url, queue, 2, rejected_with="ValueError: broken")
+    (later,) = put_jobs(database_url, queue, delay_ms=600_000)
+    try:
+        assert ok(cli(subprocess_env, "jobs", "cancel", later[:8])).strip() == "cancelled 1 job(s)"
+        # When every rejected job of the queue is retried
+        retried = ok(cli(subprocess_env, "jobs", "retry", "--state", "rejected", "--queue", queue, "--since", "1h"))
+        # Then the cancelled one is skipped, and the command says so and why
+        assert retried.splitlines() == [
+            "retried 2 job(s)",
+            "skipped 1 cancelled job(s): cancel is final (--include-cancelled retries them too, or name each by "
+            "its id)"]
+        states = dict(query(database_url, "SELECT message_id::text, state::text FROM dramatiq.queue"
+                                          " WHERE queue_name = %s", (queue,)))
+        assert states == {rejected[0]: "queued", rejected[1]: "queued", later: "rejected"}
+        assert scalar(database_url, "SELECT cancelled_at IS NOT NULL FROM dramatiq.queue WHERE message_id = %s",
+                      (later,))
+        assert ok(cli(subprocess_env, "jobs", "retry", "--state", "cancelled", "--queue", queue,
+                      "--include-cancelled")).splitlines()[0] == "retried 1 job(s)"
+        assert ok(cli(subprocess_env, "jobs", "cancel", later)).strip() == "cancelled 1 job(s)"
+        # And a retry that names it by its id retries it, saying it had been cancelled
+        named = ok(cli(subprocess_env, "jobs", "retry", later[:10]))
+        assert named.splitlines() == ["retried 1 job(s)",
+                                      f"job {later} had been cancelled: retried all the same (named by its id)"]
+        assert _state(database_url, later) == "queued"
+    finally:
+        drop_queue(database_url, queue)
+
+
+def test_a_unique_id_prefix_of_8_hex_digits_is_taken_wherever_a_job_id_is(broker, database_url, subprocess_env):
+    queue = "id_prefix_cli"
+    twins = put_jobs(database_url, queue, ids=["0b5a1c2d-0000-4000-8000-000000000001",
+                                               "0b5a1c2d-0000-4000-8000-000000000002"], rejected_with="broken")
+    (alone,) = put_jobs(database_url, queue, ids=["0b5a1c2e-0000-4000-8000-000000000003"], rejected_with="broken")
+    try:
+        assert json.loads(ok(cli(subprocess_env, "jobs", "show", "0b5a1c2e", "--json")))["id"] == alone
+        ambiguous = cli(subprocess_env, "jobs", "show", "0b5a1c2d")
+        assert ambiguous.returncode == 1 and len(ambiguous.stderr.strip().splitlines()) == 1
+        assert "'0b5a1c2d' is ambiguous: it matches " + ", ".join(twins) in ambiguous.stderr
+        assert ok(cli(subprocess_env, "jobs", "retry", "0b5a1c2e", alone)).strip() == "retried 1 job(s)"
+        assert ok(cli(subprocess_env, "jobs", "cancel", "0B5A1C2E")).strip() == "cancelled 1 job(s)"
+        ambiguous = cli(subprocess_env, "jobs", "cancel", twins[1][:-1])  # 35 characters, still both
+        assert ambiguous.returncode == 1 and "is ambiguous" in ambiguous.stderr
+        assert ok(cli(subprocess_env, "jobs", "retry", twins[1])).strip() == "retried 1 job(s)"
+    finally:
+        drop_queue(database_url, queue)
+    actions = query(database_url, "SELECT target FROM standmeet.operator_actions WHERE action = 'jobs.cancel'"
+                                  " ORDER BY id DESC LIMIT 1")
+    assert actions == [({"message_ids": [alone]},)]  # the whole id is recorded
+
+
+def test_jobs_show_hides_the_arguments_of_every_message_its_options_carry(broker, database_url, subprocess_env):
+    # Given a job whose next pipeline step, and a step after it, carry arguments of their own
+    pipe = {"queue_name": "index", "actor_name": "next.step", "args": ["secret-arg"], "kwargs": {"token": "secret-kw"},
+            "options": {"pipe_target": {"actor_name": "last.step", "args": ["deeper-secret"], "kwargs": {}}}}
+    (job,) = put_jobs(database_url, "pipes", args=["own-secret"], options={"pipe_target": pipe},
+                      rejected_with="broken")
+    try:
+        table = ok(cli(subprocess_env, "jobs", "show", job))
+        doc = ok(cli(subprocess_env, "jobs", "show", job, "--json"))
+        revealed = ok(cli(subprocess_env, "jobs", "show", job, "--show-args", "--json"))
+    finally:
+        drop_queue(database_url, "pipes")
+    # Then without --show-args none of their arguments is shown, while what runs next is
+    for shown in (table, doc):
+        assert not any(secret in shown for secret in ("own-secret", "secret-arg", "secret-kw", "deeper-secret"))
+        assert "next.step" in shown and "last.step" in shown
+    options = json.loads(doc)["options"]["pipe_target"]
+    assert options["args"] == options["kwargs"] == options["options"]["pipe_target"]["args"] == "(hidden)"
+    # And --show-args shows them all
+    assert all(secret in revealed for secret in ("own-secret", "secret-arg", "secret-kw", "deeper-secret"))
 
 
 def test_a_paused_queue_is_not_claimed_by_any_process_and_resumes_within_a_second(

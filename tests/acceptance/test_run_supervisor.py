@@ -5,7 +5,9 @@ process group at the end, whatever happened."""
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from broker.backoff import Backoff
 from broker.cli import CHILD_EXIT_GRACE_S, Signals, Supervisor
 from broker.migrate import MIGRATION_LOCK_KEY
 from broker.worker import CONFIG_REFUSED_EXIT
@@ -145,19 +148,28 @@ def test_a_signal_before_any_child_starts_starts_none(database_url, env, tmp_pat
     assert started_pids(text) == [] and members == [], text
 
 
+def _restart_wait_s(text: str, pid: int) -> float:
+    """The wait `run` announced before restarting the child ``pid``."""
+    (line,) = [ln for ln in text.splitlines() if f"pid {pid} (-m broker.worker) exited with" in ln]
+    return float(line.split("restarting it in ")[1].split(" s")[0])
+
+
 def test_a_signal_during_a_restart_back_off_restarts_nothing_and_stops_at_once(database_url, env, tmp_path):
-    # Given `run` whose worker crashed twice: its next restart is 2 s away
+    # Given `run` whose worker crashed twice: its next restart is 1 to 2 s away (the
+    # back-off's second step, 2 s, jittered into its upper half)
     log = tmp_path / "run.log"
     killed: list[int] = []
+    waits: list[float] = []
     with supervised([*RUN, "--no-scheduler"], env, log=log) as run:
-        for backoff in ("1.0", "2.0"):
+        for step_s in (1.0, 2.0):
             pid = wait_for(lambda: [p for p in child_pids(run.pid) if p not in killed], timeout_s=30,
                            what="a new worker process")[0]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
             wait_for(lambda: f"pid {killed[-1]} (-m broker.worker) exited with -9" in log.read_text(),
                      timeout_s=30, what=f"the crash of {pid} to be noticed")
-            assert f"restarting it in {backoff} s" in log.read_text()
+            waits.append(_restart_wait_s(log.read_text(), pid))
+            assert step_s / 2 <= waits[-1] <= step_s, (waits, log.read_text())
         # When SIGTERM comes during that back-off
         sent = time.monotonic()
         os.kill(run.pid, signal.SIGTERM)
@@ -168,8 +180,61 @@ def test_a_signal_during_a_restart_back_off_restarts_nothing_and_stops_at_once(d
     # Then nothing is restarted, and `run` exits before the restart would have been due
     assert code == 0, text
     assert text.count("restarted pid") == 1, text
-    assert took < 2.0, (took, text)
+    assert took < waits[-1], (took, text)
     assert members == [], text
+
+
+#: A child that records when it started (the monotonic clock is the machine's, shared by
+#: every process), then crashes; the last one asks the supervisor to stop instead.
+CRASHER = """
+import os, signal, sys, time
+path, last = sys.argv[1], int(sys.argv[2])
+with open(path, "a") as out:
+    out.write(f"{time.monotonic()}\\n")
+with open(path) as started:
+    count = len(started.read().split())
+if count >= last:
+    os.kill(os.getppid(), signal.SIGTERM)
+    time.sleep(60)
+sys.exit(3)
+"""
+
+
+def test_a_crashed_child_is_restarted_after_each_wait_of_the_jittered_back_off(tmp_path, caplog):
+    # Given a supervisor whose child crashes as soon as it starts, five times over, and
+    # the runtime's back-off, seeded so that its waits can be told in advance
+    starts = tmp_path / "starts"
+    seed, start_s, cap_s, crashes = 7, 0.4, 1.6, 4
+    expected = Backoff(start_s=start_s, cap_s=cap_s, rng=random.Random(seed))
+    waits = [expected.next_s() for _ in range(crashes)]
+    assert len({round(w / s, 3) for w, s in zip(waits, (0.4, 0.8, 1.6, 1.6), strict=True)}) > 1  # jittered
+    command = [sys.executable, "-c", CRASHER, str(starts), str(crashes + 1)]
+
+    def deadline(signum: int, frame: object) -> None:
+        raise TimeoutError("the supervisor did not restart its child 4 times within 30 s")
+
+    previous = signal.signal(signal.SIGALRM, deadline)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    caplog.set_level(logging.INFO, logger="standmeet")
+    try:
+        with Signals() as signals:
+            supervisor = Supervisor([command], env=dict(os.environ), shutdown_s=10, signals=signals,
+                                    backoff=lambda: Backoff(start_s=start_s, cap_s=cap_s, rng=random.Random(seed)))
+            # When it runs until the fifth start stops it
+            code = supervisor.run()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    # Then each restart came after the back-off's wait, and not much later (a start of
+    # Python, and two looks of the supervisor at its children)
+    assert code == 0
+    times = [float(t) for t in starts.read_text().split()]
+    assert len(times) == crashes + 1, times
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    for gap, wait in zip(gaps, waits, strict=True):
+        assert wait <= gap <= wait + 0.75, (gaps, waits)
+    announced = [r.getMessage() for r in caplog.records if "restarting it in" in r.getMessage()]
+    assert [line.split("restarting it in ")[1] for line in announced] == [f"{w:.2f} s" for w in waits]
 
 
 def test_a_signal_right_after_the_start_stops_every_child_within_the_shutdown_timeout(database_url, env, tmp_path):

@@ -12,6 +12,8 @@ import psycopg
 import pytest
 
 from broker import ops
+from broker.pgbroker import claim_size_params
+from broker.settings import MIB
 from middleware.cancellation import Cancellation
 from middleware.retries import Retries
 from tests.support.db import query, scalar, wait_for
@@ -176,13 +178,32 @@ def test_periodic_jobs_show_their_last_run_and_next_due_time(broker, database_ur
     query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id) VALUES"
                         " ('ops-report', '2026-01-01T10:00:00Z', gen_random_uuid()),"
                         " ('ops-report', '2026-01-01T11:00:00Z', gen_random_uuid())")
-    jobs = {p.job: p for p in ops.periodic_overview(conn, {"ops-report": 3600, "ops-never": 60})}
+    from periodic import PeriodicJob
+
+    declared = [PeriodicJob("ops-report", "a.b", interval_s=3600), PeriodicJob("ops-never", "a.b", interval_s=60)]
+    jobs = {p.job: p for p in ops.periodic_overview(conn, declared)}
     report = jobs["ops-report"]
     assert report.last_run.isoformat() == "2026-01-01T11:00:00+00:00"
     assert report.next_due - report.last_run == timedelta(hours=1)
     assert jobs["ops-never"].last_run is None and jobs["ops-never"].next_due is not None
+    assert report.schedule == "every 3600 s"
     unknown = {p.job: p for p in ops.periodic_overview(conn)}["ops-report"]
-    assert unknown.next_due is None
+    assert unknown.next_due is None and unknown.schedule is None
+
+
+def test_a_schedule_a_scheduler_recorded_shows_in_a_process_that_does_not_declare_it(broker, database_url, conn):
+    from periodic import PeriodicJob, publish_schedules
+
+    # Given a scheduler that recorded a cron job in Berlin time and an interval job
+    publish_schedules([PeriodicJob("ops-nightly", "reports.nightly", cron="0 3 * * *", timezone="Europe/Berlin"),
+                       PeriodicJob("ops-quarter", "reports.refresh", interval_s=900)])
+    # When a process that declares neither asks for the overview
+    jobs = {p.job: p for p in ops.periodic_overview(conn)}
+    # Then both show their schedule, and the cron job its next run at 03:00 Berlin time
+    nightly = jobs["ops-nightly"]
+    assert nightly.schedule == "0 3 * * * (Europe/Berlin)" and nightly.last_run is None
+    assert nightly.next_due is not None and nightly.next_due.strftime("%H:%M %Z") in ("03:00 CET", "03:00 CEST")
+    assert jobs["ops-quarter"].schedule == "every 900 s" and jobs["ops-quarter"].next_due is not None
 
 
 def test_a_queue_with_due_work_and_no_live_worker_is_unserved_and_served_once_a_live_worker_serves_it(
@@ -409,7 +430,8 @@ def test_the_overviews_say_how_many_of_the_running_jobs_are_claimed_and_not_yet_
     messages = [dramatiq.Message(queue_name="ops_prefetch", actor_name="ops.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
     conn.execute(sql.ENQUEUE, enqueue_params(messages))
-    conn.execute(sql.CLAIM, {"queue": "ops_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id})
+    conn.execute(sql.CLAIM, {"queue": "ops_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id,
+                             **claim_size_params(MIB)})
     try:
         # Then all three count as running, two of them as prefetched
         (status,) = [q for q in ops.queue_overview(conn) if q.name == "ops_prefetch"]
@@ -421,3 +443,28 @@ def test_the_overviews_say_how_many_of_the_running_jobs_are_claimed_and_not_yet_
         assert len(started) == 1 and me.prefetched >= 2 and me.running >= 3
     finally:
         conn.execute("DELETE FROM dramatiq.queue WHERE queue_name = 'ops_prefetch'")
+
+
+def test_a_filtered_retry_skips_cancelled_jobs_and_says_how_many_unless_they_are_included(database_url, conn):
+    # Given two rejected jobs of a queue, and a delayed one of it that an operator cancelled
+    from tests.support.job_rows import drop_queue, put_jobs
+
+    queue = "ops_cancel_final"
+    rejected = put_jobs(database_url, queue, 2, rejected_with="ValueError: broken")
+    (cancelled,) = put_jobs(database_url, queue, delay_ms=600_000)
+    try:
+        assert ops.cancel_jobs(conn, message_ids=[cancelled], by="ops@host") == 1
+        # When every rejected job of the queue is retried: the cancelled one is left, and counted
+        outcome = ops.retry_jobs_outcome(conn, state="rejected", queue=queue, since="1h", by="test")
+        assert outcome == ops.RetryOutcome(retried=2, skipped_cancelled=1, retried_cancelled=[])
+        assert {m: _state(database_url, m) for m in [*rejected, cancelled]} == {
+            rejected[0]: "queued", rejected[1]: "queued", cancelled: "rejected"}
+        assert ops.show_job(conn, cancelled).cancelled_by == "ops@host"
+        # a filter for cancelled jobs, or include_cancelled, retries it; so does naming it
+        assert ops.retry_jobs_outcome(conn, queue=queue, state="rejected", include_cancelled=False,
+                                      by="test").skipped_cancelled == 1
+        assert ops.retry_jobs_outcome(conn, message_ids=[cancelled], by="test") == ops.RetryOutcome(
+            retried=1, skipped_cancelled=0, retried_cancelled=[cancelled])
+        assert _state(database_url, cancelled) == "queued"
+    finally:
+        drop_queue(database_url, queue)
