@@ -40,8 +40,8 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-__all__ = ["CLAIM_DATABASE_PERIOD", "CLAIM_FIRE_TIME", "PeriodicJob", "cron_period", "periodic_jobs", "tick",
-           "tick_or_say", "trigger", "utcnow"]
+__all__ = ["CLAIM_DATABASE_PERIOD", "CLAIM_FIRE_TIME", "PeriodicJob", "cron_period", "periodic_jobs",
+           "publish_schedules", "tick", "tick_or_say", "trigger", "utcnow"]
 
 #: How often a scheduler looks whether a cron job's fire time has come (by the database's clock).
 CRON_TICK_S = 15.0
@@ -70,6 +70,26 @@ ON CONFLICT (job, period_start) DO NOTHING
 RETURNING message_id, period_start
 """
 DATABASE_NOW = "SELECT now()"
+
+#: A scheduler says which jobs it runs and on what schedule (the last one to start wins).
+PUBLISH_SCHEDULE = """
+INSERT INTO standmeet.periodic_schedules (job, actor, interval_s, cron, timezone, declared_at)
+SELECT * FROM unnest(%(job)s::text[], %(actor)s::text[], %(interval_s)s::float8[], %(cron)s::text[],
+                     %(timezone)s::text[]) AS s, now()
+ON CONFLICT (job) DO UPDATE SET actor = EXCLUDED.actor, interval_s = EXCLUDED.interval_s, cron = EXCLUDED.cron,
+    timezone = EXCLUDED.timezone, declared_at = EXCLUDED.declared_at
+"""
+
+
+def publish_schedules(jobs: list[PeriodicJob]) -> None:
+    """Record the schedules of ``jobs`` in the database, so that any process shows them."""
+    if not jobs:
+        return
+    with db.connection() as conn:
+        conn.execute(PUBLISH_SCHEDULE, {
+            "job": [j.name for j in jobs], "actor": [j.actor for j in jobs],
+            "interval_s": [j.interval_s for j in jobs], "cron": [j.cron for j in jobs],
+            "timezone": [j.timezone for j in jobs]})
 
 
 def cron_period(job: PeriodicJob, now: datetime) -> datetime | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from broker.app import PeriodicJob
 from broker.dashboard.app import DashboardConfig
 from broker.dashboard.security import check_bind, parse_allowed_hosts
 from broker.dashboard.server import create_app
@@ -19,11 +20,12 @@ __all__ = ["DashboardConfig", "config_from_settings", "create_app", "serve"]
 logger = logging.getLogger("standmeet.dashboard")
 
 
-def periodic_intervals() -> dict[str, float]:
-    """The declared periodic jobs' intervals (none when the periodic package is absent)."""
+def declared_periodic_jobs() -> tuple[PeriodicJob, ...]:
+    """The periodic jobs this process declares (the rest come from the schedules the
+    schedulers recorded)."""
     from broker import app
 
-    return {job.name: job.interval_s for job in app.periodic_jobs()}
+    return tuple(app.periodic_jobs())
 
 
 def config_from_settings(settings: Settings, url: str, *, host: str = "127.0.0.1",
@@ -33,7 +35,7 @@ def config_from_settings(settings: Settings, url: str, *, host: str = "127.0.0.1
         database_url=url, read_only=read_only, hide_args=settings.dashboard_hide_args,
         user=settings.dashboard_user, password=settings.dashboard_password,
         rescue_after_s=settings.rescue_after_s, queues=tuple(settings.queues),
-        periodic_intervals=periodic_intervals(), bind_host=host,
+        periodic_jobs=declared_periodic_jobs(), bind_host=host,
         allowed_hosts=parse_allowed_hosts(settings.dashboard_allowed_hosts),
         secure_cookie=settings.dashboard_secure_cookie,
     )

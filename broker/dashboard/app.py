@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
 from broker import ops
+from broker.app import PeriodicJob
 from broker.dashboard.security import CSRF_FIELD, Csrf, cookie_is_secure, quoted
 from broker.settings import SecureCookieMode
 
@@ -63,6 +64,9 @@ NOTICES = {
     "replayed": "Delivery queued again.",
     "relayed": "Given back to the relays: a process that routes the topic relays it again.",
     "bulk": "Bulk action done.",
+    "bulk_cancel_final": ("Bulk action done. Cancelled jobs that matched were left alone: cancel is final "
+                          "(retry one from its own page, or `jobs retry ID`)."),
+    "retried_cancelled": "Retry queued: this job had been cancelled, and was retried because you named it.",
     "nothing": "Nothing matched: nothing was changed.",
 }
 
@@ -79,8 +83,8 @@ class DashboardConfig:
     rescue_after_s: float = 20.0
     #: the declared queues, shown even while they hold nothing
     queues: tuple[str, ...] = ()
-    #: periodic job name → interval in seconds (from ``periodic.PERIODIC_JOBS``)
-    periodic_intervals: Mapping[str, float] = field(default_factory=dict)
+    #: the periodic jobs this process declares (with those the schedulers recorded)
+    periodic_jobs: tuple[PeriodicJob, ...] = ()
     #: seconds between live refreshes of an open page
     refresh_s: float = 3.0
     pool_max_size: int = 4

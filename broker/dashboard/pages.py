@@ -247,7 +247,10 @@ def _bulk_plan(conn: psycopg.Connection[Any], action: str, kwargs: dict[str, Any
     else:
         raise Refused(404, f"no bulk action {action!r}: retry or cancel")
     plans = [{**kwargs, "state": s} for s in states]
-    return sum(ops.count_jobs(conn, **p) for p in plans), plans
+    count = sum(ops.count_jobs(conn, **p) for p in plans)
+    if action == "retry" and "rejected" in states:  # cancel is final: a bulk retry leaves them
+        count -= ops.count_jobs(conn, **{**kwargs, "state": "cancelled"})
+    return count, plans
 
 
 @guarded
@@ -275,23 +278,25 @@ async def jobs_bulk(request: Request) -> Response:
     kwargs = ops_filters(filters, hide_args=config.hide_args)
     by, source = actor_of(request)
 
-    def act(conn: psycopg.Connection[Any]) -> int:
+    def act(conn: psycopg.Connection[Any]) -> tuple[int, int]:
         with conn.transaction():
             count, plans = _bulk_plan(conn, action, kwargs)
             if count > BULK_LIMIT:
                 raise Refused(400, f"{count} jobs match: narrow the filter to at most {BULK_LIMIT}")
-            changed, acted_on = 0, []
+            changed, skipped, acted_on = 0, 0, []
             for plan in plans:
                 ids = _matching_ids(conn, plan)
                 if ids:
-                    changed += _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
+                    done, left = _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
+                    changed, skipped = changed + done, skipped + left
                     acted_on += ids
             ops.record_action(conn, action=f"jobs.{action}", target={"filter": filters, "message_ids": acted_on},
                               by=by, source=source, affected=changed)
-        return changed
+        return changed, skipped
 
-    changed = await with_conn(request, act)
-    return redirect("/jobs", "bulk" if changed else "nothing", **filters)
+    changed, skipped = await with_conn(request, act)
+    notice = "bulk_cancel_final" if skipped else "bulk" if changed else "nothing"
+    return redirect("/jobs", notice, **filters)
 
 
 def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[str]:
@@ -305,11 +310,14 @@ def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[s
     return ids[:BULK_LIMIT]
 
 
-def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_ids: list[str], by: str) -> int:
-    """Retry or cancel exactly these jobs (those still in ``state``); how many changed."""
+def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_ids: list[str],
+           by: str) -> tuple[int, int]:
+    """Retry or cancel exactly these jobs (those still in ``state``): how many changed, and
+    how many cancelled ones a retry left alone (cancel is final for a bulk action)."""
     if action == "retry":
-        return ops.retry_jobs(conn, message_ids=message_ids, state=state, by=by)
-    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by)
+        outcome = ops.retry_jobs_outcome(conn, message_ids=message_ids, state=state, by=by)
+        return outcome.retried, outcome.skipped_cancelled
+    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by), 0
 
 
 @guarded
@@ -334,18 +342,21 @@ async def _job_action(request: Request, action: str) -> Response:
     message_id = ops.parse_message_id(request.path_params["id"])
     by, source = actor_of(request)
 
-    def act(conn: psycopg.Connection[Any]) -> int:
+    def act(conn: psycopg.Connection[Any]) -> tuple[int, bool]:
+        was_cancelled = False
         with conn.transaction():
-            if action == "retry":
-                changed = ops.retry_jobs(conn, message_ids=[message_id], by=by)
+            if action == "retry":  # named by its page: retried even if it was cancelled, and said
+                outcome = ops.retry_jobs_outcome(conn, message_ids=[message_id], by=by)
+                changed, was_cancelled = outcome.retried, bool(outcome.retried_cancelled)
             else:
                 changed = ops.cancel_jobs(conn, message_ids=[message_id], by=by)
             ops.record_action(conn, action=f"jobs.{action}", target={"message_ids": [message_id]}, by=by,
                               source=source, affected=changed)
-        return changed
+        return changed, was_cancelled
 
-    changed = await with_conn(request, act)
-    notice = ("retried" if action == "retry" else "cancelled") if changed else "nothing"
+    changed, was_cancelled = await with_conn(request, act)
+    notice = ("retried_cancelled" if was_cancelled else "retried" if action == "retry" else "cancelled") \
+        if changed else "nothing"
     return redirect(f"/jobs/{message_id}", notice)
 
 
@@ -371,7 +382,7 @@ async def workers_page(request: Request) -> Response:
 @guarded
 async def periodic_page(request: Request) -> Response:
     config = config_of(request)
-    jobs = await with_conn(request, lambda conn: ops.periodic_overview(conn, config.periodic_intervals))
+    jobs = await with_conn(request, lambda conn: ops.periodic_overview(conn, config.periodic_jobs))
     return render(request, "periodic.html", {"periodic": jobs})
 
 

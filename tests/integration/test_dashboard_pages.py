@@ -305,15 +305,27 @@ def test_the_workers_page_shows_live_and_dead_processes_and_what_each_runs(broke
     assert dead and ">dead<" in dead.group(0)
 
 
-def test_the_periodic_page_shows_each_jobs_last_and_next_run(broker, database_url, dashboard):
+def test_the_periodic_page_shows_each_jobs_schedule_last_and_next_run(broker, database_url, dashboard):
+    from periodic import PeriodicJob
+
     query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id)"
                         " VALUES ('dash-report', '2026-01-01T10:00:00Z', gen_random_uuid())")
-    with dashboard(periodic_intervals={"dash-report": 3600.0, "dash-never": 60.0}) as client:
+    # Given a job this process declares, and one only a scheduler recorded (a module the
+    # dashboard does not load), a cron job in Berlin time
+    query(database_url, "INSERT INTO standmeet.periodic_schedules (job, actor, cron, timezone)"
+                        " VALUES ('dash-nightly', 'reports.nightly', '0 3 * * *', 'Europe/Berlin')")
+    declared = (PeriodicJob("dash-report", "a.b", interval_s=3600.0), PeriodicJob("dash-never", "a.b", interval_s=60))
+    with dashboard(periodic_jobs=declared) as client:
         page = client.get("/periodic").text
     report = re.search(r"<td>dash-report</td>(.*?)</tr>", page, re.S).group(1)
+    assert "every 3600 s" in report
     assert "2026-01-01 10:00:00 UTC" in report and "2026-01-01 11:00:00 UTC" in report
     never = re.search(r"<td>dash-never</td>(.*?)</tr>", page, re.S).group(1)
-    assert "never ran" in never
+    assert "never ran" in never and "every 60 s" in never
+    # Then the recorded cron job shows its expression, its zone and its next run there
+    nightly = re.search(r"<td>dash-nightly</td>(.*?)</tr>", page, re.S).group(1)
+    assert "0 3 * * * (Europe/Berlin)" in nightly
+    assert re.search(r"\(\d{4}-\d\d-\d\d 03:00 CES?T\)", nightly), nightly
 
 
 WEBHOOK_ROWS = """
