@@ -351,8 +351,8 @@ def _classify(exc: httpx.HTTPError) -> str:
     text = str(exc).lower()
     if isinstance(exc, httpx.TimeoutException):
         return "timeout"
-    if isinstance(exc, httpx.ProtocolError):
-        return "protocol"
+    if isinstance(exc, httpx.ProtocolError) and "disconnected" not in text:
+        return "protocol"  # a peer that hung up without answering is a connection failure
     if "ssl" in text or "certificate" in text:
         return "tls"
     if "name or service" in text or "nodename" in text or "getaddrinfo" in text:
