@@ -15,10 +15,10 @@ import psycopg
 
 from broker import services
 from broker.embedded import resolve_database_url
-from broker.enqueue import enqueue
+from broker.enqueue import enqueue, enqueue_async
 from broker.errors import BudgetError, ConfigError, StandmeetError
-from broker.outbox import emit
-from broker.pgbroker import StandmeetBroker, current_broker
+from broker.outbox import emit, emit_async
+from broker.pgbroker import StandmeetBroker, UniqueBy, current_broker
 from broker.rate_limits import PostgresRateLimiterBackend
 from broker.results import PostgresResultBackend
 from broker.settings import Settings
@@ -31,10 +31,13 @@ __all__ = [
     "Settings",
     "StandmeetBroker",
     "StandmeetError",
+    "UniqueBy",
     "configure",
     "current_broker",
     "emit",
+    "emit_async",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
 ]
 
@@ -46,7 +49,9 @@ def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connecti
     """Enqueue many Dramatiq messages in one statement, due after ``delay_ms``.
 
     With ``conn``, they are written in the caller's transaction (woken at its commit);
-    without, on the broker's own connection.
+    without, on the broker's own connection. A message whose unique key is live (or taken
+    by an earlier message of the batch) is not written: the live message stands in its
+    place in the list returned.
     """
     return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import detach, ops, pgpool
+from broker import detach, ops, pgbroker, pgpool
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -61,10 +61,22 @@ RECEIPT_WAITERS = Gauge("standmeet_receipt_waiters", "Requests waiting for a job
 RECEIPT_WAITERS_REFUSED = Counter("standmeet_receipt_waiters_refused_total",
                                   "Requests told at once not to wait: their channel held its maximum.",
                                   ("channel",))
+UNIQUE_SKIPPED = Counter("standmeet_unique_skipped_total",
+                         "Sends not written because a message with their unique key was live; the live one "
+                         "was returned instead.", ("queue", "actor"))
 CLAIM_TO_START = Histogram(
     "standmeet_claim_to_start_seconds", "From a message's claim to the start of its run.", ("queue_name",),
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf")),
 )
+
+
+def count_unique_skips(skipped: dict[tuple[str, str], int]) -> None:
+    """Count sends skipped for a live unique key, {(queue, actor): n} (the broker calls it)."""
+    for (queue_name, actor_name), n in skipped.items():
+        child(UNIQUE_SKIPPED, queue_name, actor_name).inc(n)
+
+
+pgbroker.SKIP_COUNTERS.append(count_unique_skips)
 
 
 def count_rescues(result: dict[str, tuple[int, int]]) -> None:

@@ -691,12 +691,20 @@ def show_job(conn: psycopg.Connection[Any], message_id: str) -> JobDetail | None
 #: is retried only with ``include_cancelled``; otherwise it is left as it is, and counted.
 RETRY_JOBS = (
     "WITH matched AS (\n"
-    "    SELECT q.message_id, q.cancelled_at IS NOT NULL AS cancelled FROM dramatiq.queue q\n"
+    "    SELECT q.message_id, q.cancelled_at IS NOT NULL AS cancelled, q.unique_key FROM dramatiq.queue q\n"
     "    WHERE q.\"state\" = 'rejected' AND " + JOB_FILTERS +
     "    ORDER BY q.message_id\n"
     "    FOR UPDATE\n"
+    "), eligible AS (\n"
+    "    SELECT message_id, cancelled, unique_key FROM matched WHERE %(include_cancelled)s OR NOT cancelled\n"
+    # a unique job goes back only if no live message holds its key (and one per key)
     "), picked AS (\n"
-    "    SELECT message_id, cancelled FROM matched WHERE %(include_cancelled)s OR NOT cancelled\n"
+    "    SELECT DISTINCT ON (coalesce(e.unique_key, uuid_send(e.message_id))) e.message_id, e.cancelled\n"
+    "    FROM eligible e\n"
+    "    WHERE e.unique_key IS NULL OR NOT EXISTS (\n"
+    "        SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = e.unique_key\n"
+    "        AND standmeet.unique_live(l.unique_states, l.\"state\"))\n"
+    "    ORDER BY coalesce(e.unique_key, uuid_send(e.message_id)), e.message_id\n"
     "), retried AS (\n"
     "    UPDATE dramatiq.queue q\n"
     "    SET \"state\" = 'queued', eta = now(), mtime = now(), worker_id = NULL, error = NULL, crashes = 0,\n"
@@ -716,7 +724,8 @@ RETRY_JOBS = (
     "SELECT (SELECT count(*) FROM retried),\n"
     "       (SELECT count(*) FROM matched WHERE cancelled AND NOT %(include_cancelled)s),\n"
     "       (SELECT coalesce(array_agg(message_id ORDER BY message_id), '{}') FROM retried WHERE cancelled),\n"
-    "       (SELECT count(*) FROM woken)\n"
+    "       (SELECT count(*) FROM woken),\n"
+    "       (SELECT count(*) FROM eligible) - (SELECT count(*) FROM picked)\n"
 )
 
 #: Cancel the queued, delayed or running jobs matching the filters. One not running is
@@ -756,6 +765,7 @@ class RetryOutcome(_Row):
     retried: int                        # jobs sent back to their queue
     skipped_cancelled: int              # cancelled jobs that matched and were left alone (cancel is final)
     retried_cancelled: list[str]        # ids of cancelled jobs retried all the same (named, or included)
+    skipped_unique: int = 0             # unique jobs left alone: a live message holds their key
 
 
 def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
@@ -782,7 +792,7 @@ def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[s
         row = conn.execute(RETRY_JOBS, {**params, "by": _by(by), "include_cancelled": include_cancelled}).fetchone()
     if row is None:
         return RetryOutcome(0, 0, [])
-    return RetryOutcome(int(row[0]), int(row[1]), [str(i) for i in row[2]])
+    return RetryOutcome(int(row[0]), int(row[1]), [str(i) for i in row[2]], int(row[4]))
 
 
 def retry_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,

@@ -352,12 +352,13 @@ def _bulk(args: argparse.Namespace, action: str) -> int:
         ids = ops.resolve_job_ids(conn, args.ids) or None
         if args.queue:
             _known_queue(conn, settings, args.queue)
-        skipped, cancelled_retried = 0, []
+        skipped, cancelled_retried, held = 0, [], 0
         if action == "retry":
             outcome = ops.retry_jobs_outcome(conn, message_ids=ids, state=args.state, queue=args.queue,
                                              actor=args.actor, since=args.since,
                                              include_cancelled=True if include_cancelled else None, by=by)
             n, skipped, cancelled_retried = outcome.retried, outcome.skipped_cancelled, outcome.retried_cancelled
+            held = outcome.skipped_unique
         else:
             n = ops.cancel_jobs(conn, message_ids=ids, state=args.state, queue=args.queue, actor=args.actor,
                                 since=args.since, by=by)
@@ -374,6 +375,8 @@ def _bulk(args: argparse.Namespace, action: str) -> int:
     if skipped:
         print(f"skipped {skipped} cancelled job(s): cancel is final (--include-cancelled retries them too, "
               "or name each by its id)")
+    if held:
+        print(f"skipped {held} unique job(s): a live message holds each one's key (it runs instead)")
     if action == "cancel" and ids:
         with _connect(settings) as conn:
             for message_id in ids:

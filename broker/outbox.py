@@ -49,14 +49,22 @@ from broker.backoff import Backoff
 from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.pgbroker import (
     MAX_JSON_DEPTH,
+    UniqueBy,
+    UniqueItem,
     batch_params,
     check_encoded_size,
     check_json_value,
     checked_json,
     compact_json,
+    count_skips,
     current_broker,
     message_json,
     message_priority,
+    run_steps,
+    unique_key_for,
+    unique_key_of,
+    unique_of,
+    unique_write,
 )
 from broker.pgpool import DISCONNECTS, Outage, close_quietly
 
@@ -122,14 +130,11 @@ def check_payload(topic: str, payload: Any) -> None:
     check_json_value(payload, what=f"the payload of {topic!r}", error=InvalidPayload)
 
 
-def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
-         max_payload_bytes: int | None = None) -> int:
-    """Write an event in the caller's transaction; return its id.
-
-    Raises :class:`UnknownTopic`, :class:`PayloadTooLarge` or :class:`InvalidPayload`
-    before writing anything (so the caller's transaction can still commit).
-    """
-
+def emit_params(topic: str, payload: dict[str, Any], *, max_payload_bytes: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.sql.EMIT` for an event, once it is known to be one its
+    routes take: :class:`UnknownTopic`, :class:`PayloadTooLarge` or :class:`InvalidPayload`
+    otherwise, before anything is written. The one preparation of :func:`emit` and
+    :func:`emit_async`."""
     routes = routes_for(topic)
     cap = max_payload_bytes if max_payload_bytes is not None else current_broker().settings.outbox_max_payload_bytes
     check_payload(topic, payload)
@@ -152,7 +157,27 @@ def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
                                                  "messaging.destination.name": topic})
     if carrier:  # the relay moves it to the event's messages (outbox → relay → actors)
         text = json.dumps({**payload, tracing.OUTBOX_KEY: carrier}, separators=(",", ":"))
-    row = conn.execute(sql.EMIT, {"topic": topic, "payload": text}).fetchone()
+    return {"topic": topic, "payload": text}
+
+
+def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,
+         max_payload_bytes: int | None = None) -> int:
+    """Write an event in the caller's transaction; return its id.
+
+    Raises :class:`UnknownTopic`, :class:`PayloadTooLarge` or :class:`InvalidPayload`
+    before writing anything (so the caller's transaction can still commit).
+    """
+    row = conn.execute(sql.EMIT, emit_params(topic, payload, max_payload_bytes=max_payload_bytes)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def emit_async(aconn: psycopg.AsyncConnection[Any], topic: str, payload: dict[str, Any], *,
+                     max_payload_bytes: int | None = None) -> int:
+    """:func:`emit` for async code: ``await emit_async(aconn, topic, payload)`` writes the
+    event on a psycopg ``AsyncConnection``, in its transaction, with the same checks."""
+    params = emit_params(topic, payload, max_payload_bytes=max_payload_bytes)
+    row = await (await aconn.execute(sql.EMIT, params)).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -192,12 +217,14 @@ class _Target:
     actor: dramatiq.Actor[Any, Any]
     priority: str
     head: str
+    #: the actor's uniqueness (None: its messages carry no unique key)
+    unique: UniqueBy | None = None
 
 
 def _target(broker: Any, actor_name: str) -> _Target:
     actor = broker.get_actor(actor_name)
     head = f'{{"queue_name":{compact_json(actor.queue_name)},"actor_name":{compact_json(actor.actor_name)},"args":'
-    return _Target(actor, str(int(actor.priority)), head)
+    return _Target(actor, str(int(actor.priority)), head, unique_of(actor))
 
 
 #: Rows a relay pass claims per statement. A pass (one transaction, at most ``limit``
@@ -220,6 +247,8 @@ class _Pass:
     #: topic -> its routes with their targets
     routes: dict[str, list[tuple[Route, _Target]]] = field(default_factory=dict)
     hooked: list[Message[Any]] = field(default_factory=list)
+    #: sends skipped because their unique key was live, per (queue, actor): counted after the pass
+    skipped: dict[tuple[str, str], int] = field(default_factory=dict)
     messages: int = 0
     failed: int = 0
     given_back: int = 0
@@ -288,8 +317,9 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
     that cannot be relayed; on a pipelined connection, nothing waits for them here."""
     rows.sort(key=lambda row: row[0])
     broker = state.broker
-    # in event order: a message's (JSON text, priority), or a Message for the hooks
-    pending: list[tuple[str, str] | Message[Any]] = []
+    # in event order: a message's (JSON text, priority), a Message for the hooks, or a
+    # message of a unique actor with its key
+    pending: list[tuple[str, str] | Message[Any] | UniqueItem] = []
     for event_id, topic, payload in rows:
         pairs = state.routes.get(topic)
         if pairs is None:
@@ -301,7 +331,7 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                 state.given_back += 1
                 continue
         try:
-            built: list[tuple[str, str] | Message[Any]] = []
+            built: list[tuple[str, str] | Message[Any] | UniqueItem] = []
             carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
             options = {tracing.OPTION: carrier} if carrier else {}
             for index, (r, target) in enumerate(pairs):
@@ -313,15 +343,18 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                                          args=tuple(args), kwargs=kwargs or {}, options=dict(options),
                                          message_id=message_id, message_timestamp=state.now_ms))
                 else:
-                    built.append((f'{target.head}{compact_json(args)},"kwargs":{compact_json(kwargs) if kwargs else "{}"},'
-                                  f'"options":{compact_json(options) if options else "{}"},'
-                                  f'"message_id":"{message_id}","message_timestamp":{state.now_ms}}}',
-                                  target.priority))
+                    text = (f'{target.head}{compact_json(args)},"kwargs":{compact_json(kwargs) if kwargs else "{}"},'
+                            f'"options":{compact_json(options) if options else "{}"},'
+                            f'"message_id":"{message_id}","message_timestamp":{state.now_ms}}}')
+                    key = unique_key_for(r.actor, target.unique, args, kwargs, options) if target.unique else None
+                    built.append((text, target.priority) if key is None else UniqueItem(
+                        message_id, target.actor.queue_name, r.actor, text, target.priority, key))
             for item, (r, _) in zip(built, pairs, strict=True):  # compact JSON: ASCII, a byte a character
                 if isinstance(item, Message):
                     checked_json(item, max_bytes=state.max_bytes)
                 else:
-                    check_encoded_size(len(item[0]), r.actor, state.max_bytes)
+                    check_encoded_size(len(item.text if isinstance(item, UniqueItem) else item[0]), r.actor,
+                                       state.max_bytes)
         except Exception as exc:  # the event's own fault: keep it, say why, go on with the rest
             logger.error("outbox event %s (%s) cannot be relayed: %s", event_id, topic, exc)
             conn.execute(RELAY_FAIL_EVENT, {"id": event_id, "error": f"{type(exc).__name__}: {exc}"})
@@ -339,14 +372,26 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
     if pending:
         texts: list[str] = []
         priorities: list[str] = []
+        keyed: list[UniqueItem] = []
         for m in pending:
-            if isinstance(m, Message):
-                texts.append(message_json(m))
-                priorities.append(str(message_priority(m)))
+            if isinstance(m, UniqueItem):
+                keyed.append(m)
+            elif isinstance(m, Message):
+                key = unique_key_of(m, broker)
+                if key is not None:
+                    keyed.append(UniqueItem(m.message_id, m.queue_name, m.actor_name, message_json(m),
+                                            str(message_priority(m)), key))
+                else:
+                    texts.append(message_json(m))
+                    priorities.append(str(message_priority(m)))
             else:
                 texts.append(m[0])
                 priorities.append(m[1])
-        conn.execute(sql.ENQUEUE, batch_params(texts, priorities))
+        if texts:
+            conn.execute(sql.ENQUEUE, batch_params(texts, priorities))
+        if keyed:  # one live message per key: the others are skipped (a re-relayed one is its own)
+            for where, n in run_steps(conn, unique_write(keyed)).skipped.items():
+                state.skipped[where] = state.skipped.get(where, 0) + n
     state.hooked.extend(hooked)
     state.messages += len(pending)
 
@@ -401,6 +446,7 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
         return RelayResult(0, 0)
     for message in state.hooked:
         state.broker.emit_after("enqueue", message, None)
+    count_skips(state.skipped, state.broker)
     return RelayResult(claimed, state.messages, state.failed, state.given_back)
 
 

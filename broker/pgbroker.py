@@ -33,6 +33,7 @@ What it guarantees:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -46,7 +47,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ from broker.backoff import Backoff
 from broker.errors import (
     ConfigError,
     CutOff,
+    DatabaseError,
     Deferred,
     InvalidMessage,
     MessageTooLarge,
@@ -749,11 +751,22 @@ class StandmeetBroker(dramatiq.Broker):
             self.emit_after("enqueue", message, delay)
             return message
         self.emit_before("enqueue", message, delay)
-        params = enqueue_one_params(message, delay, max_bytes=self.settings.message_max_bytes)
-        try:
-            self.execute(sql.ENQUEUE_ONE, params)
-        except DISCONNECTS as exc:
-            raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
+        key = unique_key_of(message, self)
+        if key is None:
+            params = enqueue_one_params(message, delay, max_bytes=self.settings.message_max_bytes)
+            try:
+                self.execute(sql.ENQUEUE_ONE, params)
+            except DISCONNECTS as exc:
+                raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
+        else:  # written unless its key is live: then the live message is returned
+            item = unique_item(message, key, max_bytes=self.settings.message_max_bytes)
+            try:
+                with self.pool.connection() as conn:
+                    outcome = run_steps(conn, unique_write([item], delay_seconds(delay)))
+            except DISCONNECTS as exc:
+                raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
+            count_skips(outcome.skipped, self)
+            message = live_messages([as_message(message)], outcome)[0]
         self.emit_after("enqueue", message, delay)
         return message
 
@@ -772,21 +785,53 @@ class StandmeetBroker(dramatiq.Broker):
             message.options.pop("eta", None)
             if hooked:
                 self.emit_before("enqueue", message, delay)
-        params = enqueue_params(batch, delay, max_bytes=self.settings.message_max_bytes)
-        try:
-            if conn is not None:
-                conn.execute(sql.ENQUEUE, params)
-            else:
-                try:
-                    self.execute(sql.ENQUEUE_NEW, params)
-                except psycopg.errors.UniqueViolation:  # an id exists: nothing was written
-                    self.execute(sql.ENQUEUE, params)
-        except DISCONNECTS as exc:
-            raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
+        keyed, keys = split_unique(batch, self)
+        if keyed:  # a batch holding messages with unique keys: the others are written beside them
+            batch = self._enqueue_unique(batch, keyed, keys, conn=conn, delay=delay)
+        else:
+            params = enqueue_params(batch, delay, max_bytes=self.settings.message_max_bytes)
+            try:
+                if conn is not None:
+                    conn.execute(sql.ENQUEUE, params)
+                else:
+                    try:
+                        self.execute(sql.ENQUEUE_NEW, params)
+                    except psycopg.errors.UniqueViolation:  # an id exists: nothing was written
+                        self.execute(sql.ENQUEUE, params)
+            except DISCONNECTS as exc:
+                raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
         if self._hooks("after_enqueue"):
             for message in batch:
                 self.emit_after("enqueue", message, delay)
         return batch
+
+    def _enqueue_unique(self, batch: list[Message], keyed: list[int], keys: list[UniqueKey | None], *,
+                        conn: psycopg.Connection[Any] | None, delay: int | None) -> list[Message]:
+        """Write a batch some of whose messages carry a unique key, in one transaction (the
+        caller's, on ``conn``); each skipped one is replaced by the live message of its key."""
+        limit = self.settings.message_max_bytes
+        items = [unique_item(batch[i], keys[i], max_bytes=limit) for i in keyed]  # type: ignore[arg-type]
+        plain = [m for m, k in zip(batch, keys, strict=True) if k is None]
+        params = enqueue_params(plain, delay, max_bytes=limit) if plain else None
+
+        def write(c: psycopg.Connection[Any]) -> UniqueOutcome:
+            if params is not None:
+                c.execute(sql.ENQUEUE, params)
+            return run_steps(c, unique_write(items, delay_seconds(delay)))
+
+        try:
+            if conn is not None:
+                outcome = write(conn)
+            else:
+                with self.pool.connection() as own, own.transaction():
+                    outcome = write(own)
+        except DISCONNECTS as exc:
+            raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
+        count_skips(outcome.skipped, self)
+        written = list(batch)
+        for i, live in zip(keyed, live_messages([as_message(batch[i]) for i in keyed], outcome), strict=True):
+            written[i] = live
+        return written
 
     # -- signals ----------------------------------------------------------------------
 
@@ -1542,7 +1587,10 @@ NUMERIC_OPTIONS: dict[str, tuple[float, bool]] = {
     "max_retries": (0, True), "retries": (0, True), "min_backoff": (0, False), "max_backoff": (0, False),
     "time_limit": (1, False), "max_age": (1, False), "delay": (0, False), "result_ttl": (1, False),
     "priority": (-(2 ** 31), True), "max_snoozes": (0, True), "snoozes": (0, True),
+    "unique_period_s": (1, False),
 }
+#: Longest ``unique_key`` a message may name.
+MAX_UNIQUE_KEY_CHARS = 1000
 #: Options that are true or false.
 BOOLEAN_OPTIONS = frozenset({"store_results", "pipe_ignore", "notify_shutdown"})
 #: Largest number an option may hold: ten years of milliseconds, and below ``int4``'s
@@ -1651,6 +1699,10 @@ def check_options(message: Message | MessageProxy) -> None:
         if not isinstance(options[name], bool):
             raise InvalidMessage(f"option {name}={options[name]!r} of a message to {message.actor_name!r} "
                                  "is not true or false")
+    key = options.get("unique_key")
+    if key is not None and not (isinstance(key, str) and 0 < len(key) <= MAX_UNIQUE_KEY_CHARS):
+        raise InvalidMessage(f"option unique_key={_short.repr(key)} of a message to {message.actor_name!r} is not "
+                             f"a text of 1 to {MAX_UNIQUE_KEY_CHARS} characters")
 
 
 def delay_seconds(delay: Any) -> float:
@@ -1844,6 +1896,231 @@ def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None
     return {"queue": message.queue_name, "message_id": message.message_id,
             "message": checked_json(message, max_bytes=max_bytes),
             "delay_s": delay_s, "priority": message_priority(message)}
+
+
+# -- unique jobs (migration 0021) -----------------------------------------------------
+
+#: Bits of ``unique_states``: the states in which a message holds its unique key.
+UNIQUE_QUEUED, UNIQUE_RUNNING, UNIQUE_DONE = 1, 2, 4
+#: How many times a send looks again for a key whose holder finished between its insert
+#: and its look-up (each time, a holder finished and the key was free again).
+UNIQUE_ATTEMPTS = 10
+
+
+@dataclass(frozen=True)
+class UniqueBy:
+    """An actor's uniqueness, ``@dramatiq.actor(unique=UniqueBy(...))`` (``unique=True`` is
+    ``UniqueBy()``): a send is skipped, and returns the live message, while a message of
+    this actor with the same key is queued (delayed ones too: a delayed message is a
+    queued one due later) or running; with ``period_s``, also done within the period.
+
+    ``args``: the key is the actor and its arguments (args and kwargs, canonical JSON,
+    hashed); False: the actor alone (one live message per actor). ``period_s``: the key
+    also holds the start of the period (by the database's clock) the send falls in, so a
+    new period is a new key, and a message done in this period still holds it.
+    A message's own ``unique_key`` option (any text) replaces the arguments in its key,
+    and its ``unique_period_s`` option the period."""
+
+    args: bool = True
+    period_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.args, bool):
+            raise ConfigError(f"UniqueBy(args={self.args!r}) is not true or false")
+        period = self.period_s
+        if period is not None and (isinstance(period, bool) or not isinstance(period, int | float)
+                                   or not math.isfinite(period) or not 1 <= period <= MAX_OPTION_VALUE):
+            raise ConfigError(f"UniqueBy(period_s={period!r}) is not a number of seconds from 1 to "
+                              f"{MAX_OPTION_VALUE}")
+
+
+@dataclass(frozen=True)
+class UniqueKey:
+    """What a send writes in ``unique_key`` and ``unique_states``: the key's digest, the
+    period (seconds; the database adds the period's start) and the covered states."""
+
+    digest: bytes
+    period_s: float | None
+
+    @property
+    def states(self) -> int:
+        return UNIQUE_QUEUED | UNIQUE_RUNNING | (UNIQUE_DONE if self.period_s is not None else 0)
+
+
+def unique_of(actor: Any) -> UniqueBy | None:
+    """The actor's ``unique`` option as a :class:`UniqueBy` (None: not unique);
+    :class:`ConfigError` for a value that is neither true, false nor a UniqueBy."""
+    option = actor.options.get("unique") if actor is not None else None
+    if option is None or option is False:
+        return None
+    if option is True:
+        return UniqueBy()
+    if isinstance(option, UniqueBy):
+        return option
+    raise ConfigError(f"actor {actor.actor_name!r}: unique={option!r} is not true, false or a UniqueBy")
+
+
+def _digest(parts: list[Any]) -> bytes:
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def unique_key_for(actor_name: str, by: UniqueBy | None, args: Any, kwargs: Any,
+                   options: dict[str, Any]) -> UniqueKey | None:
+    """The unique key of a message to ``actor_name`` with these arguments and options
+    (None: it has none): its ``unique_key`` option, else the actor's :class:`UniqueBy`.
+    A key is the actor's own: the same ``unique_key`` on two actors is two keys."""
+    given = options.get("unique_key")
+    period = options.get("unique_period_s")
+    if given is None and by is None and period is None:
+        return None
+    if given is not None:
+        parts: list[Any] = [actor_name, "key", given]
+    elif by is None or by.args:
+        parts = [actor_name, "args", list(args), kwargs or {}]
+    else:
+        parts = [actor_name, "actor"]
+    if period is None and by is not None:
+        period = by.period_s
+    return UniqueKey(_digest(parts), None if period is None else float(period))
+
+
+def unique_key_of(message: Message | MessageProxy, broker: Any = None) -> UniqueKey | None:
+    """The unique key of ``message`` (None for a message without one: the common case,
+    two dictionary look-ups)."""
+    options = message.options
+    current = broker if broker is not None else dramatiq.broker.global_broker
+    actor = current.actors.get(message.actor_name) if current is not None else None
+    by = unique_of(actor) if actor is not None and "unique" in actor.options else None
+    if by is None and "unique_key" not in options and "unique_period_s" not in options:
+        return None
+    return unique_key_for(message.actor_name, by, message.args, message.kwargs, options)
+
+
+@dataclass(frozen=True)
+class UniqueItem:
+    """A message to write under its unique key: its id, queue, actor, JSON text and priority."""
+
+    message_id: str
+    queue_name: str
+    actor_name: str
+    text: str
+    priority: str
+    key: UniqueKey
+
+
+@dataclass
+class UniqueOutcome:
+    """What a unique write did: for each item, the text of the live message that holds its
+    key when the item was skipped for it (None: written, or its own id was there already),
+    and the skips per (queue, actor)."""
+
+    live: list[str | None]
+    skipped: dict[tuple[str, str], int]
+
+
+#: One step of a unique write: a statement and its parameters; the driver sends back its rows.
+Step = tuple[str, dict[str, Any]]
+
+
+def unique_item(message: Message | MessageProxy, key: UniqueKey, *, max_bytes: int | None = None) -> UniqueItem:
+    """The :class:`UniqueItem` of a message, checked as every send is (:func:`checked_json`)."""
+    return UniqueItem(message.message_id, message.queue_name, message.actor_name,
+                      checked_json(message, max_bytes=max_bytes), str(message_priority(message)), key)
+
+
+def unique_write(items: Sequence[UniqueItem], delay_s: float = 0.0) -> Generator[Step, list[Any], UniqueOutcome]:
+    """The statements that write ``items``, one at a time (a generator: the sync and the
+    async drivers, :func:`run_steps` and ``broker.enqueue.run_steps_async``, send each
+    one's rows back). INSERT … ON CONFLICT DO NOTHING (:data:`broker.sql.ENQUEUE_UNIQUE`),
+    then, in a new statement that sees what concurrent senders committed, the holder of
+    each key not written (:data:`broker.sql.UNIQUE_LIVE`); a key whose holder finished in
+    between is written again, at most UNIQUE_ATTEMPTS times."""
+    live: list[str | None] = [None] * len(items)
+    skipped: dict[tuple[str, str], int] = {}
+    todo = list(range(len(items)))
+    for _ in range(UNIQUE_ATTEMPTS):
+        batch = [items[i] for i in todo]
+        rows = yield sql.ENQUEUE_UNIQUE, {
+            **batch_params([it.text for it in batch], [it.priority for it in batch], delay_s=delay_s),
+            **_unique_arrays(batch)}
+        written = {row[0] for row in rows}
+        rest = [i for i in todo if items[i].message_id not in written]
+        if not rest:
+            break
+        looked = [items[i] for i in rest]
+        rows = yield sql.UNIQUE_LIVE, {"ids": [it.message_id for it in looked], **_unique_arrays(looked)}
+        todo = []
+        for n, live_id, live_text, own_exists in rows:
+            i = rest[n - 1]
+            if live_id == items[i].message_id:
+                continue  # it holds its own key: sent again with its own id
+            if live_id is not None:
+                live[i] = live_text
+                where = (items[i].queue_name, items[i].actor_name)
+                skipped[where] = skipped.get(where, 0) + 1
+            elif not own_exists:
+                todo.append(i)  # its key's holder finished in between: the key is free
+            # else: its id exists, finished: left as it was, as ENQUEUE leaves one
+        if not todo:
+            break
+    else:
+        raise DatabaseError(f"could not write {len(todo)} unique message(s): their keys' holders kept "
+                            f"finishing between {UNIQUE_ATTEMPTS} inserts and look-ups")
+    return UniqueOutcome(live, skipped)
+
+
+def _unique_arrays(items: Sequence[UniqueItem]) -> dict[str, Any]:
+    return {"unique_keys": [it.key.digest for it in items],
+            "unique_periods": [it.key.period_s for it in items],
+            "unique_states": [it.key.states for it in items]}
+
+
+def run_steps(conn: psycopg.Connection[Any], steps: Generator[Step, list[Any], UniqueOutcome]) -> UniqueOutcome:
+    """Run a unique write's statements on ``conn`` (in its transaction, if one is open)."""
+    try:
+        step = next(steps)
+        while True:
+            cur = conn.execute(*step)
+            step = steps.send(cur.fetchall())
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def live_messages(messages: Sequence[Message], outcome: UniqueOutcome) -> list[Message]:
+    """``messages``, each skipped one replaced by the live message that holds its key."""
+    return [m if text is None else Message.decode(text.encode("utf-8"))
+            for m, text in zip(messages, outcome.live, strict=True)]
+
+
+#: Told the skips of each write that skipped ({(queue, actor): n}): ``broker.metrics``
+#: adds its counter here when it is imported (it imports this module, not the reverse).
+SKIP_COUNTERS: list[Callable[[dict[tuple[str, str], int]], None]] = []
+#: What may keep a skip count from being written (the database refused it, or is away).
+_COUNT_FAILURES: tuple[type[BaseException], ...] = (psycopg.Error, *DISCONNECTS)
+
+
+def count_skips(skipped: dict[tuple[str, str], int], broker: StandmeetBroker | None = None) -> None:
+    """Count skipped sends: ``standmeet_unique_skipped_total{queue,actor}`` in this process,
+    and ``standmeet.unique_skips`` on the broker's own autocommit connection (never the
+    caller's transaction: its row lock would be held until that ends). A count that
+    cannot be written is logged, never raised: the send itself succeeded."""
+    if not skipped:
+        return
+    for counter in SKIP_COUNTERS:
+        counter(skipped)
+    keys = sorted(skipped)
+    try:
+        (broker or current_broker()).execute(sql.UNIQUE_SKIPPED, {
+            "queues": [k[0] for k in keys], "actors": [k[1] for k in keys], "counts": [skipped[k] for k in keys]})
+    except _COUNT_FAILURES as exc:
+        logger.warning("could not record %d skipped unique send(s): %s", sum(skipped.values()), exc)
+
+
+def split_unique(messages: Sequence[Message], broker: Any = None) -> tuple[list[int], list[UniqueKey | None]]:
+    """The places of the messages that carry a unique key, and every message's key."""
+    keys = [unique_key_of(m, broker) for m in messages]
+    return [i for i, k in enumerate(keys) if k is not None], keys
 
 
 def refuse_non_json_encoder() -> None:

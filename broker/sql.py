@@ -516,3 +516,54 @@ WITH settled AS (
     WHERE message_id = ANY(%(ids)b::uuid[]) AND "state" = 'queued' AND cancelled_at IS NULL
     RETURNING queue_name, message_id, 'done' AS state
 )""" + RECEIPTS_OF_SETTLED
+
+#: Write messages that carry a unique key (migration 0021), in one statement: each is
+#: inserted unless its id exists or a message holds its key in a covered state (the
+#: partial unique index ``queue_unique_key_idx`` decides, atomically, whatever other
+#: transactions send at once; a duplicate inside the batch loses to the first). Returns
+#: the ids written and wakes their queues (one NOTIFY per queue at commit). Who holds a
+#: key that was not written is read by UNIQUE_LIVE, in a statement of its own: only a
+#: new statement sees what a concurrent sender committed.
+ENQUEUE_UNIQUE = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority, unique_key, unique_states)
+    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
+           now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority,
+           standmeet.unique_key_at(m.unique_key, m.period_s), m.states
+    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[]),
+                    unnest(%(unique_keys)b::bytea[]), unnest(%(unique_periods)s::float8[]),
+                    unnest(%(unique_states)s::int2[])) AS m(body, priority, unique_key, period_s, states)
+    ON CONFLICT DO NOTHING
+    RETURNING q.queue_name, q.message_id
+)
+SELECT message_id::text, pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
+"""
+
+#: For each message ENQUEUE_UNIQUE did not write (``n``: its place in the arrays, from
+#: 1): the message that holds its key now (id and text; NULL if none: it finished in
+#: between) and whether a row with its own id exists.
+UNIQUE_LIVE = """
+SELECT k.n::int, live.message_id::text, live.message::text,
+       EXISTS (SELECT 1 FROM dramatiq.queue o WHERE o.message_id = k.message_id)
+FROM unnest(%(ids)b::uuid[], %(unique_keys)b::bytea[], %(unique_periods)s::float8[])
+     WITH ORDINALITY AS k(message_id, key, period_s, n)
+LEFT JOIN LATERAL (
+    SELECT q.message_id, q.message FROM dramatiq.queue q
+    WHERE q.unique_key = standmeet.unique_key_at(k.key, k.period_s)
+      AND standmeet.unique_live(q.unique_states, q."state")
+    LIMIT 1
+) AS live ON true
+"""
+
+#: Count sends skipped because their key was live, per queue and actor, with the time of
+#: the last. Written on the sender's own autocommit connection, never in a caller's
+#: transaction (which would hold the row's lock until it ends); rows in a fixed order.
+UNIQUE_SKIPPED = """
+INSERT INTO standmeet.unique_skips AS s (queue_name, actor_name, skipped, last_skipped_at)
+SELECT c.queue_name, c.actor_name, c.n, now()
+FROM unnest(%(queues)b::text[], %(actors)b::text[], %(counts)s::int8[]) AS c(queue_name, actor_name, n)
+ORDER BY c.queue_name, c.actor_name
+ON CONFLICT (queue_name, actor_name) DO UPDATE
+SET skipped = s.skipped + EXCLUDED.skipped, last_skipped_at = now()
+"""

@@ -19,6 +19,8 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 10. ``SnoozePolicy``     run a job again later without counting a retry
 11. ``KeyedLease``       at most one message in flight per key (an actor's ``lease``), by a
                          row lease; busy means snooze (the webhook endpoint lease is one)
+    ``UniqueJobs``       the ``unique`` actor option: a send whose key is live returns the
+                         live message (the broker's write decides, by a unique index)
 12. ``GracefulShutdown`` stop the relay and claiming on SIGTERM
 13. ``AsyncIO``          (Dramatiq's) one event loop per worker process: ``async def`` actors
                          run there while their worker thread waits, so every policy above
@@ -58,6 +60,7 @@ from middleware.retries import Retries
 from middleware.snooze import Snooze, SnoozePolicy, snooze_before_start
 from middleware.time_limit import TimeLimit
 from middleware.tracing import Tracing
+from middleware.unique_jobs import UniqueJobs
 
 __all__ = ["Held", "Lease", "Snooze", "default_middleware", "given_back", "lease_of", "snooze_before_start"]
 
@@ -91,6 +94,7 @@ def default_middleware(
         *groups,
         SnoozePolicy(),
         KeyedLease(),
+        UniqueJobs(),
         GracefulShutdown(),
         AsyncIO(),
     ]
