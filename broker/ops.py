@@ -1022,6 +1022,28 @@ def record_action(conn: psycopg.Connection[Any], *, action: str, target: Any, by
     return int(row[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class UniqueSkips(_Row):
+    """Sends of a unique actor skipped because a live message held their key."""
+
+    queue: str
+    actor: str
+    skipped: int
+    last_skipped_at: datetime
+
+
+#: Every actor's count of skipped unique sends, the most recent first.
+UNIQUE_SKIPS = """
+SELECT queue_name, actor_name, skipped, last_skipped_at FROM standmeet.unique_skips
+ORDER BY last_skipped_at DESC LIMIT %(limit)s
+"""
+
+
+def unique_skips(conn: psycopg.Connection[Any], *, limit: int = 50) -> list[UniqueSkips]:
+    """How many sends of each unique actor were skipped (a live message held the key)."""
+    return [UniqueSkips(q, a, int(n), at) for q, a, n, at in conn.execute(UNIQUE_SKIPS, {"limit": limit}).fetchall()]
+
+
 def recent_actions(conn: psycopg.Connection[Any], *, limit: int = 50) -> list[OperatorAction]:
     return [OperatorAction(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6])
             for r in conn.execute(LIST_ACTIONS, {"limit": limit}).fetchall()]

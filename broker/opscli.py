@@ -163,6 +163,7 @@ def status_document(conn: psycopg.Connection[Any], settings: Settings) -> dict[s
         "workers": [{**ops.jsonable(w), "running_jobs": [{"id": i, "actor": a} for i, a in w.running_jobs]}
                     for w in workers],
         "periodic": [ops.jsonable(p) for p in periodic],
+        "unique_skips": [ops.jsonable(u) for u in ops.unique_skips(conn)],
         "outbox_lag_s": outbox.lag_s,
         "outbox": {**ops.jsonable(outbox), "routed_topics": outbox.routed_topics},
     }
@@ -240,6 +241,9 @@ def _print_status(doc: dict[str, Any]) -> None:
     for p in doc["periodic"]:
         _row(t, p["job"], p["schedule"] or "", _when(p["last_run"]), _when(p["next_due"]), p["last_state"] or "")
     out.print(t)
+    for u in doc["unique_skips"]:
+        _line(out, f"unique: {u['skipped']} send(s) of {u['actor']} ({u['queue']}) skipped, a live message held "
+                   f"the key (last {_when(u['last_skipped_at'])})")
     lag = doc["outbox_lag_s"]
     _line(out, f"outbox: {'nothing waiting' if lag is None else 'oldest unrelayed event waited ' + _age(lag)}")
     outbox = doc["outbox"]

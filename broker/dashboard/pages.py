@@ -115,6 +115,7 @@ async def overview(request: Request) -> Response:
             "outbox_lag_s": outbox.lag_s,
             "outbox": outbox,
             "actions": ops.recent_actions(conn, limit=10),
+            "unique_skips": ops.unique_skips(conn, limit=10),
         }
 
     return render(request, "overview.html", await with_conn(request, read))

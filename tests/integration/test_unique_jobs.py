@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import uuid
 
 import dramatiq
@@ -250,3 +252,31 @@ def test_a_retry_of_a_rejected_unique_job_leaves_it_while_a_live_message_holds_i
     assert scalar(database_url, STATE, (first.message_id,)) == "rejected"
     assert _rows(database_url, "test.unique", "retry-held") == [(first.message_id, "rejected"),
                                                                  (live.message_id, "queued")]
+
+
+def test_skipped_sends_show_in_status_json_and_on_the_dashboards_overview(broker, database_url):
+    import subprocess
+    import sys
+
+    from starlette.testclient import TestClient
+
+    from broker.dashboard.app import DashboardConfig
+    from broker.dashboard.server import create_app
+    from tests.support.procs import ROOT
+
+    # Given two skipped sends of a unique actor
+    unique_jobs.unique.send("shown-1")
+    unique_jobs.unique.send("shown-1")
+    unique_jobs.unique.send("shown-1")
+    skipped = scalar(database_url, SKIPS, ("test.unique",))
+    # When an operator asks for the status, and opens the dashboard
+    env = {**os.environ, "DATABASE_URL": database_url}
+    done = subprocess.run([sys.executable, "-m", "broker.cli", "status", "--json"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    with TestClient(create_app(DashboardConfig(database_url=database_url)), base_url="http://127.0.0.1:8420") as c:
+        page = c.get("/").text
+    # Then both say how many sends of that actor were skipped
+    assert done.returncode == 0, done.stderr
+    shown = {u["actor"]: u for u in json.loads(done.stdout)["unique_skips"]}
+    assert shown["test.unique"]["skipped"] == skipped >= 2 and shown["test.unique"]["queue"] == "index"
+    assert re.search(rf"<td>test.unique</td><td>index</td><td class=\"n\">{skipped}</td>", page), page
