@@ -132,7 +132,9 @@ def test_wait_and_run_percentiles_fall_in_the_buckets_of_the_known_times(broker,
     wait_for(lambda: scalar(database_url, FINAL, (ids,)) == 4, timeout_s=15, what="the sleepers to finish")
     # Then per bucket and over the window, waits are in [2 s, 5 s) and runs in [100 ms, 200 ms)
     with psycopg.connect(database_url, autocommit=True) as conn:
-        since = conn.execute("SELECT now() - interval '10 minutes'").fetchone()[0]
+        row = conn.execute("SELECT now() - interval '10 minutes'").fetchone()
+        assert row is not None
+        since = row[0]
         points = history.series(conn, since=since, bucket_s=60, actor="history.sleeper")
         (index,) = [s for s in history.summary(conn, since=since) if s.queue == "index"]
     busy = [p for p in points if p.figures.done]
