@@ -324,7 +324,9 @@ _RAN_OF_SETTLED = """, ran AS (
 #: In the same statement (one transaction): the messages the settled runs sent from their
 #: after-hooks (pipelines, callbacks) are enqueued, only for claims that were settled;
 #: receipts are sent for final states of awaited queues (RECEIPTS_OF_SETTLED), and
-#: consumers of queues that got messages are woken.
+#: consumers of queues that got messages are woken; each run settled is recorded as an
+#: attempt and in the per-minute history (RECORD_RAN), the wait measured from the due time
+#: the message had when claimed (``was``: the row as the statement found it).
 SETTLE = """
 WITH outcome AS MATERIALIZED (
     SELECT * FROM unnest(%(ids)b::uuid[], %(claims)s::int[], %(outcomes)b::text[],
