@@ -1,4 +1,5 @@
-"""The runtime's own maintenance jobs: retention, crash rescue, expired results and limits.
+"""The runtime's own maintenance jobs: retention (messages, attempts, history), crash
+rescue, expired results and limits.
 
 They belong to the runtime, not to any application: ``broker.configure()`` declares
 them, on the ``maintenance`` queue (one at a time, 10 minutes), and ``broker.app``
@@ -38,9 +39,13 @@ def prune_in_batches(query: str, *, retention_s: float, what: str) -> int:
 
 @dramatiq.actor(actor_name="maintenance.prune_messages", queue_name="maintenance")
 def prune_messages() -> None:
-    """Delete finished messages past the retention, and the rows of long-gone workers."""
-    prune_in_batches(sql.PRUNE_FINISHED, retention_s=current_broker().settings.retention_days * 86400,
-                     what="finished message(s)")
+    """Delete finished messages past the retention, the attempts and per-minute history past
+    theirs (STANDMEET_HISTORY_RETENTION_DAYS), and the rows of long-gone workers."""
+    settings = current_broker().settings
+    prune_in_batches(sql.PRUNE_FINISHED, retention_s=settings.retention_days * 86400, what="finished message(s)")
+    prune_in_batches(sql.PRUNE_ATTEMPTS, retention_s=settings.history_retention_days * 86400, what="attempt(s)")
+    prune_in_batches(sql.PRUNE_HISTORY, retention_s=settings.history_retention_days * 86400,
+                     what="minute(s) of history")
     with db.connection() as conn:
         conn.execute(sql.PRUNE_WORKERS)
 

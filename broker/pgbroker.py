@@ -58,6 +58,7 @@ from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout, QueueNotFou
 from dramatiq.message import Message
 from dramatiq.middleware import Middleware, MiddlewareError
 from dramatiq.middleware.threading import raise_thread_exception
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from broker import app, detach, sql, tracing
 from broker.backoff import Backoff
@@ -65,6 +66,7 @@ from broker.errors import (
     ConfigError,
     CutOff,
     DatabaseError,
+    DeadlineExceeded,
     Deferred,
     InvalidMessage,
     MessageTooLarge,
@@ -394,6 +396,14 @@ class Outcome:
     delay_s: float = 0.0
     error: str | None = None
     followups: list[tuple[Message, float]] = field(default_factory=list)
+    #: what the run was, for its attempt and the history (see sql.RECORD_RAN): done | failed
+    #: | rejected | snoozed | timeout | interrupted | rerun; ``error`` is its error
+    attempt: str = "done"
+    actor_name: str = ""
+    #: when the run started and ended, by this process's monotonic clock (placed on the
+    #: database's clock by the statement that writes them)
+    started_mono: float | None = None
+    ended_mono: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -539,9 +549,11 @@ class Settler:
         # with the plain settles, or alone; other outcomes (rarer) take a statement of their own.
         s_ids, s_claims = [k[0] for k in started], [k[1] for k in started]
         if plain:
+            now = time.monotonic()
             conn.execute(sql.SETTLE_DONE, {"ids": [o.message_id for o in plain], "claims": [o.claim for o in plain],
                                            "worker_id": self.broker.worker_id,
-                                           "s_ids": s_ids, "s_claims": s_claims, "awaited": list(awaited)})
+                                           "s_ids": s_ids, "s_claims": s_claims, "awaited": list(awaited),
+                                           **timing_params(plain, now)})
         elif started:
             conn.execute(sql.MARK_STARTED, {"ids": s_ids, "claims": s_claims, "worker_id": self.broker.worker_id})
         if other:
@@ -563,9 +575,23 @@ class Settler:
         self._conn = None
 
 
-def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str]) -> dict[str, Any]:
+def timing_params(outcomes: Sequence[Outcome], now: float) -> dict[str, Any]:
+    """The actors of ``outcomes`` and how many seconds before ``now`` (monotonic) each run
+    started and ended: the parameters sql.RECORD_RAN's rows are made of."""
+    return {
+        "actors": [o.actor_name for o in outcomes],
+        "started_ago": [now - (o.ended_mono if o.started_mono is None else o.started_mono) for o in outcomes],
+        "ended_ago": [now - o.ended_mono for o in outcomes],
+    }
+
+
+def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str], *, now: float | None = None) -> dict[str, Any]:
+    """The parameters of sql.SETTLE for ``outcomes``, timed against ``now`` (monotonic;
+    default: the moment of this call, which should be just before the statement is sent)."""
     followups = [(o.message_id, m, delay) for o in outcomes for m, delay in o.followups]
     return {
+        **timing_params(outcomes, time.monotonic() if now is None else now),
+        "hints": [o.attempt for o in outcomes],
         "ids": [o.message_id for o in outcomes],
         "claims": [o.claim for o in outcomes],
         "outcomes": [o.outcome for o in outcomes],
@@ -633,6 +659,8 @@ class ClaimedMessage(MessageProxy):
         self.standmeet_metrics_start: float | None = None
         self.standmeet_log_start: tuple[float, int] | None = None
         self.standmeet_cancel_watched = False
+        #: when its run started (monotonic), for its attempt and the history
+        self.standmeet_started_mono: float | None = None
 
     def __str__(self) -> str:
         """The call, as Dramatiq's log lines print it, cut to MAX_LOGGED_CALL_CHARS: a
@@ -856,6 +884,7 @@ class StandmeetBroker(dramatiq.Broker):
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
             self._job_threads[threading.get_ident()] = args[0]
+            args[0].standmeet_started_mono = time.monotonic()
         elif signal == "worker_boot" and args:
             # before its threads start: a job may end before Worker.start() returns
             self._workers = [*self._workers, args[0]]
@@ -951,12 +980,16 @@ class StandmeetBroker(dramatiq.Broker):
         options = options_json(proxy)
         if options is None:  # what a middleware left in them cannot be stored: as they were claimed
             context = None
+        exception = getattr(proxy, "_exception", None)
         if rejected:
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "rejected", options,
-                              error=rejection_reason(proxy), followups=followups)
+                              error=rejection_reason(proxy), followups=followups,
+                              attempt="timeout" if timed_out(exception) else "rejected")
         elif context is not None and context.requeue_delay_ms is not None:
+            attempt = ran_as(exception)
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", options,
-                              delay_s=context.requeue_delay_ms / 1000.0, followups=followups)
+                              delay_s=context.requeue_delay_ms / 1000.0, followups=followups, attempt=attempt,
+                              error=attempt_error(proxy, exception, attempt))
         elif context is not None and (context.returned or context.skipped):
             unchanged = getattr(proxy, "standmeet_claimed_options", None) == proxy.options
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done",
@@ -971,7 +1004,9 @@ class StandmeetBroker(dramatiq.Broker):
                          proxy.message_id, reason, self.settings.max_runs_without_outcome)
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "rerun", None,
                               delay_s=self.settings.min_backoff_ms / 1000.0, error=storable_text(reason),
-                              followups=[])
+                              followups=[], attempt="rerun")
+        outcome.actor_name = proxy.actor_name
+        outcome.started_mono = getattr(proxy, "standmeet_started_mono", None)
         proxy.standmeet_settle = None  # type: ignore[attr-defined]
         # The slot is free: this thread hands the next buffered claim to the worker itself.
         consumer_thread = self._consumer_thread(proxy.queue_name) if self.may_claim else None
@@ -1838,6 +1873,37 @@ def rejection_reason(message: MessageProxy) -> str:
         elif exc is not None:
             reason = f"{type(exc).__name__}: {exc}"
     return storable_text(str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:])
+
+
+def timed_out(exception: BaseException | None) -> bool:
+    """Whether a run failed because its time limit passed (Dramatiq's asynchronous
+    exception, the deadline's own check, or Postgres' statement timeout that enforces it)."""
+    if exception is None:
+        return False
+    if isinstance(exception, (TimeLimitExceeded, DeadlineExceeded)):
+        return True
+    return isinstance(exception, psycopg.errors.QueryCanceled) and "statement timeout" in str(exception)
+
+
+def ran_as(exception: BaseException | None) -> str:
+    """What a run that is to run again was: interrupted (its process stepped down), snoozed
+    (it asked to run later), timeout, or failed."""
+    if isinstance(exception, CutOff):
+        return "interrupted"
+    if isinstance(exception, Deferred):
+        return "snoozed"
+    return "timeout" if timed_out(exception) else "failed"
+
+
+def attempt_error(message: MessageProxy, exception: BaseException | None, attempt: str) -> str | None:
+    """The error of one run that runs again, as its attempt keeps it: the traceback the
+    retry recorded for this run, else the exception; cut to its last ATTEMPT_ERROR_CHARS."""
+    if exception is None:
+        return None
+    text = message.options.get("traceback") if attempt in ("failed", "timeout") else None
+    if not isinstance(text, str) or type(exception).__name__ not in text:  # none, or an earlier run's
+        text = f"{type(exception).__name__}: {exception}"
+    return storable_text(str(text)[-sql.ATTEMPT_ERROR_CHARS:])
 
 
 def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None, *,

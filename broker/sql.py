@@ -193,6 +193,119 @@ FROM (SELECT queue_name, message_id, state,
 GROUP BY queue_name, chunk
 """
 
+#: The bounds (milliseconds) of the wait and run histograms of ``standmeet.queue_history``:
+#: element i (1-based) of a histogram counts the values in [bound i, bound i+1); the last
+#: one everything from the last bound up. Never change them in place: a migration would
+#: have to rewrite every row.
+HISTORY_BOUNDS_MS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000,
+                     300_000, 900_000, 3_600_000)
+#: How many rows of one minute, queue and actor the writers spread over: a process writes
+#: the shard of its id, so processes settling the same actor do not wait on one row's lock.
+HISTORY_SHARDS = 8
+#: Longest error text kept on an attempt.
+ATTEMPT_ERROR_CHARS = 4000
+
+_BOUNDS = "'{" + ",".join(str(b) for b in HISTORY_BOUNDS_MS) + "}'::float8[]"
+_SHARD = "(hashtext(%(worker_id)s::text) & " + str(HISTORY_SHARDS - 1) + ")::smallint"
+
+
+def _histogram(bucket: str) -> str:
+    """The histogram of a group's ``bucket`` column (width_bucket over _BOUNDS), as an array."""
+    return "ARRAY[" + ", ".join(f"count(*) FILTER (WHERE r.{bucket} = {i})"
+                                for i in range(1, len(HISTORY_BOUNDS_MS) + 1)) + "]"
+
+
+def _added(column: str) -> str:
+    """Two histograms added element by element (an upsert's stored row and its new one)."""
+    return "ARRAY[" + ", ".join(f"h.{column}[{i}] + EXCLUDED.{column}[{i}]"
+                                for i in range(1, len(HISTORY_BOUNDS_MS) + 1)) + "]"
+
+
+_COUNTED = ("done", "failed", "rejected", "cancelled", "snoozed", "timed_out", "crashed", "given_back",
+            "wait_count", "wait_sum_ms", "run_count", "run_sum_ms")
+
+#: The tail of every statement that ends runs: from its CTE ``ran`` (message_id, attempt,
+#: queue_name, actor_name, worker_id, outcome, state, started_at, ended_at, error, wait_ms,
+#: run_ms: one row per run ended, ``state`` the message's state after it, ``wait_ms`` and
+#: ``run_ms`` NULL when not measured), one row per run into ``standmeet.job_attempts`` and
+#: one upsert of the runs' per-minute counts and histograms into
+#: ``standmeet.queue_history`` (this process's shard), in the statement (and transaction)
+#: that ends them: a run is counted exactly when its outcome is written. The groups are
+#: written in key order, so two writers of a shard never lock its rows in opposite orders.
+RECORD_RAN = """, attempted AS (
+    INSERT INTO standmeet.job_attempts
+        (message_id, attempt, queue_name, actor_name, worker_id, started_at, ended_at, outcome, error)
+    SELECT message_id, attempt, queue_name, actor_name, worker_id, started_at, ended_at, outcome,
+           left(error, """ + str(ATTEMPT_ERROR_CHARS) + """)
+    FROM ran
+), rolled_up AS (
+    INSERT INTO standmeet.queue_history AS h
+        (minute, queue_name, actor_name, shard, """ + ", ".join(_COUNTED[:8]) + """,
+         wait_count, wait_sum_ms, wait_hist, run_count, run_sum_ms, run_hist)
+    SELECT date_trunc('minute', r.ended_at), r.queue_name, r.actor_name, """ + _SHARD + """,
+           count(*) FILTER (WHERE r.outcome = 'done'),
+           count(*) FILTER (WHERE r.state = 'queued' AND r.outcome IN ('failed', 'timeout')),
+           count(*) FILTER (WHERE r.state = 'rejected' AND r.outcome IN ('rejected', 'timeout')),
+           count(*) FILTER (WHERE r.outcome = 'cancelled'),
+           count(*) FILTER (WHERE r.outcome = 'snoozed'),
+           count(*) FILTER (WHERE r.outcome = 'timeout'),
+           count(*) FILTER (WHERE r.outcome = 'crashed'),
+           count(*) FILTER (WHERE r.outcome IN ('cut_at_shutdown', 'interrupted')),
+           count(r.wait_ms), coalesce(sum(r.wait_ms), 0), """ + _histogram("wait_b") + """,
+           count(r.run_ms), coalesce(sum(r.run_ms), 0), """ + _histogram("run_b") + """
+    FROM (SELECT ran.*, width_bucket(ran.wait_ms, """ + _BOUNDS + """) AS wait_b,
+                 width_bucket(ran.run_ms, """ + _BOUNDS + """) AS run_b
+          FROM ran) AS r
+    GROUP BY 1, 2, 3
+    ORDER BY 1, 2, 3
+    ON CONFLICT (minute, queue_name, actor_name, shard) DO UPDATE SET
+        """ + ", ".join(f"{c} = h.{c} + EXCLUDED.{c}" for c in _COUNTED) + """,
+        wait_hist = """ + _added("wait_hist") + """,
+        run_hist = """ + _added("run_hist") + """
+)
+"""
+
+#: Delete one batch of attempts that ended before the history's retention.
+PRUNE_ATTEMPTS = """
+DELETE FROM standmeet.job_attempts
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM standmeet.job_attempts
+    WHERE ended_at < now() - make_interval(secs => %(retention_s)s)
+    LIMIT %(batch)s
+))
+"""
+
+#: Delete one batch of per-minute history older than its retention.
+PRUNE_HISTORY = """
+DELETE FROM standmeet.queue_history
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM standmeet.queue_history
+    WHERE minute < now() - make_interval(secs => %(retention_s)s)
+    LIMIT %(batch)s
+))
+"""
+
+#: How a settled run's ``ran`` row is computed from a ``settled`` CTE that returns, beside
+#: the message's new state, ``cancelled``, ``claims``, ``due_at`` (when the message became
+#: due for this run), ``actor_name``, ``started_ago`` and ``ended_ago`` (seconds before
+#: this statement the run started and ended, measured by the worker's monotonic clock and
+#: placed on the database's), ``hint`` (the run's outcome as its worker saw it) and
+#: ``run_error``: every timestamp is the database's.
+_RAN_OF_SETTLED = """, ran AS (
+    SELECT message_id, claims AS attempt, queue_name, actor_name, %(worker_id)s::uuid AS worker_id,
+           CASE WHEN cancelled THEN 'cancelled'
+                WHEN hint = 'rerun' AND state = 'rejected' THEN 'rejected'
+                WHEN hint = 'rerun' THEN 'failed'
+                ELSE hint END AS outcome,
+           state,
+           now() - make_interval(secs => started_ago) AS started_at,
+           now() - make_interval(secs => ended_ago) AS ended_at,
+           run_error AS error,
+           greatest((EXTRACT(EPOCH FROM now() - due_at)::float8 - started_ago) * 1000, 0) AS wait_ms,
+           greatest((started_ago - ended_ago) * 1000, 0) AS run_ms
+    FROM settled
+)"""
+
 #: Settle finished claims, many at once, each only if it is still the claim it names
 #: (a message rescued and claimed again elsewhere is left alone). A claim is named by its
 #: number *and* its worker process: after a failover that lost the last claims the old
@@ -211,12 +324,15 @@ GROUP BY queue_name, chunk
 #: In the same statement (one transaction): the messages the settled runs sent from their
 #: after-hooks (pipelines, callbacks) are enqueued, only for claims that were settled;
 #: receipts are sent for final states of awaited queues (RECEIPTS_OF_SETTLED), and
-#: consumers of queues that got messages are woken.
+#: consumers of queues that got messages are woken; each run settled is recorded as an
+#: attempt and in the per-minute history (RECORD_RAN), the wait measured from the due time
+#: the message had when claimed (``was``: the row as the statement found it).
 SETTLE = """
-WITH outcome AS (
+WITH outcome AS MATERIALIZED (
     SELECT * FROM unnest(%(ids)b::uuid[], %(claims)s::int[], %(outcomes)b::text[],
-                         %(options)b::jsonb[], %(delays)s::float8[], %(errors)b::text[])
-         AS o(message_id, claims, outcome, options, delay_s, error)
+                         %(options)b::jsonb[], %(delays)s::float8[], %(errors)b::text[],
+                         %(hints)b::text[], %(actors)b::text[], %(started_ago)s::float8[], %(ended_ago)s::float8[])
+         AS o(message_id, claims, outcome, options, delay_s, error, hint, actor_name, started_ago, ended_ago)
 ), settled AS (
     UPDATE dramatiq.queue q
     SET "state" = (CASE WHEN o.outcome = 'rejected' THEN 'rejected'
@@ -241,9 +357,14 @@ WITH outcome AS (
                      WHEN o.outcome = 'done' THEN NULL
                      ELSE q.error END,
         worker_id = NULL, started_at = NULL, mtime = now()
-    FROM outcome o
-    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
-    RETURNING q.queue_name, q.message_id, q."state"::text AS state
+    FROM outcome o, dramatiq.queue was
+    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
+      AND q.worker_id IS NOT DISTINCT FROM %(worker_id)s::uuid
+      AND was.message_id = o.message_id
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state, q.cancelled_at IS NOT NULL AS cancelled,
+              q.claims, was.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, o.hint,
+              CASE WHEN q.cancelled_at IS NOT NULL OR (o.outcome = 'rerun' AND q."state" = 'rejected') THEN q.error
+                   ELSE o.error END AS run_error
 ), followed AS (
     INSERT INTO dramatiq.queue AS q
         (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
@@ -255,12 +376,17 @@ WITH outcome AS (
     WHERE f.parent_id IN (SELECT message_id FROM settled)
     ON CONFLICT (message_id) DO NOTHING
     RETURNING q.queue_name
-)""" + RECEIPTS_OF_SETTLED + """UNION ALL
+)""" + _RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED + """UNION ALL
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT queue_name FROM settled WHERE state = 'queued'
       UNION SELECT queue_name FROM followed) AS woken
 """
 
+#: The settles find their rows by id (the primary key), once per outcome, from the
+#: outcomes' arrays unnested once (MATERIALIZED): compared to the worker with IS NOT
+#: DISTINCT FROM (the same test, the parameter is never NULL), the worker's index is not
+#: offered to the planner, whose generic plan otherwise scanned every claim of the worker
+#: and unnested the arrays again for each (quadratic in the batch: 2 ms for 100 rows).
 #: The common settle, many at once: runs that returned, sent nothing from their
 #: after-hooks and left their message as it was claimed. Only the state changes (the
 #: message text is not sent, parsed or rewritten); receipts as in SETTLE. Each only if it
@@ -268,7 +394,10 @@ FROM (SELECT queue_name FROM settled WHERE state = 'queued'
 #: marks of other claims (MARK_STARTED's, never a claim settled here) ride along in the
 #: same statement: one round trip, no pipeline.
 SETTLE_DONE = """
-WITH marked AS (
+WITH ran_here AS MATERIALIZED (
+    SELECT * FROM unnest(%(ids)b::uuid[], %(claims)s::int[], %(actors)b::text[], %(started_ago)s::float8[],
+                         %(ended_ago)s::float8[]) AS o(message_id, claims, actor_name, started_ago, ended_ago)
+), marked AS (
     UPDATE dramatiq.queue q SET started_at = now()
     FROM unnest(%(s_ids)b::uuid[], %(s_claims)s::int[]) AS s(message_id, claims)
     WHERE q.message_id = s.message_id AND q.claims = s.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
@@ -279,10 +408,12 @@ WITH marked AS (
         error = CASE WHEN q.cancelled_at IS NOT NULL
                      THEN """ + _CANCELLED_BY + """ || ': its run returned after the cancellation' END,
         worker_id = NULL, started_at = NULL, mtime = now()
-    FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS o(message_id, claims)
-    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed' AND q.worker_id = %(worker_id)s
-    RETURNING q.queue_name, q.message_id, q."state"::text AS state
-)""" + RECEIPTS_OF_SETTLED
+    FROM ran_here o
+    WHERE q.message_id = o.message_id AND q.claims = o.claims AND q."state" = 'consumed'
+      AND q.worker_id IS NOT DISTINCT FROM %(worker_id)s::uuid
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state, q.cancelled_at IS NOT NULL AS cancelled,
+              q.claims, q.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, 'done' AS hint, q.error AS run_error
+)""" + _RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED
 
 #: Record that prefetched claims have started running (they can now be blamed for a
 #: crash of their process).
@@ -351,7 +482,9 @@ WHERE q."state" = 'consumed' AND q.worker_id = %(worker_id)s
 
 #: A process that stepped down (cut off, not crashed) takes back what rescue laid on the
 #: claims it lost: the crash counted on it (a message rejected for it alone goes back to
-#: its queue) and the suspicion of its set. Returns how many messages were cleared.
+#: its queue) and the suspicion of its set. Returns how many messages were cleared. A
+#: unique job whose key a live message holds meanwhile stays rejected (two live messages
+#: of one key are what the unique index refuses).
 CLEAR_BLAME = """
 WITH cleared AS (
     UPDATE dramatiq.queue q
@@ -359,8 +492,12 @@ WITH cleared AS (
         blamed_worker = CASE WHEN q.blamed_worker = %(worker_id)s::uuid THEN NULL ELSE q.blamed_worker END,
         suspect_of = CASE WHEN q.suspect_of = %(worker_id)s::uuid THEN NULL ELSE q.suspect_of END,
         "state" = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid AND q.cancelled_at IS NULL
+                            AND NOT EXISTS (SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = q.unique_key
+                                            AND standmeet.unique_live(l.unique_states, l."state"))
                        THEN 'queued'::dramatiq.state ELSE q."state" END,
         error = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid AND q.cancelled_at IS NULL
+                          AND NOT EXISTS (SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = q.unique_key
+                                          AND standmeet.unique_live(l.unique_states, l."state"))
                      THEN NULL ELSE q.error END,
         mtime = now()
     WHERE q.message_id = ANY(%(ids)b::uuid[])
@@ -383,9 +520,18 @@ WITH stopped AS (
         error = CASE WHEN q.cancelled_at IS NULL THEN q.error
                      ELSE """ + _CANCELLED_BY + """ || ': its worker stopped while holding it; not run again' END,
         worker_id = NULL, started_at = NULL, mtime = now()
-    WHERE q.worker_id = %(worker_id)s AND q."state" = 'consumed'
-    RETURNING q.queue_name
-)
+    FROM dramatiq.queue was
+    WHERE q.worker_id = %(worker_id)s AND q."state" = 'consumed' AND was.message_id = q.message_id
+    RETURNING q.queue_name, q.message_id, q.claims, q."state"::text AS state, was.started_at,
+              q.message ->> 'actor_name' AS actor_name, q.error
+), ran AS (
+    SELECT message_id, claims AS attempt, queue_name, coalesce(actor_name, '') AS actor_name,
+           %(worker_id)s::uuid AS worker_id, 'cut_at_shutdown' AS outcome, state, started_at, now() AS ended_at,
+           CASE WHEN state = 'rejected' THEN error
+                ELSE 'cut at shutdown: its worker stopped gracefully while it ran; it runs again, unblamed' END AS error,
+           NULL::float8 AS wait_ms, NULL::float8 AS run_ms
+    FROM requeued WHERE started_at IS NOT NULL
+)""" + RECORD_RAN + """
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
@@ -409,7 +555,7 @@ WITH epoch AS MATERIALIZED (
     SELECT standmeet.server_epoch_since() AS since
 ), orphaned AS (
     SELECT q.message_id, q.worker_id, q.started_at IS NOT NULL AS started, q.suspect_of,
-           coalesce(w.stopped_at IS NOT NULL, false) AS graceful
+           coalesce(w.stopped_at IS NOT NULL, false) AS graceful, q.claims, q.started_at
     FROM dramatiq.queue q
     LEFT JOIN standmeet.worker_processes w ON w.id = q.worker_id
     WHERE q."state" = 'consumed' AND q.worker_id IS DISTINCT FROM %(worker_id)s::uuid
@@ -423,7 +569,7 @@ WITH epoch AS MATERIALIZED (
            count(*) FILTER (WHERE started AND suspect_of IS NOT NULL) AS n_suspects
     FROM orphaned GROUP BY worker_id
 ), verdict AS (
-    SELECT o.message_id, o.worker_id,
+    SELECT o.message_id, o.worker_id, o.graceful, o.claims, o.started_at,
            CASE WHEN o.graceful OR NOT o.started OR o.worker_id IS NULL THEN 'requeue'
                 WHEN o.suspect_of IS NOT NULL THEN 'blame'
                 WHEN p.n_suspects > 0 THEN 'requeue'
@@ -447,8 +593,21 @@ WITH epoch AS MATERIALIZED (
                      ELSE q.error END
     FROM verdict v
     WHERE q.message_id = v.message_id
-    RETURNING q.queue_name, q."state", v.verdict
-)
+    RETURNING q.queue_name, q."state", v.verdict, q.message_id, v.claims, v.started_at, v.graceful,
+              v.worker_id AS held_by, q.message ->> 'actor_name' AS actor_name, q.error
+), ran AS (
+    SELECT message_id, claims AS attempt, queue_name, coalesce(actor_name, '') AS actor_name, held_by AS worker_id,
+           CASE WHEN graceful THEN 'cut_at_shutdown' ELSE 'crashed' END AS outcome, "state"::text AS state,
+           started_at, now() AS ended_at,
+           CASE WHEN graceful THEN 'its worker process stopped while running it; rescued, unblamed'
+                WHEN verdict = 'blame' THEN 'its worker process died or fell silent while running it; rescued, crash counted'
+                WHEN verdict = 'suspect' THEN 'its worker process died or fell silent while running it beside others; '
+                                              'rescued as a suspect, to run alone'
+                ELSE 'its worker process died or fell silent while running it; rescued, unblamed' END
+           || CASE WHEN "state" = 'rejected' THEN '; ' || coalesce(error, 'rejected') ELSE '' END AS error,
+           NULL::float8 AS wait_ms, NULL::float8 AS run_ms
+    FROM rescued WHERE started_at IS NOT NULL
+)""" + RECORD_RAN + """
 SELECT queue_name,
        count(*) FILTER (WHERE "state" = 'queued') AS requeued,
        count(*) FILTER (WHERE "state" = 'rejected') AS rejected,

@@ -1,0 +1,97 @@
+"""Every attempt kept: one row per run of a job, with its own outcome and error."""
+
+from __future__ import annotations
+
+import dramatiq
+import psycopg
+
+from broker import history
+from middleware import Snooze
+from tests.support.db import scalar, wait_for
+from tests.support.jobs import bump, cooperative_sleep
+
+FINAL = "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) AND state IN ('done', 'rejected')"
+#: What the three failing runs of ``three_ways`` raise, in order.
+THREE_WAYS = (ValueError("first, a bad value"), KeyError("second, a missing key"), RuntimeError("third, a runtime"))
+
+
+@dramatiq.actor(actor_name="attempts.three_ways", queue_name="index", max_retries=5, min_backoff=10, max_backoff=20)
+def three_ways(key: str) -> None:
+    n = bump(key)
+    if n <= len(THREE_WAYS):
+        raise THREE_WAYS[n - 1]
+
+
+@dramatiq.actor(actor_name="attempts.hopeless", queue_name="index", max_retries=1, min_backoff=10, max_backoff=20)
+def hopeless(key: str) -> None:
+    raise LookupError(f"run {bump(key)} of hopeless found nothing")
+
+
+@dramatiq.actor(actor_name="attempts.slow_once", queue_name="index", time_limit=300, max_retries=2,
+                min_backoff=10, max_backoff=20)
+def slow_once(key: str) -> None:
+    if bump(key) == 1:
+        cooperative_sleep(10)
+
+
+@dramatiq.actor(actor_name="attempts.snooze_once", queue_name="index", max_retries=0)
+def snooze_once(key: str) -> None:
+    if bump(key) == 1:
+        raise Snooze(0.05, "not yet")
+
+
+def _attempts(url: str, message_id: str) -> list[history.Attempt]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return history.attempts(conn, message_id)
+
+
+def _drained(url: str, messages: list[dramatiq.Message]) -> None:
+    ids = [m.message_id for m in messages]
+    wait_for(lambda: scalar(url, FINAL, (ids,)) == len(ids), timeout_s=30, what="the jobs to finish")
+
+
+def test_a_job_that_failed_three_different_ways_shows_three_attempts_each_with_its_own_error(
+    broker, database_url, start_worker
+):
+    start_worker(queues=["index"], threads=4)
+    message = three_ways.send("three-ways")
+    _drained(database_url, [message])
+    attempts = _attempts(database_url, message.message_id)
+    assert [a.outcome for a in attempts] == ["failed", "failed", "failed", "done"]
+    for attempt, exc in zip(attempts, THREE_WAYS, strict=False):
+        assert f"{type(exc).__name__}: {exc}" in (attempt.error or ""), attempt
+        others = [e for e in THREE_WAYS if e is not exc]
+        assert not any(str(e) in (attempt.error or "") for e in others), attempt
+    assert attempts[-1].error is None
+    numbers = [a.attempt for a in attempts]
+    assert numbers == sorted(set(numbers)) and numbers[0] == 1
+    assert {a.worker_id for a in attempts} == {broker.worker_id}
+    for a in attempts:
+        assert a.started_at is not None and a.started_at <= a.ended_at
+        assert (a.queue, a.actor) == ("index", "attempts.three_ways")
+    # one run's end comes before the next one's start, by the database's clock
+    assert all(a.ended_at <= b.started_at for a, b in zip(attempts, attempts[1:], strict=False))  # type: ignore[operator]
+
+
+def test_a_rejected_jobs_last_attempt_is_rejected_with_its_own_error(broker, database_url, start_worker):
+    start_worker(queues=["index"], threads=4)
+    message = hopeless.send("hopeless")
+    _drained(database_url, [message])
+    attempts = _attempts(database_url, message.message_id)
+    assert [a.outcome for a in attempts] == ["failed", "rejected"]
+    assert "run 1 of hopeless" in (attempts[0].error or "")
+    assert "run 2 of hopeless" in (attempts[1].error or "")
+
+
+def test_a_time_limit_shows_as_a_timeout_and_a_snooze_as_snoozed(broker, database_url, start_worker):
+    start_worker(queues=["index"], threads=4)
+    slow, snoozed = slow_once.send("slow-once"), snooze_once.send("snooze-once")
+    _drained(database_url, [slow, snoozed])
+    slow_attempts = _attempts(database_url, slow.message_id)
+    assert [a.outcome for a in slow_attempts] == ["timeout", "done"]
+    assert "TimeLimitExceeded" in (slow_attempts[0].error or "")
+    run_ms = slow_attempts[0].run_ms
+    assert run_ms is not None and 250 <= run_ms < 5_000  # cut at its 300 ms limit, not after its 10 s
+    snoozed_attempts = _attempts(database_url, snoozed.message_id)
+    assert [a.outcome for a in snoozed_attempts] == ["snoozed", "done"]
+    assert "not yet" in (snoozed_attempts[0].error or "")
