@@ -265,20 +265,26 @@ WHERE d.id = %s
 """
 #: The endpoint's next waiting delivery is woken when its lease is given back: of its
 #: never-attempted pending deliveries (``webhook_deliveries_due_idx``), oldest first, the
-#: first whose message is queued (one claimed is running already) and not one just made
-#: (``%(made)s``), has its message made due now if it was snoozed until later, and its
+#: first whose message is queued or running (not one just made, ``%(made)s``, nor the
+#: holder's own, ``%(holder)s``, whose retry must keep its back-off). A queued
+#: one snoozed until later is made due now; a running one (it may be finding the lease
+#: busy this very moment, its snooze not yet written) is marked woken, and its snooze's
+#: settle then makes it due at once (``woken_at``): no wake is lost to that race. Its
 #: queue's consumers are told. Only when the lease was ours (``%(token)s``: the
 #: statement's snapshot, before its release). Waiters therefore snooze until the lease's
 #: expiry (the holder's crash) rather than polling: one of them is woken per release.
 _WAKE_NEXT_WAITER = """
-UPDATE dramatiq.queue q SET eta = now(), mtime = now()
+UPDATE dramatiq.queue q
+SET eta = CASE WHEN q."state" = 'queued' THEN now() ELSE q.eta END,
+    woken_at = CASE WHEN q."state" = 'consumed' THEN now() ELSE q.woken_at END,
+    mtime = now()
 WHERE q.message_id = (
         SELECT w.message_id FROM standmeet.webhook_deliveries w
-        JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" = 'queued'
+        JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" IN ('queued', 'consumed')
         WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0
-          AND w.id <> ALL(%(made)s::bigint[])
+          AND w.id <> ALL(%(made)s::bigint[]) AND w.message_id IS DISTINCT FROM %(holder)s::uuid
         ORDER BY w.id LIMIT 1)
-  AND q."state" = 'queued' AND q.eta > now()
+  AND (q."state" = 'consumed' OR (q."state" = 'queued' AND q.eta > now()))
   AND EXISTS (SELECT FROM standmeet.webhook_endpoints
               WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
 RETURNING q.queue_name
@@ -479,7 +485,7 @@ WITH released AS (
     UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
     WHERE id = %(key)s AND lease_token = %(token)s::uuid
 ), woken AS (""" + _WAKE_NEXT_WAITER.replace("%(endpoint)s", "%(key)s").replace(
-    "%(made)s::bigint[]", "'{}'::bigint[]") + """)
+    "%(made)s::bigint[]", "'{}'::bigint[]").replace("%(holder)s", "%(message_id)s") + """)
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM woken
 """
 
@@ -696,6 +702,7 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attem
                  for a in made],
         "made": [a.due.delivery_id for a in made],
         "endpoint": endpoint_id, "healthy": last.ok, "token": token,
+        "holder": message.message_id if message is not None else None,
         "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None}
     with db.connection() as conn:
         if finished:  # one transaction; otherwise one autocommit statement

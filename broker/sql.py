@@ -144,7 +144,7 @@ WITH normal AS (
 )
 UPDATE dramatiq.queue q
 SET "state" = (CASE WHEN picked.refused THEN 'rejected' ELSE 'consumed' END)::dramatiq.state,
-    mtime = now(), claims = q.claims + 1,
+    mtime = now(), claims = q.claims + 1, woken_at = NULL,
     worker_id = CASE WHEN picked.refused THEN NULL ELSE %(worker_id)s::uuid END,
     started_at = CASE WHEN NOT picked.refused AND picked.rn <= %(n_start)s THEN now() END,
     error = CASE WHEN picked.cancelled THEN """ + _CANCELLED_BY + """ || ': found queued; not run'
@@ -344,7 +344,10 @@ WITH outcome AS MATERIALIZED (
         message = CASE WHEN o.options IS NULL THEN q.message
                        ELSE jsonb_set(q.message, '{options}', o.options) END,
         runs_without_outcome = q.runs_without_outcome + (o.outcome = 'rerun')::int,
-        eta = CASE WHEN o.outcome IN ('queued', 'rerun') THEN now() + make_interval(secs => o.delay_s) ELSE q.eta END,
+        -- a run woken while it ran (``woken_at``, set by the job it waited for) is due now
+        eta = CASE WHEN o.outcome IN ('queued', 'rerun')
+                   THEN now() + make_interval(secs => CASE WHEN q.woken_at IS NULL THEN o.delay_s ELSE 0 END)
+                   ELSE q.eta END,
         error = CASE WHEN o.outcome = 'rejected' THEN o.error
                      WHEN q.cancelled_at IS NOT NULL
                           THEN """ + _CANCELLED_BY + """ || CASE o.outcome

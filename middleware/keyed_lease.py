@@ -20,9 +20,9 @@ resolves the message's key to another, e.g. a delivery to its endpoint: ``releas
 gets that one) and any columns the actor needs, read in the same statement
 (:attr:`Held.row`: no second round trip). A row whose token is NULL means the message
 needs no lease (the actor records why, from what the row's other columns read:
-:func:`read_without_lease`); no row means busy. ``release`` receives
-``%(key)s`` and ``%(token)s``. ``key(message)`` returns None when the message needs no
-lease. An actor that gives the lease back itself, in the statement that records its
+:func:`read_without_lease`); no row means busy. ``release`` receives ``%(key)s``,
+``%(token)s`` and ``%(message_id)s`` (the releasing message's). ``key(message)``
+returns None when the message needs no lease. An actor that gives the lease back itself, in the statement that records its
 outcome, says so with :func:`given_back`: the middleware then skips its own release.
 """
 
@@ -115,7 +115,8 @@ class KeyedLease(Middleware):
         message.standmeet_lease = None  # type: ignore[attr-defined]
         try:
             with db.connection() as conn:
-                conn.execute(held.lease.release, {"key": held.key, "token": held.token})
+                conn.execute(held.lease.release,
+                             {"key": held.key, "token": held.token, "message_id": message.message_id})
         except Exception as exc:  # the lease then expires by itself
             logger.warning("could not give back the lease of key %s: %s", held.key, exc)
 

@@ -89,3 +89,18 @@ def test_a_retried_job_waits_for_its_back_off_before_it_runs_again(broker, datab
     assert gap >= 1.0, gap
     wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
                             (message.message_id,)) == "done", timeout_s=10, what="the retry to be done")
+
+
+def test_a_job_woken_while_it_runs_is_due_at_once_when_it_snoozes(broker, database_url, start_worker):
+    from tests.support.jobs import woken_while_snoozing
+
+    # Given a job that is woken by the job it waits for while it is deciding to snooze (the
+    # waker found it running, so it could not make a queued message due)
+    start_worker(queues=["index"], threads=2)
+    message = woken_while_snoozing.send("woken-1")
+    # When it snoozes for a minute
+    # Then its snooze's settle makes it due at once: it runs again and is done in seconds
+    wait_for(lambda: (_row(database_url, message.message_id) or ("",))[0] == "done", timeout_s=10,
+             what="the woken job to run again and be done")
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'woken-1'") == 2
+    assert scalar(database_url, "SELECT woken_at FROM dramatiq.queue WHERE message_id = %s", (message.message_id,)) is None

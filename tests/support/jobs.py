@@ -202,3 +202,15 @@ def held_through_a_cut(key: str, seconds: float) -> None:
         CUT_RUNS.append(f"{key}:{type(exc).__name__}")
         raise
     CUT_RUNS.append(f"{key}:done")
+
+
+@dramatiq.actor(actor_name="test.woken_while_snoozing", queue_name="index", max_retries=0)
+def woken_while_snoozing(key: str) -> None:
+    """On its first run, is woken (as a webhook lease's holder wakes its next waiter) while
+    it is about to snooze for a minute; then succeeds."""
+    run = record_start("test.woken_while_snoozing", "index", key)
+    if bump(key) == 1:
+        with db.connection() as conn:
+            conn.execute("UPDATE dramatiq.queue SET woken_at = now() WHERE message_id = %s::uuid", (_message_id(),))
+        raise Snooze(60, reason=f"{key} waits for another job")
+    record_finish(run)
