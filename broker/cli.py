@@ -32,7 +32,6 @@ What ``run`` guarantees as a supervisor (:class:`Supervisor`):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import signal
@@ -43,15 +42,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# Only what ``--help`` needs is imported here (it answers without Dramatiq, psycopg's pools,
+# Starlette or the application): each command imports what it uses.
 from broker.backoff import Backoff
-from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
-from broker.embedded import resolve_database_url, stop_embedded
-from broker.errors import BudgetError, ConfigError, StandmeetError
-from broker.logging_setup import configure_logging
-from broker.migrate import migrate
-from broker.settings import LOG_FORMATS, Settings, undeclared
 from broker.worker import (
     CONFIG_REFUSED_EXIT,
     OneLineParser,
@@ -59,6 +54,9 @@ from broker.worker import (
     check_worker_numbers,
     load_modules,
 )
+
+if TYPE_CHECKING:
+    from broker.settings import Settings
 
 logger = logging.getLogger("standmeet")
 
@@ -80,8 +78,25 @@ SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers |
 WATCH_INTERVAL_S = 0.1
 
 
+#: The log formats (``broker.settings.LOG_FORMATS``, named here so that ``--help`` imports no settings).
+LOG_FORMATS = ("text", "json")
+#: The runtime's own commands (built here) and their one-line help.
+OWN_COMMANDS = {
+    "migrate": "create or update the database schema",
+    "check": "the start-up checks (connection budget, declared rules); exit 1 when one fails",
+    "run": "migrate, then run the workers and the scheduler",
+    "dashboard": "serve the web dashboard (see and steer the jobs in a browser)",
+    "db": "the database in use; stop the embedded server",
+}
+#: The operators' commands (built by ``broker.opscli``, imported only to run or show one of them).
+OPS_COMMANDS = {
+    "status": "queues, worker processes, periodic jobs and the outbox at a glance",
+    "jobs": "list, show, retry and cancel jobs",
+    "queues": "list, pause and resume queues",
+    "outbox": "events not relayed yet (pending, unrouted, failed); re-relay failed ones",
+}
 #: The commands the runtime owns: they never load the application's modules.
-RUNTIME_COMMANDS = frozenset({"migrate", "check", "run", "dashboard", "db", "status", "jobs", "queues", "outbox"})
+RUNTIME_COMMANDS = frozenset(OWN_COMMANDS) | frozenset(OPS_COMMANDS)
 #: The application modules loaded for every other command (comma-separated).
 APP_MODULES_VARIABLE = "STANDMEET_APP_MODULES"
 
@@ -102,20 +117,26 @@ def _command_of(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if _command_of(argv) not in RUNTIME_COMMANDS:
+    command = _command_of(argv)
+    if command is not None and command not in RUNTIME_COMMANDS:  # an application's command
+        from broker.errors import StandmeetError
+
         try:
             load_modules(app_modules())
         except StandmeetError as exc:
-            if _command_of(argv) is not None:
-                print(f"standmeet-jobs: {exc}", file=sys.stderr)
-                return 1  # --help goes on with the runtime's commands only
-    parser = build_parser()
+            print(f"standmeet-jobs: {exc}", file=sys.stderr)
+            return 1
+    parser = build_parser(command)
     args = parser.parse_args(argv)
+    from broker.logging_setup import configure_logging
+
     configure_logging(args.log_format or _env_log_format(), level=logging.DEBUG if args.verbose else logging.INFO)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
     os.environ.setdefault("PGCONNECT_TIMEOUT", "5")  # libpq: an unreachable server answers in seconds
+    from broker.errors import StandmeetError
+
     try:
         return int(args.func(args) or 0)
     except StandmeetError as exc:
@@ -139,18 +160,55 @@ def say(line: str) -> None:
     print(f"standmeet-jobs: {line}", file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="standmeet-jobs", description=__doc__.split("\n")[0])
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line, built in full for ``command`` only (every command is listed):
+    ``--help`` and each runtime command import nothing they do not use."""
+    parser = OneLineParser(
+        prog="standmeet-jobs", description=__doc__.split("\n")[0],
+        epilog=f"An application's commands (from the modules {APP_MODULES_VARIABLE} names, default actors) "
+        "are loaded when named: standmeet-jobs COMMAND --help.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                         help="text (default) or json, one object a line (also STANDMEET_LOG_FORMAT)")
     sub = parser.add_subparsers(metavar="COMMAND")
+    builders: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+        "migrate": _migrate_arguments, "check": _check_arguments, "run": _run_arguments,
+        "dashboard": _dashboard_arguments, "db": _db_arguments,
+    }
+    for name, help_text in OWN_COMMANDS.items():
+        if name in ("db",):
+            continue  # listed last, as before
+        p = sub.add_parser(name, help=help_text)
+        if name == command:
+            builders[name](p)
+    if command in OPS_COMMANDS:
+        from broker import opscli
 
-    p = sub.add_parser("migrate", help="create or update the database schema")
+        opscli.add_commands(sub)
+    else:
+        for name, help_text in OPS_COMMANDS.items():
+            sub.add_parser(name, help=help_text)
+    if command is not None and command not in RUNTIME_COMMANDS:
+        from broker import app
+
+        for app_command in app.REGISTRY.commands.values():  # the loaded application's commands
+            p = sub.add_parser(app_command.name, help=app_command.help)
+            p.set_defaults(func=app_command.run)
+            app_command.setup(p)
+    p = sub.add_parser("db", help=OWN_COMMANDS["db"])
+    if command == "db":
+        _db_arguments(p)
+    return parser
+
+
+def _migrate_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_migrate)
 
-    p = sub.add_parser("check", help="the start-up checks (connection budget, declared rules); exit 1 when one fails")
-    p.add_argument("modules", nargs="*", metavar="MODULE", help="modules declaring actors (default: actors)")
+
+def _check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("modules", nargs="*", metavar="MODULE",
+                   help="modules declaring actors (default: actors), looked up in the current directory first")
     p.add_argument("--queues", nargs="*", help="queues this process would serve (default: all)")
     p.add_argument("--threads", type=int, default=0,
                    help="threads per worker process (default: the sum of the served queues' limits)")
@@ -158,9 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also check that `run --processes N` (with the scheduler) fits in the server's connections")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("run", help="migrate, then run the workers and the scheduler")
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("positional_modules", nargs="*", metavar="MODULE",
-                   help="modules declaring actors (default: actors)")
+                   help="modules declaring actors (default: actors), looked up in the current directory first")
     p.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes (default 1); refused when they do not fit in the server's connections")
@@ -180,28 +239,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text or json, for this process and its children")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("dashboard", help="serve the web dashboard (see and steer the jobs in a browser)")
+
+def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; others need STANDMEET_DASHBOARD_PASSWORD)")
     p.add_argument("--port", type=bounded_int(low=1, high=65535), default=8420, help="port (default 8420)")
     p.add_argument("--read-only", action="store_true", help="show everything, change nothing")
     p.set_defaults(func=cmd_dashboard)
 
-    from broker import app, opscli
 
-    opscli.add_commands(sub)
-    for command in app.REGISTRY.commands.values():  # the loaded application's commands
-        p = sub.add_parser(command.name, help=command.help)
-        p.set_defaults(func=command.run)
-        command.setup(p)
-
-    p = sub.add_parser("db", help="the database in use")
-    p.add_argument("action", choices=["url", "stop"], help="print its URL, or stop the embedded server")
+def _db_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["url", "stop"],
+                   help="print its URL, or stop the embedded server (saying which worker processes are "
+                   "still connected)")
     p.set_defaults(func=cmd_db)
-    return parser
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from broker.embedded import resolve_database_url
+    from broker.migrate import migrate
+    from broker.settings import Settings
+
     settings = Settings.from_env()
     url = resolve_database_url(settings)
     from broker import log_database
@@ -219,6 +277,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def check_counts(threads: int, processes: int | None, *, shutdown_ms: int | None = None) -> None:
     """Refuse counts and timeouts out of range in one line naming the option, the value
     and the range, before anything else is looked at."""
+    from broker.errors import ConfigError
+
     if processes is not None and not 1 <= processes <= PROCESSES_MOST:
         raise ConfigError(f"--processes {processes}: give 1 to {PROCESSES_MOST} worker processes")
     check_worker_numbers(threads=threads, shutdown_ms=shutdown_ms)
@@ -229,6 +289,10 @@ def threads_per_worker(settings: Settings, queues: Sequence[str], threads: int) 
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
+    from broker.embedded import resolve_database_url
+    from broker.settings import Settings, undeclared
+
     settings = Settings.from_env()
     check_counts(args.threads, args.processes)
     load_modules(args.modules or ["actors"])
@@ -251,6 +315,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from broker.dashboard import serve
     from broker.dashboard.security import check_bind
+    from broker.embedded import resolve_database_url
+    from broker.settings import Settings
 
     settings = Settings.from_env()
     check_bind(args.host, settings.dashboard_password)  # before touching the database
@@ -259,17 +325,36 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
+    from broker.embedded import resolve_database_url, stop_embedded
+    from broker.settings import Settings
+
     settings = Settings.from_env()
     if args.action == "url":
         print(resolve_database_url(settings))
-    elif stop_embedded(settings):
+        return 0
+    from broker.embedded import connected_workers
+
+    workers = connected_workers(settings)
+    if workers:  # the operator asked: it stops anyway, saying what follows
+        print(connected_workers_line(workers), flush=True)
+    if stop_embedded(settings):
         print("embedded Postgres stopped")
     else:
         print("no embedded Postgres is running in", settings.embedded_dir)
     return 0
 
 
+def connected_workers_line(workers: Sequence[tuple[str, int]]) -> str:
+    """What ``db stop`` says before stopping a server worker processes still use."""
+    named = ", ".join(f"{host} pid {pid}" for host, pid in workers)
+    return (f"{len(workers)} worker process(es) still connected ({named}): stopping the server anyway; "
+            "they log the outage and reconnect when it is back")
+
+
 def _env_log_format() -> str:
+    from broker.errors import ConfigError
+    from broker.settings import Settings
+
     try:
         return Settings.from_env().log_format
     except ConfigError:
@@ -279,6 +364,8 @@ def _env_log_format() -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     """``run``: refuse what cannot work, in one line and before starting anything; then
     supervise the children until a signal, a child's refusal, or an error."""
+    from broker.errors import ConfigError
+
     with Signals() as signals:  # from now on, a signal starts nothing more
         try:
             return run_fleet(args, signals)
@@ -288,6 +375,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
+    import importlib.util
+
+    from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
+    from broker.embedded import resolve_database_url
+    from broker.errors import BudgetError
+    from broker.migrate import migrate
+    from broker.settings import Settings
+
     settings = Settings.from_env()
     check_counts(args.threads, args.processes, shutdown_ms=args.worker_shutdown_timeout)
     args.modules = [*(args.positional_modules or []), *(args.modules or [])] or ["actors"]
@@ -332,12 +427,50 @@ def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
     if signals.stopping:
         logger.info("stopping: %s came before any process started", signals.first_name)
         return signals.exit_status
+    from broker.embedded import is_embedded
+
+    began = time.monotonic()
     with serving_metrics(settings, url, env):
         supervisor = Supervisor(commands, env=env, shutdown_s=shutdown_ms / 1000 + CHILD_EXIT_GRACE_S, signals=signals)
-        status = supervisor.run()
+        try:
+            status = supervisor.run()
+        finally:
+            logger.info("%s", run_summary(supervisor, time.monotonic() - began, embedded=is_embedded(settings, url)))
     if supervisor.refusal is not None:
         say(supervisor.refusal)
     return status
+
+
+def run_summary(supervisor: Supervisor, ran_s: float, *, embedded: bool) -> str:
+    """``run``'s last line: how long it ran, what it started and restarted, how it
+    stopped, and what became of the database server."""
+    signals = supervisor.signals
+    if supervisor.refusal is not None:
+        how = "stopped: a process refused its configuration"
+    elif signals.forced:
+        how = f"stopped by {signals.first_name}, then forced by a second Ctrl-C (running jobs given back)"
+    elif signals.stopping:
+        how = f"stopped by {signals.first_name}"
+    else:
+        how = "stopped by an error in the supervisor"
+    if supervisor.killed:
+        how += f"; {supervisor.killed} process(es) killed after the shutdown timeout"
+    database = ("the embedded Postgres keeps running (`standmeet-jobs db stop` stops it)" if embedded
+                else "the database (DATABASE_URL) is not ours to stop")
+    return (f"run ended after {format_duration(ran_s)}: {supervisor.started} process(es) started, "
+            f"{supervisor.restarted} restarted; {how}; {database}")
+
+
+def format_duration(seconds: float) -> str:
+    """``12.3 s``, ``5 min 02 s``, ``2 h 03 min``, ``3 d 04 h``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    if whole < 86_400:
+        return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+    return f"{whole // 86_400} d {whole % 86_400 // 3600:02d} h"
 
 
 @contextmanager
@@ -351,6 +484,7 @@ def serving_metrics(settings: Settings, url: str, env: dict[str, str]) -> Iterat
     import shutil
     import tempfile
 
+    from broker.errors import ConfigError
     from broker.metrics import registry_for, serve
 
     folder = tempfile.mkdtemp(prefix="standmeet-metrics-")
@@ -493,6 +627,10 @@ class Supervisor:
     refusal: str | None = None
     #: makes each child's restart back-off (one each)
     backoff: Callable[[], Backoff] = restart_backoff
+    #: processes started (restarts not counted), restarts, and processes killed at the end
+    started: int = 0
+    restarted: int = 0
+    killed: int = 0
 
     def run(self) -> int:
         self.children = [Child(command, backoff=self.backoff()) for command in self.commands]
@@ -526,6 +664,10 @@ class Supervisor:
             os.close(write_fd)
         child.process, child.refusal_fd = process, read_fd
         child.started_at, child.restart_at = time.monotonic(), None
+        if restarted:
+            self.restarted += 1
+        else:
+            self.started += 1
         logger.info("%s pid %d: %s", "restarted" if restarted else "started", process.pid, " ".join(child.command[1:]))
 
     def _watch(self, now: float) -> None:
@@ -570,6 +712,7 @@ class Supervisor:
         for process in alive:
             if process.poll() is None:
                 logger.error("pid %d did not stop in time; killing it", process.pid)
+                self.killed += 1
                 _send(process, signal.SIGKILL)
         for process in processes:
             process.wait()

@@ -110,6 +110,41 @@ def is_embedded(settings: Settings, url: str | None = None) -> bool:
     return bool(host) and Path(str(host)) == settings.embedded_dir.expanduser().resolve()
 
 
+#: The worker processes with a live heartbeat in one database (``standmeet.worker_processes``).
+LIVE_WORKERS = """
+SELECT hostname, pid FROM standmeet.worker_processes
+WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(after_s)s)
+ORDER BY hostname, pid
+"""
+
+
+def connected_workers(settings: Settings) -> list[tuple[str, int]]:
+    """The worker processes still connected to the running embedded server (a heartbeat
+    younger than the rescue window, not stopped), in any of its databases: ``[(host, pid)]``.
+    Empty when no embedded server runs (none is started to find out)."""
+    data_dir = settings.embedded_dir.expanduser().resolve()
+    if not (data_dir / "postmaster.pid").exists():
+        return []
+    server = _server(data_dir)
+    found: list[tuple[str, int]] = []
+    try:
+        with psycopg.connect(str(server.get_uri("postgres")), autocommit=True, connect_timeout=5) as admin:
+            databases = [row[0] for row in admin.execute(
+                "SELECT datname FROM pg_database WHERE datallowconn AND NOT datistemplate ORDER BY datname")]
+        for database in databases:
+            try:
+                with psycopg.connect(str(server.get_uri(database)), autocommit=True, connect_timeout=5) as conn:
+                    if conn.execute("SELECT to_regclass('standmeet.worker_processes')").fetchone() == (None,):
+                        continue
+                    found += [(str(host), int(pid)) for host, pid in
+                              conn.execute(LIVE_WORKERS, {"after_s": settings.rescue_after_s})]
+            except psycopg.Error:
+                continue  # a database that refuses us is not one of ours
+    except psycopg.Error as exc:
+        logger.warning("could not look for connected worker processes: %s", str(exc).strip().splitlines()[0])
+    return found
+
+
 def stop_embedded(settings: Settings) -> bool:
     """Stop the embedded server if one runs in the configured folder. True if stopped."""
     data_dir = settings.embedded_dir.expanduser().resolve()

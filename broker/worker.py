@@ -6,11 +6,15 @@ waits up to a second more for its log pipe), so a deploy waits only for the jobs
 
     python -m broker.worker [--queues Q …] [--threads N] [--worker-shutdown-timeout MS] [MODULE …]
 
-On SIGTERM or Ctrl-C: claim nothing more, give back prefetched messages, wait up to
-the shutdown timeout for running jobs, record the process as stopped and exit. Jobs
-still running are cut off and rescued by another worker (at least once). Further
-signals within a second (a group's Ctrl-C, then `run`'s SIGTERM) change nothing; a
-deliberate second Ctrl-C later exits at once, saying so, with status 1.
+On SIGTERM or Ctrl-C: claim nothing more, give back prefetched messages, say which
+running jobs it waits for, wait up to the shutdown timeout for them, record the process
+as stopped and exit. Each job still running at the timeout is named as it is cut off and
+given back (no crash counted): it runs again elsewhere (at least once). Further signals
+within a second (a group's Ctrl-C, then `run`'s SIGTERM) change nothing; a deliberate
+second Ctrl-C later forces the exit: the running jobs are given back and the process
+recorded as stopped (within :data:`FORCED_STOP_S`), then it exits with status 1.
+
+The modules are looked up in the current directory first, as ``dramatiq`` does.
 
 A worker that refuses its configuration (the connection budget, a bad setting, an
 unknown queue, a module that cannot load) exits with :data:`CONFIG_REFUSED_EXIT` after
@@ -24,8 +28,6 @@ scheduler process the same way.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import importlib
 import logging
 import math
@@ -36,11 +38,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
 
-import dramatiq
-
-from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
+# Only what ``--help`` needs is imported here: Dramatiq, psycopg and the application are
+# imported by the commands that use them.
+if TYPE_CHECKING:
+    from broker.pgbroker import StandmeetBroker
 
 logger = logging.getLogger("standmeet.worker")
 
@@ -57,6 +61,59 @@ PR_SET_PDEATHSIG = 1
 THREADS_MOST = 10_000
 #: The longest ``--worker-shutdown-timeout``: a day, as STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S allows.
 SHUTDOWN_TIMEOUT_MOST_MS = 86_400_000
+#: A forced stop (a deliberate second Ctrl-C) gives the running jobs back and records the
+#: process as stopped within this, then exits whatever happened.
+FORCED_STOP_S = 3.0
+#: How many running jobs a shutdown line names before it says "and N more".
+NAMED_JOBS_MOST = 5
+#: The attribute of a Dramatiq worker that tells the shutdown how long it waits for jobs (ms).
+SHUTDOWN_MS_ATTRIBUTE = "standmeet_shutdown_ms"
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job running on a worker thread of this process."""
+
+    actor: str
+    message_id: str
+    started: float  # time.monotonic()
+
+    def describe(self, now: float | None = None) -> str:
+        ran_s = (time.monotonic() if now is None else now) - self.started
+        return f"{self.actor} {self.message_id} (running {ran_s:.1f} s)"
+
+
+class RunningJobs:
+    """The jobs running in this process, one per worker thread (``middleware.JobLog``
+    keeps it): what a shutdown names while it waits, and what it cuts off."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[int, RunningJob] = {}
+
+    def started(self, actor: str, message_id: str) -> None:
+        with self._lock:
+            self._by_thread[threading.get_ident()] = RunningJob(actor, message_id, time.monotonic())
+
+    def finished(self) -> None:
+        with self._lock:
+            self._by_thread.pop(threading.get_ident(), None)
+
+    def now(self) -> list[RunningJob]:
+        """The running jobs, longest-running first."""
+        with self._lock:
+            return sorted(self._by_thread.values(), key=lambda job: job.started)
+
+
+#: This process's running jobs.
+running_jobs = RunningJobs()
+
+
+def name_jobs(jobs: Sequence[RunningJob], *, most: int = NAMED_JOBS_MOST) -> str:
+    """``a 0b5a… (running 3.1 s), b 7c1d… (running 0.2 s) and 4 more``."""
+    now = time.monotonic()
+    named = ", ".join(job.describe(now) for job in jobs[:most])
+    return f"{named} and {len(jobs) - most} more" if len(jobs) > most else named
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -95,6 +152,8 @@ def bounded_float(*, low: float, high: float) -> Callable[[str], float]:
 def check_worker_numbers(*, threads: int, shutdown_ms: int | None) -> None:
     """Refuse a thread count or a shutdown timeout out of range, in one line naming the
     option, the value and the range (:class:`ConfigError`)."""
+    from broker.errors import ConfigError
+
     if not 0 <= threads <= THREADS_MOST:
         raise ConfigError(f"--threads {threads}: give 1 to {THREADS_MOST} threads per worker process "
                           "(0: the sum of the served queues' limits)")
@@ -108,6 +167,8 @@ def die_with_supervisor(supervisor_pid: int) -> bool:
     PR_SET_PDEATHSIG); False when the supervisor is gone already (it died before the
     request took hold, and no signal will come), and this process must not start."""
     if sys.platform.startswith("linux"):
+        import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
             errno = ctypes.get_errno()
@@ -128,12 +189,29 @@ def refuse(who: str, reason: str, refusal_fd: int | None) -> int:
     return CONFIG_REFUSED_EXIT
 
 
-def load_modules(modules: Sequence[str]) -> None:
-    """Import the modules that declare actors, queues and commands.
+def look_in_current_directory() -> str:
+    """Put the current directory first on ``sys.path``, as ``dramatiq`` does, so that
+    ``run reports`` finds ``./reports.py`` (the children ``run`` starts inherit the
+    directory and do the same). Returns the directory."""
+    here = os.getcwd()
+    if sys.path[:1] != [here]:
+        while here in sys.path:
+            sys.path.remove(here)
+        sys.path.insert(0, here)
+    return here
 
-    A module that cannot load raises :class:`ModuleNotLoaded`: one line naming it and why
-    (and where, for an error inside it); our own errors raised by its import (a malformed
-    setting, an unreachable database) stay what they are."""
+
+def load_modules(modules: Sequence[str]) -> None:
+    """Import the modules that declare actors, queues and commands, looked up in the
+    current directory first.
+
+    A module that cannot load raises :class:`ModuleNotLoaded`: one line naming it, the
+    last line of its error and where it was raised (``file:line``); our own errors raised
+    by its import (a malformed setting, an unreachable database) stay what they are."""
+    from broker.errors import ModuleNotLoaded, StandmeetError
+
+    if modules:
+        here = look_in_current_directory()
     for module in modules:
         try:
             importlib.import_module(module)
@@ -141,18 +219,34 @@ def load_modules(modules: Sequence[str]) -> None:
             raise
         except ModuleNotFoundError as exc:
             if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-                raise ModuleNotLoaded(f"cannot load module {module!r}: no module named {exc.name!r}") from None
-            raise ModuleNotLoaded(f"cannot load module {module!r}: {exc}{_where(exc)}") from None
-        except Exception as exc:
-            reason = (str(exc).strip().splitlines() or [""])[0]
-            raise ModuleNotLoaded(f"cannot load module {module!r}: {type(exc).__name__}: {reason}{_where(exc)}") from None
+                raise ModuleNotLoaded(
+                    f"cannot load module {module!r}: no module named {exc.name!r} in {here} or on the Python "
+                    "path: check the name (a module, not a file name), or run from the folder that holds it"
+                ) from None
+            raise ModuleNotLoaded(f"cannot load module {module!r}: {last_line(exc)}{_where(exc)}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a module that exits at import is refused
+            raise ModuleNotLoaded(f"cannot load module {module!r}: {last_line(exc)}{_where(exc)}") from None
+
+
+def last_line(exc: BaseException) -> str:
+    """The last line Python prints for an exception (``ValueError: boom``), on one line."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    # a syntax error ends with its type and message; any other error starts with them (a
+    # message of several lines continues below: detail)
+    return lines[-1] if isinstance(exc, SyntaxError) else lines[0]
 
 
 def _where(exc: BaseException) -> str:
-    """`` (file:line)`` of the innermost frame an exception was raised in."""
+    """`` (file:line)`` where an exception was raised: the innermost frame outside
+    Python's import machinery (for a syntax error, the offending line)."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return f" ({exc.filename}:{exc.lineno})"
-    frames = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen importlib")]
     return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
@@ -162,6 +256,44 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exit when this process (the parent, `standmeet-jobs run`) dies")
     parser.add_argument("--refusal-fd", type=int, default=None, metavar="FD",
                         help="write the reason of a configuration refusal to this file descriptor")
+
+
+def forced_stop(broker: StandmeetBroker | None, closed: threading.Event, *,
+                timeout_s: float = FORCED_STOP_S) -> None:
+    """A deliberate second Ctrl-C: give the running and prefetched jobs back to their
+    queues (no crash counted: they run again elsewhere) and record this process as
+    stopped, within ``timeout_s``; then exit with status 1, whatever the threads do.
+
+    Returns at once (it may be called from a signal handler): the work is done on threads
+    of its own. ``closed`` is set once the main thread has closed the broker itself."""
+    from broker import detach
+
+    jobs = running_jobs.now()
+    for job in jobs:
+        logger.warning("cut off by the forced stop: %s %s after %.1f s; given back to its queue, it runs again "
+                       "(no crash counted)", job.actor, job.message_id, time.monotonic() - job.started)
+    given_back = threading.Event()
+    closing_elsewhere = broker is None or broker.closing  # then the main thread's close is awaited
+
+    def give_back(stop: threading.Event) -> None:
+        if broker is not None and not closing_elsewhere:
+            broker.close()  # outcomes written, claims given back, the process recorded as stopped
+        given_back.set()
+
+    def exit_when_given_back(stop: threading.Event) -> None:
+        deadline = time.monotonic() + timeout_s
+        done = given_back.wait(timeout_s)
+        if done and closing_elsewhere and broker is not None:
+            done = closed.wait(max(0.0, deadline - time.monotonic()))
+        if not done:
+            logger.error("forced stop: the jobs were not given back within %g s; rescue gives them back "
+                         "(a crash may be counted)", timeout_s)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
+
+    detach.go("forced-stop", give_back)
+    detach.go("forced-stop-exit", exit_when_given_back)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,7 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("json" if log_format == "json" else "text")
 
     stop = threading.Event()
+    closed = threading.Event()
     first_signal_at: list[float] = []
+    forced: list[bool] = []
+    broker: StandmeetBroker | None = None
 
     def on_signal(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
@@ -190,9 +325,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Ctrl-C reaches the whole process group and `run` forwards a SIGTERM a few ms
             # later (so do systemd and `timeout`): only a deliberate second Ctrl-C, more than
             # FORCE_AFTER_S after the first signal, cuts the running jobs off.
+            if forced:
+                return
             if signum == signal.SIGINT and time.monotonic() - first_signal_at[0] > FORCE_AFTER_S:
-                logger.warning("second Ctrl-C: exiting now; running jobs are cut off and will run again")
-                os._exit(1)
+                forced.append(True)
+                logger.warning("second Ctrl-C: exiting now; running jobs are given back and run again, "
+                               "this process is recorded as stopped")
+                forced_stop(broker, closed)
+                return
             logger.info("received %s while shutting down: still waiting for running jobs "
                         "(a second Ctrl-C after %g s forces the exit)", name, FORCE_AFTER_S)
             return
@@ -203,8 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
 
+    from broker.errors import ConfigError, StandmeetError
+
     try:
         check_worker_numbers(threads=args.threads, shutdown_ms=args.worker_shutdown_timeout)
+        import dramatiq
+
         from broker.budget import process_connections, served_queues
         from broker.pgbroker import current_broker
 
@@ -223,10 +367,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # What is loaded by now lives as long as the process: each full collection would
         # scan it again with every thread stopped (15-23 ms here); frozen, it is skipped
         # (a full collection then takes a fraction of a millisecond).
+        import gc
+
         gc.collect()
         gc.freeze()
         worker = dramatiq.Worker(broker, queues=args.queues or None, worker_threads=threads,
                                  worker_timeout=WORKER_POLL_MS)
+        # the shutdown names the jobs it waits for, and for how long (middleware.GracefulShutdown)
+        setattr(worker, SHUTDOWN_MS_ATTRIBUTE, shutdown_ms)
         worker.start()  # the connection budget and the declared start-up checks refuse here
     except ConfigError as exc:
         return refuse("worker", str(exc), args.refusal_fd)
@@ -237,9 +385,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.wait()
     worker.stop(timeout=shutdown_ms)
     broker.close()
+    closed.set()
+    if forced:
+        return 1
     logger.info("worker stopped")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as ``python -m broker.worker``: the module the middleware imports (its running
+    # jobs, its constants) is ``broker.worker``, not this ``__main__`` copy of it.
+    from broker import worker as this_module
+
+    sys.exit(this_module.main())

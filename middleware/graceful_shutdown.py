@@ -8,19 +8,22 @@ for up to ``--worker-shutdown-timeout``), then its consumers, and gives back the
 messages it had prefetched. This middleware makes the broker stop claiming the
 moment shutdown starts, so no new message is taken while the running ones finish.
 Prefetched messages (claimed, not started) go back to their queue the moment shutdown
-starts. A job still running at the shutdown timeout is cut off and requeued by the
-broker's close without a crash counted (a deploy is not a crash): it runs again, at
-least once.
+starts. The shutdown says how many running jobs it waits for, naming them (a few, then
+"and N more"). A job still running at the shutdown timeout is named in one line (actor,
+id, how long it ran) as it is cut off; the broker's close gives it back without a crash
+counted (a deploy is not a crash): it runs again, at least once.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from dramatiq import Middleware
 
 from broker import services
+from broker.worker import SHUTDOWN_MS_ATTRIBUTE, name_jobs, running_jobs
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -42,5 +45,19 @@ class GracefulShutdown(Middleware):
     def before_worker_shutdown(self, broker: Any, worker: Any) -> None:
         services.current().stop_relay()
         broker.stop_claiming()
-        logger.info("shutdown: relay stopped, prefetched messages given back, nothing more claimed; "
-                    "waiting for running jobs")
+        jobs = running_jobs.now()
+        shutdown_ms = getattr(worker, SHUTDOWN_MS_ATTRIBUTE, None)
+        within = f" up to {shutdown_ms / 1000:g} s" if shutdown_ms is not None else ""
+        if jobs:
+            logger.info("shutdown: relay stopped, prefetched messages given back, nothing more claimed; "
+                        "waiting%s for %d running job(s): %s", within, len(jobs), name_jobs(jobs))
+        else:
+            logger.info("shutdown: relay stopped, prefetched messages given back, nothing more claimed; "
+                        "no job running")
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        # What still runs was cut off at the shutdown timeout: the broker's close gives it back.
+        now = time.monotonic()
+        for job in running_jobs.now():
+            logger.warning("cut off at the shutdown timeout: %s %s after %.1f s; given back to its queue, it runs "
+                           "again (no crash counted)", job.actor, job.message_id, now - job.started)

@@ -6,6 +6,9 @@ Outcomes: ``done``; ``retry`` (failed, will run again); ``rejected`` (failed for
 good); ``snoozed`` (asked to run later: no attempt counted); ``skipped``. The same
 fields travel as ``extra`` for the JSON log format. Placed before ``Retries`` in the
 middleware list, so its after-hooks run after the retry policy has decided.
+
+It also keeps this process's running jobs (:data:`broker.worker.running_jobs`): what a
+shutdown names while it waits for them, and what it cuts off.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker.errors import Deferred
+from broker.worker import running_jobs
 
 logger = logging.getLogger("standmeet.jobs")
 
@@ -36,6 +40,7 @@ class JobLog(Middleware):
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         message.standmeet_log_start = (time.monotonic(), int(message.options.get("retries", 0)) + 1)
+        running_jobs.started(message.actor_name, message.message_id)
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
                               exception: BaseException | None = None) -> None:
@@ -45,6 +50,7 @@ class JobLog(Middleware):
         self._finished(message, outcome_of(message, None, skipped=True))
 
     def _finished(self, message: Any, outcome: str) -> None:
+        running_jobs.finished()
         started, attempt = getattr(message, "standmeet_log_start", None) or (time.monotonic(), 1)
         duration_ms = (time.monotonic() - started) * 1000
         logger.info(

@@ -7,12 +7,15 @@ who may listen, look and act.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 
 from broker.app import PeriodicJob
 from broker.dashboard.app import DashboardConfig
 from broker.dashboard.security import check_bind, parse_allowed_hosts
 from broker.dashboard.server import create_app
+from broker.errors import ConfigError
 from broker.settings import Settings
 
 __all__ = ["DashboardConfig", "config_from_settings", "create_app", "serve"]
@@ -41,14 +44,43 @@ def config_from_settings(settings: Settings, url: str, *, host: str = "127.0.0.1
     )
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The dashboard's listening socket, bound before anything is said or served: a busy
+    port (or an address this machine does not have) is a :class:`ConfigError` in one line
+    naming the cause and the option that fixes it."""
+    where = f"{host if ':' not in host else f'[{host}]'}:{port}"
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as exc:
+        raise ConfigError(f"cannot serve the dashboard on {where}: {exc.strerror or exc}; pass --host "
+                          "with an address of this machine") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"cannot serve the dashboard on {where}: the port {port} is in use; pass --port "
+                              "with a free one") from None
+        raise ConfigError(f"cannot serve the dashboard on {where}: {exc.strerror or exc}; pass another "
+                          "--host or --port") from None
+    return sock
+
+
 def serve(settings: Settings, url: str, *, host: str, port: int, read_only: bool = False) -> None:
-    """Serve the dashboard until Ctrl-C / SIGTERM; refuses a non-loopback host without a password."""
+    """Serve the dashboard until Ctrl-C / SIGTERM; refuses a non-loopback host without a
+    password, and a port it cannot listen on (before saying where it serves)."""
     check_bind(host, settings.dashboard_password)
     config = config_from_settings(settings, url, host=host, read_only=read_only)
+    sock = listen(host, port)
     import uvicorn
 
     app = create_app(config)
     auth = "HTTP basic auth" if settings.dashboard_password else "no auth (loopback)"
     logger.info("dashboard on http://%s:%d/ (%s%s)", host if ":" not in host else f"[{host}]", port, auth,
                 ", read-only" if read_only else "")
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, server_header=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                          server_header=False))
+    with sock:
+        server.run(sockets=[sock])
