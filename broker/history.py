@@ -73,12 +73,43 @@ GROUP BY h.queue_name
 ORDER BY h.queue_name
 """
 
-#: Every run of a message, first first.
+#: The history of each queue (or only ``queue``) in buckets as :data:`SERIES` cuts them, in
+#: one statement: every bucket of every queue with history in the window (and of ``queue``
+#: even without any), queue by queue, oldest first.
+SERIES_BY_QUEUE = """
+WITH span AS (
+    SELECT floor(EXTRACT(EPOCH FROM %(since)s::timestamptz)::float8 / %(bucket_s)s) * %(bucket_s)s AS first_s,
+           floor(EXTRACT(EPOCH FROM coalesce(%(until)s::timestamptz, now()))::float8 / %(bucket_s)s) * %(bucket_s)s
+               AS last_s
+), grid AS (
+    SELECT to_timestamp(s::float8) AS bucket
+    FROM span, generate_series(span.first_s::numeric, span.last_s::numeric, %(bucket_s)s::numeric) AS s
+), per_bucket AS (
+    SELECT h.queue_name,
+           to_timestamp(floor(EXTRACT(EPOCH FROM h.minute)::float8 / %(bucket_s)s) * %(bucket_s)s) AS bucket,
+           """ + _AGGREGATES + """
+    FROM standmeet.queue_history h
+    WHERE h.minute >= (SELECT to_timestamp(first_s) FROM span)""" + _FILTER + """
+    GROUP BY 1, 2
+), queues AS (
+    SELECT DISTINCT queue_name FROM per_bucket
+    UNION SELECT %(queue)s::text WHERE %(queue)s::text IS NOT NULL
+)
+SELECT queues.queue_name, grid.bucket, per_bucket.*
+FROM queues CROSS JOIN grid
+LEFT JOIN per_bucket ON per_bucket.queue_name = queues.queue_name AND per_bucket.bucket = grid.bucket
+ORDER BY queues.queue_name, grid.bucket
+"""
+
+#: Every run of a message, first first, with the host and pid of the process that ran it
+#: (while its row of ``standmeet.worker_processes`` is kept).
 ATTEMPTS = """
-SELECT attempt, outcome, worker_id::text, started_at, ended_at, error, queue_name, actor_name
-FROM standmeet.job_attempts
-WHERE message_id = %(message_id)s::uuid
-ORDER BY attempt, ended_at
+SELECT a.attempt, a.outcome, a.worker_id::text, a.started_at, a.ended_at, a.error, a.queue_name, a.actor_name,
+       w.hostname, w.pid
+FROM standmeet.job_attempts a
+LEFT JOIN standmeet.worker_processes w ON w.id = a.worker_id
+WHERE a.message_id = %(message_id)s::uuid
+ORDER BY a.attempt, a.ended_at
 """
 
 
@@ -161,6 +192,9 @@ class Attempt:
     error: str | None
     queue: str
     actor: str
+    #: the host and pid of the process that ran it, None once its record is gone
+    worker_host: str | None = None
+    worker_pid: int | None = None
 
     @property
     def run_ms(self) -> float | None:
@@ -172,7 +206,8 @@ class Attempt:
         return {"attempt": self.attempt, "outcome": self.outcome, "worker_id": self.worker_id,
                 "started_at": self.started_at.isoformat() if self.started_at else None,
                 "ended_at": self.ended_at.isoformat(), "run_ms": self.run_ms, "error": self.error,
-                "queue": self.queue, "actor": self.actor}
+                "queue": self.queue, "actor": self.actor, "worker_host": self.worker_host,
+                "worker_pid": self.worker_pid}
 
 
 def percentile_ms(hist: Sequence[int], q: float) -> float | None:
@@ -227,6 +262,20 @@ def series(conn: psycopg.Connection[Any], *, since: datetime, bucket_s: int, que
     return [SeriesPoint(row[0], _figures(float(bucket_s), row[2:])) for row in rows]
 
 
+def series_by_queue(conn: psycopg.Connection[Any], *, since: datetime, bucket_s: int, queue: str | None = None,
+                    until: datetime | None = None) -> dict[str, list[SeriesPoint]]:
+    """:func:`series` of each queue with history in the window (only ``queue`` when given,
+    every bucket zero when it has none), by queue name, in one statement."""
+    if bucket_s < 60 or bucket_s % 60:
+        raise ValueError(f"a bucket is a whole number of minutes (history is kept per minute), not {bucket_s} s")
+    rows = conn.execute(SERIES_BY_QUEUE, {"since": since, "until": until, "bucket_s": bucket_s,
+                                          "queue": queue, "actor": None}).fetchall()
+    out: dict[str, list[SeriesPoint]] = {}
+    for row in rows:
+        out.setdefault(row[0], []).append(SeriesPoint(row[1], _figures(float(bucket_s), row[4:])))
+    return out
+
+
 def summary(conn: psycopg.Connection[Any], *, since: datetime, until: datetime | None = None,
             queue: str | None = None) -> list[QueueSummary]:
     """Each queue's history from ``since`` to ``until`` (default now), by queue name;
@@ -238,4 +287,5 @@ def summary(conn: psycopg.Connection[Any], *, since: datetime, until: datetime |
 def attempts(conn: psycopg.Connection[Any], message_id: str | uuid.UUID) -> list[Attempt]:
     """Every run of a message that history keeps, first first."""
     rows = conn.execute(ATTEMPTS, {"message_id": str(message_id)}).fetchall()
-    return [Attempt(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows]
+    return [Attempt(int(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], None if r[9] is None else int(r[9]))
+            for r in rows]

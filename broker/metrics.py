@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -20,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import detach, ops, pgbroker, pgpool
+from broker import detach, history, ops, pgbroker, pgpool
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -29,6 +30,8 @@ logger = logging.getLogger(f"standmeet.{__name__}")
 SET_LOCAL_STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 
 LABELS = ("queue_name", "actor_name")
+#: The window the history gauges sum (one summary statement per scrape).
+HISTORY_WINDOW = timedelta(hours=1)
 
 @functools.lru_cache(maxsize=4096)
 def child(metric: Any, *labels: str) -> Any:
@@ -121,6 +124,19 @@ class DatabaseCollector(Collector):
         failed = GaugeMetricFamily("standmeet_outbox_failed",
                                    "Outbox events kept with an error, relayed again only when retried.")
         relays = GaugeMetricFamily("standmeet_relays_alive", "Outbox relays with a fresh heartbeat.")
+        throughput = GaugeMetricFamily("standmeet_queue_throughput_per_second",
+                                       "Jobs of a queue done per second over the last hour (from the history).",
+                                       labels=["queue_name"])
+        failures = GaugeMetricFamily("standmeet_queue_failures_last_hour",
+                                     "Runs of a queue that failed (retried or for good) or died with their process "
+                                     "in the last hour.", labels=["queue_name"])
+        wait = GaugeMetricFamily("standmeet_queue_wait_seconds",
+                                 "From a job being due to its start, over the last hour: an estimate of the quantile "
+                                 "from the history's histogram (absent when nothing started).",
+                                 labels=["queue_name", "quantile"])
+        run = GaugeMetricFamily("standmeet_queue_run_seconds",
+                                "From a run's start to its end, over the last hour: an estimate of the quantile from "
+                                "the history's histogram (absent when nothing ran).", labels=["queue_name", "quantile"])
         up = GaugeMetricFamily("standmeet_database_up", "1 when the gauges above could be read.")
         try:
             kwargs = {**pgpool.connect_kwargs(self.url), "connect_timeout": max(1, int(self.timeout_s))}
@@ -130,6 +146,7 @@ class DatabaseCollector(Collector):
                 queues = ops.queue_overview(conn, rescue_after_s=self.rescue_after_s)
                 workers = ops.worker_overview(conn, rescue_after_s=self.rescue_after_s)
                 outbox = ops.outbox_overview(conn, rescue_after_s=self.rescue_after_s)
+                last_hour = history.summary(conn, since=ops.db_now(conn) - HISTORY_WINDOW)
         except psycopg.Error as exc:
             logger.warning("metrics: could not read the database: %s", str(exc).strip().splitlines()[0])
             up.add_metric([], 0)
@@ -149,8 +166,18 @@ class DatabaseCollector(Collector):
             unrouted_age.add_metric([topic.topic], topic.oldest_age_s)
         failed.add_metric([], outbox.failed)
         relays.add_metric([], sum(1 for r in outbox.relays if r.alive))
+        for s in last_hour:
+            f = s.figures
+            throughput.add_metric([s.queue], f.throughput_per_s)
+            failures.add_metric([s.queue], f.failures)
+            for quantile, wait_ms, run_ms in (("0.5", f.wait_p50_ms, f.run_p50_ms), ("0.95", f.wait_p95_ms, f.run_p95_ms)):
+                if wait_ms is not None:
+                    wait.add_metric([s.queue, quantile], wait_ms / 1000)
+                if run_ms is not None:
+                    run.add_metric([s.queue, quantile], run_ms / 1000)
         up.add_metric([], 1)
-        yield from (depth, prefetched, oldest, unserved, alive, lag, unrouted, unrouted_age, failed, relays, up)
+        yield from (depth, prefetched, oldest, unserved, alive, lag, unrouted, unrouted_age, failed, relays,
+                    throughput, failures, wait, run, up)
 
 
 def registry_for(url: str, *, multiprocess_dir: str | None, rescue_after_s: float) -> CollectorRegistry:

@@ -48,6 +48,10 @@ MIN_ID_PREFIX_HEX = 8
 AMBIGUOUS_SHOWN = 5
 #: Largest id of an outbox event or a webhook endpoint (Postgres bigint).
 MAX_BIGINT = 2 ** 63 - 1
+#: Longest text the search in errors (``error``) takes. That search reads the error and
+#: the last traceback of every job the other filters leave (no index holds them): a scan
+#: of ``dramatiq.queue``, as listing does anyway, one case-insensitive match a row.
+MAX_ERROR_SEARCH_CHARS = 200
 
 
 class OpsError(StandmeetError, ValueError):
@@ -585,7 +589,8 @@ CASE WHEN q."state" = 'queued' AND q.eta > now() THEN 'delayed'
 """
 
 #: The filters shared by the job list, its count and the bulk actions; every one is
-#: optional (NULL: no filter). ``search`` is an ILIKE pattern over the arguments.
+#: optional (NULL: no filter). ``search`` is an ILIKE pattern over the arguments,
+#: ``error`` one over the error (the rejection reason) and the last failure's traceback.
 JOB_FILTERS = """
     (%(state)s::text IS NULL
      OR (%(state)s = 'queued' AND q."state" = 'queued' AND q.eta <= now())
@@ -602,6 +607,10 @@ AND (%(message_ids)s::uuid[] IS NULL OR q.message_id = ANY(%(message_ids)s::uuid
 AND (%(search)s::text IS NULL
      OR (q.message->'args')::text ILIKE %(search)s
      OR (q.message->'kwargs')::text ILIKE %(search)s)
+AND (%(error)s::text IS NULL
+     OR q.error ILIKE %(error)s
+     OR q.message->'options'->>'traceback' ILIKE %(error)s
+     OR q.message->'options'->>'error' ILIKE %(error)s)
 """
 
 #: One line of a failure: the rejection reason, else the last line of the last traceback.
@@ -642,27 +651,31 @@ SHOW_JOB = (
 
 def list_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue: str | None = None,
               actor: str | None = None, since: datetime | str | None = None, search: str | None = None,
-              message_id: str | None = None, limit: int = 50, offset: int = 0) -> list[JobSummary]:
+              message_id: str | None = None, error: str | None = None, limit: int = 50,
+              offset: int = 0) -> list[JobSummary]:
     """Jobs matching every given filter, newest first (enqueued_at DESC, then id: stable).
 
     ``since``: enqueued at or after (a datetime, an ISO time, or an age like ``15m``,
     ``2h``, ``1d``); ``search``: text in the arguments (case-insensitive);
-    ``message_id``: a whole id or the start of one.
+    ``message_id``: a whole id or the start of one; ``error``: text in the job's error or
+    its last traceback (case-insensitive, at most :data:`MAX_ERROR_SEARCH_CHARS`).
     """
     if not 0 < limit <= MAX_LIMIT:
         raise OpsError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
     if not 0 <= offset <= MAX_OFFSET:
         raise OpsError(f"offset must be between 0 and {MAX_OFFSET}, not {offset}")
-    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id)
+    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id,
+                         error=error)
     rows = conn.execute(LIST_JOBS, {**params, "limit": limit, "offset": offset}).fetchall()
     return [JobSummary(r[0], r[1], r[2] or "", r[3], int(r[4]), r[5], r[6], r[7]) for r in rows]
 
 
 def count_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue: str | None = None,
                actor: str | None = None, since: datetime | str | None = None, search: str | None = None,
-               message_id: str | None = None) -> int:
+               message_id: str | None = None, error: str | None = None) -> int:
     """How many jobs :func:`list_jobs` would page through with the same filters."""
-    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id)
+    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id,
+                         error=error)
     row = conn.execute(COUNT_JOBS, params).fetchone()
     return int(row[0]) if row else 0
 
@@ -771,7 +784,8 @@ class RetryOutcome(_Row):
 def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
                        state: str | None = None, queue: str | None = None, actor: str | None = None,
                        since: datetime | str | None = None, search: str | None = None,
-                       include_cancelled: bool | None = None, by: str) -> RetryOutcome:
+                       error: str | None = None, include_cancelled: bool | None = None,
+                       by: str) -> RetryOutcome:
     """Send rejected jobs (the ids given, or every one matching the filters) back to
     their queue, due now, with their retries reset; say how many, and how many cancelled
     ones it left alone.
@@ -787,7 +801,7 @@ def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[s
     if include_cancelled is None:
         include_cancelled = state == "cancelled" or (message_ids is not None and state is None)
     params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
-                         message_ids=message_ids)
+                         message_ids=message_ids, error=error)
     with conn.transaction():
         row = conn.execute(RETRY_JOBS, {**params, "by": _by(by), "include_cancelled": include_cancelled}).fetchone()
     if row is None:
@@ -798,15 +812,16 @@ def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[s
 def retry_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
                state: str | None = None, queue: str | None = None, actor: str | None = None,
                since: datetime | str | None = None, search: str | None = None,
-               include_cancelled: bool | None = None, by: str) -> int:
+               error: str | None = None, include_cancelled: bool | None = None, by: str) -> int:
     """:func:`retry_jobs_outcome`, returning how many jobs were retried."""
     return retry_jobs_outcome(conn, message_ids=message_ids, state=state, queue=queue, actor=actor, since=since,
-                              search=search, include_cancelled=include_cancelled, by=by).retried
+                              search=search, error=error, include_cancelled=include_cancelled, by=by).retried
 
 
 def cancel_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
                 state: str | None = None, queue: str | None = None, actor: str | None = None,
-                since: datetime | str | None = None, search: str | None = None, by: str) -> int:
+                since: datetime | str | None = None, search: str | None = None, error: str | None = None,
+                by: str) -> int:
     """Cancel jobs (the ids given, or every queued, delayed or running one matching the
     filters); return how many. A job not running never runs; a running one is not
     retried and stops at its next deadline check. Finished jobs are left alone.
@@ -814,7 +829,7 @@ def cancel_jobs(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | N
     if state not in (None, "queued", "delayed", "running"):
         raise OpsError(f"only queued, delayed or running jobs can be cancelled, not {state!r} ones")
     params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
-                         message_ids=message_ids)
+                         message_ids=message_ids, error=error)
     with conn.transaction():
         row = conn.execute(CANCEL_JOBS, {**params, "by": _by(by)}).fetchone()
     return int(row[0]) if row else 0
@@ -1144,21 +1159,34 @@ def resolve_job_ids(conn: psycopg.Connection[Any], values: Iterable[str]) -> lis
 
 def job_filters(*, state: str | None = None, queue: str | None = None, actor: str | None = None,
                 since: datetime | str | None = None, search: str | None = None,
-                message_id: str | None = None, message_ids: Iterable[str] | None = None) -> dict[str, Any]:
-    """The parameters of :data:`JOB_FILTERS`, checked."""
+                message_id: str | None = None, message_ids: Iterable[str] | None = None,
+                error: str | None = None) -> dict[str, Any]:
+    """The parameters of :data:`JOB_FILTERS`, checked (``error``: at most
+    :data:`MAX_ERROR_SEARCH_CHARS`, no control characters)."""
     if state is not None and state not in JOB_STATES:
         raise OpsError(f"unknown job state {state!r}; one of {', '.join(JOB_STATES)}")
     id_low = id_high = None
     if message_id:
         id_low, id_high = id_range(message_id)
     ids = None if message_ids is None else [parse_message_id(m) for m in message_ids]
-    pattern = None
-    if search:
-        pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    if error:
+        if len(error) > MAX_ERROR_SEARCH_CHARS:
+            raise OpsError(f"error: the text to search errors for must be at most {MAX_ERROR_SEARCH_CHARS} "
+                           f"characters, not {len(error)}")
+        if any(ord(c) < 32 or ord(c) == 127 for c in error):
+            raise OpsError(f"error: the text to search errors for must not contain control characters: {error!r}")
     return {
         "state": state, "queue": queue or None, "actor": actor or None, "since": parse_since(since),
-        "id_low": id_low, "id_high": id_high, "message_ids": ids, "search": pattern,
+        "id_low": id_low, "id_high": id_high, "message_ids": ids, "search": _contains(search),
+        "error": _contains(error),
     }
+
+
+def _contains(text: str | None) -> str | None:
+    """An ILIKE pattern matching ``text`` anywhere, its wildcards taken literally (None: no filter)."""
+    if not text:
+        return None
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 def jsonable(value: Any) -> Any:
@@ -1198,6 +1226,11 @@ def _one_line(text: str | None) -> str | None:
         return None
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else None
+
+
+def db_now(conn: psycopg.Connection[Any]) -> datetime:
+    """The database's clock: what every age and window of this module is judged by."""
+    return _db_now(conn)
 
 
 def _db_now(conn: psycopg.Connection[Any]) -> datetime:

@@ -1,10 +1,10 @@
 """The operators' commands of ``standmeet-jobs``: status, jobs, queues, the outbox, webhook deliveries.
 
     standmeet-jobs status [--json] [--check [--max-age-s N] [--queues Q …]]
-    standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--limit N] [--json]
+    standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--error TEXT] [--limit N] [--json]
     standmeet-jobs jobs show ID [--show-args] [--json]
-    standmeet-jobs jobs retry ID … | jobs retry --state rejected [--queue Q] [--actor A] [--since T] [--include-cancelled]
-    standmeet-jobs jobs cancel ID … | jobs cancel --queue Q [--state queued|delayed|running] [--actor A]
+    standmeet-jobs jobs retry ID … | jobs retry --state rejected [--queue Q] [--actor A] [--since T] [--error TEXT] [--include-cancelled]
+    standmeet-jobs jobs cancel ID … | jobs cancel --queue Q [--state queued|delayed|running] [--actor A] [--error TEXT]
     standmeet-jobs queues list | pause Q | resume Q
     standmeet-jobs outbox list [--failed] [--topic T] [--limit N] [--json]
     standmeet-jobs outbox retry ID … | outbox retry --failed [--topic T]
@@ -33,12 +33,12 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 
-from broker import app, ops, pgpool
+from broker import app, history, ops, pgpool
 from broker.embedded import resolve_database_url
 from broker.errors import DatabaseUnavailable, StandmeetError
 from broker.redact import hidden_options
@@ -47,6 +47,8 @@ from broker.worker import bounded_float, bounded_int
 
 #: ``status --check`` fails when a queue's oldest due job has waited longer than this.
 DEFAULT_MAX_AGE_S = 300.0
+#: What ``status`` sums of the history: the last hour.
+HISTORY_WINDOW = timedelta(hours=1)
 #: The page sizes and offsets the commands take.
 LIMIT = bounded_int(low=1, high=ops.MAX_LIMIT)
 OFFSET = bounded_int(low=0, high=ops.MAX_OFFSET)
@@ -79,6 +81,8 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--actor")
     q.add_argument("--since", type=_since, help="enqueued since: an ISO time or an age (15m, 2h, 1d; at most 36500d)")
     q.add_argument("--search", help="text in the job's arguments")
+    q.add_argument("--error", type=_error_text, help="text in the job's error or last traceback (case-insensitive, "
+                   f"at most {ops.MAX_ERROR_SEARCH_CHARS} characters; reads every job the other filters leave)")
     q.add_argument("--limit", type=LIMIT, default=50, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 50)")
     q.add_argument("--offset", type=OFFSET, default=0, help=f"skip this many first (0 to {ops.MAX_OFFSET})")
     q.add_argument("--json", action="store_true", help="a JSON list")
@@ -97,6 +101,7 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--queue", help="… of this queue")
     q.add_argument("--actor", help="… of this actor")
     q.add_argument("--since", type=_since, help="… enqueued since (an ISO time or an age: 15m, 2h, 1d)")
+    q.add_argument("--error", type=_error_text, help="… whose error or last traceback contains this text")
     q.add_argument("--include-cancelled", action="store_true",
                    help="… cancelled ones included (cancel is final otherwise: they are skipped and counted)")
     q.set_defaults(func=cmd_jobs_retry)
@@ -107,6 +112,7 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--queue", help="… of this queue")
     q.add_argument("--actor", help="… of this actor")
     q.add_argument("--since", type=_since, help="… enqueued since (an ISO time or an age)")
+    q.add_argument("--error", type=_error_text, help="… whose error or last traceback contains this text")
     q.set_defaults(func=cmd_jobs_cancel)
 
     p = sub.add_parser("queues", help="list, pause and resume queues")
@@ -158,6 +164,8 @@ def status_document(conn: psycopg.Connection[Any], settings: Settings) -> dict[s
     workers = ops.worker_overview(conn, rescue_after_s=settings.rescue_after_s)
     periodic = ops.periodic_overview(conn, app.periodic_jobs())
     outbox = ops.outbox_overview(conn, rescue_after_s=settings.rescue_after_s)
+    now = ops.db_now(conn)
+    last_hour = history.summary(conn, since=now - HISTORY_WINDOW, until=now)
     return {
         "queues": [ops.jsonable(q) for q in sorted(queues, key=lambda q: q.name)],
         "workers": [{**ops.jsonable(w), "running_jobs": [{"id": i, "actor": a} for i, a in w.running_jobs]}
@@ -166,6 +174,8 @@ def status_document(conn: psycopg.Connection[Any], settings: Settings) -> dict[s
         "unique_skips": [ops.jsonable(u) for u in ops.unique_skips(conn)],
         "outbox_lag_s": outbox.lag_s,
         "outbox": {**ops.jsonable(outbox), "routed_topics": outbox.routed_topics},
+        "history": {"window_s": HISTORY_WINDOW.total_seconds(), "since": (now - HISTORY_WINDOW).isoformat(),
+                    "queues": [s.as_json() for s in last_hour]},
     }
 
 
@@ -255,6 +265,21 @@ def _print_status(doc: dict[str, Any]) -> None:
                    "outbox retry --failed)")
     live = [r for r in outbox["relays"] if r["alive"]]
     _line(out, f"relays: {len(live)} live, routing {', '.join(outbox['routed_topics']) or 'no topic'}")
+    for h in doc["history"]["queues"]:
+        _line(out, history_line(h))
+
+
+def history_line(h: dict[str, Any]) -> str:
+    """One queue's last hour, as ``status`` prints it."""
+    return (f"last hour {h['name']}: {h['done']} done ({h['throughput_per_s']:g}/s), {h['failures']} failures; "
+            f"wait p50 {_ms(h['wait_p50_ms'])} p95 {_ms(h['wait_p95_ms'])}; "
+            f"run p50 {_ms(h['run_p50_ms'])} p95 {_ms(h['run_p95_ms'])}")
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f} ms" if value < 10_000 else f"{value / 1000:.1f} s"
 
 
 def _serving(q: dict[str, Any]) -> str:
@@ -274,7 +299,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
         if args.queue:
             _known_queue(conn, settings, args.queue)
         jobs = ops.list_jobs(conn, state=args.state, queue=args.queue, actor=args.actor, since=args.since,
-                             search=args.search, limit=args.limit, offset=args.offset)
+                             search=args.search, error=args.error, limit=args.limit, offset=args.offset)
     if args.json:
         print(json.dumps([{k: ops.jsonable(getattr(j, k)) for k in JOB_LIST_KEYS} for j in jobs], indent=2))
         return 0
@@ -291,10 +316,12 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     with _connect(settings) as conn:
         message_id = ops.resolve_job_id(conn, args.id)
         job = ops.show_job(conn, message_id)
+        attempts = history.attempts(conn, message_id)
     if job is None:
         raise UsageError(f"no job {message_id} (never enqueued, or pruned after the retention)")
     doc = ops.jsonable(job)
     doc["timeline"] = [{"event": name, "at": at.isoformat()} for name, at in job.timeline]
+    doc["attempts"] = [a.as_json() for a in attempts]
     if not args.show_args:  # its own arguments, and those of every message its options carry
         doc.pop("args")
         doc.pop("kwargs")
@@ -324,6 +351,12 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     if job.error and job.error != job.traceback:
         _row(t, "error", _text(job.error, lines=True))
     out.print(t)
+    if attempts:
+        t = _table("attempt", "outcome", "worker", "started", "ended", "run time", "error", title="attempts")
+        for a in attempts:
+            _row(t, a.attempt, a.outcome, (a.worker_id or "-")[:8], _when(a.started_at), _when(a.ended_at),
+                 _ms(a.run_ms), (a.error or "").strip().splitlines()[-1] if (a.error or "").strip() else "")
+        out.print(t)
     if job.traceback:
         out.print(_text(job.traceback, lines=True))
     return 0
@@ -338,7 +371,8 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
 
 
 def _bulk(args: argparse.Namespace, action: str) -> int:
-    filters = {"state": args.state, "queue": args.queue, "actor": args.actor, "since": args.since}
+    filters = {"state": args.state, "queue": args.queue, "actor": args.actor, "since": args.since,
+               "error": args.error}
     include_cancelled = bool(getattr(args, "include_cancelled", False))
     if args.ids and any(filters.values()):
         raise UsageError(f"give job ids or filters to {action}, not both")
@@ -349,7 +383,7 @@ def _bulk(args: argparse.Namespace, action: str) -> int:
             raise UsageError("--state cancelled would retry cancelled jobs, and cancel is final: add "
                              "--include-cancelled to retry them, or name each by its id")
         if action == "cancel" and not (args.queue or args.actor):
-            raise UsageError("give job ids, or --queue or --actor (with optional --state/--since)")
+            raise UsageError("give job ids, or --queue or --actor (with optional --state/--since/--error)")
     by = operator_name()
     settings = Settings.from_env()
     with _connect(settings) as conn, conn.transaction():
@@ -359,13 +393,13 @@ def _bulk(args: argparse.Namespace, action: str) -> int:
         skipped, cancelled_retried, held = 0, [], 0
         if action == "retry":
             outcome = ops.retry_jobs_outcome(conn, message_ids=ids, state=args.state, queue=args.queue,
-                                             actor=args.actor, since=args.since,
+                                             actor=args.actor, since=args.since, error=args.error,
                                              include_cancelled=True if include_cancelled else None, by=by)
             n, skipped, cancelled_retried = outcome.retried, outcome.skipped_cancelled, outcome.retried_cancelled
             held = outcome.skipped_unique
         else:
             n = ops.cancel_jobs(conn, message_ids=ids, state=args.state, queue=args.queue, actor=args.actor,
-                                since=args.since, by=by)
+                                since=args.since, error=args.error, by=by)
         target: dict[str, Any] = {"message_ids": ids} if ids else {k: v for k, v in filters.items() if v}
         if include_cancelled and not ids:
             target["include_cancelled"] = True
@@ -624,6 +658,15 @@ def _table(*columns: str, title: str | None = None) -> Any:
 
     t = Table(*columns, title=title, box=box.SIMPLE_HEAD, title_justify="left")
     return t
+
+
+def _error_text(value: str) -> str:
+    """An argparse ``type``: the text to search errors for, within its length (exit 2 past it)."""
+    try:
+        ops.job_filters(error=value)
+    except ops.OpsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _since(value: str) -> str:

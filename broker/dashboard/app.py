@@ -68,6 +68,11 @@ NOTICES = {
                           "(retry one from its own page, or `jobs retry ID`)."),
     "retried_cancelled": "Retry queued: this job had been cancelled, and was retried because you named it.",
     "nothing": "Nothing matched: nothing was changed.",
+    "none_selected": "Nothing selected: tick the rows to act on, then press Retry selected or Cancel selected.",
+    "selected_retry": "The selected jobs that had failed were queued again; the others were left as they were.",
+    "selected_cancel": "The selected jobs not yet finished were cancelled; the others were left as they were.",
+    "selected_cancel_final": ("The selected jobs that had failed were queued again, except the cancelled ones: "
+                              "cancel is final (retry one from its own page, or `jobs retry ID`)."),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
 
@@ -15,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from broker import ops
-from broker.dashboard import webhooks
+from broker import history, ops
+from broker.dashboard import charts, webhooks
 from broker.dashboard.app import (
     BULK_LIMIT,
     JOB_STATES,
@@ -41,8 +42,9 @@ from broker.metrics import DatabaseCollector
 from broker.redact import hidden_options
 
 #: The list filters, as query parameters (``id``: a job id or its start; ``q``: text
-#: in the arguments; ``since``: an ISO time or an age like 15m).
-FILTER_PARAMS = ("state", "queue", "actor", "id", "q", "since")
+#: in the arguments; ``error``: text in the error or the last traceback; ``since``: an
+#: ISO time or an age like 15m).
+FILTER_PARAMS = ("state", "queue", "actor", "id", "q", "error", "since")
 #: States a bulk action applies to: retry takes rejected (and cancelled) jobs, cancel
 #: takes jobs not finished.
 RETRYABLE = ("rejected", "cancelled")
@@ -57,9 +59,11 @@ def routes() -> list[BaseRoute]:
         Route("/jobs", jobs_list, name="jobs"),
         Route("/jobs/bulk", jobs_bulk_confirm, methods=["GET"]),
         Route("/jobs/bulk", jobs_bulk, methods=["POST"]),
+        Route("/jobs/selected", jobs_selected, methods=["POST"]),
         Route("/jobs/{id}", job_page, name="job"),
         Route("/jobs/{id}/retry", job_retry, methods=["POST"]),
         Route("/jobs/{id}/cancel", job_cancel, methods=["POST"]),
+        Route("/history", history_page, name="history"),
         Route("/workers", workers_page, name="workers"),
         Route("/periodic", periodic_page, name="periodic"),
         Route("/outbox", outbox_page, name="outbox"),
@@ -108,8 +112,11 @@ async def overview(request: Request) -> Response:
             queues.setdefault(name, ops.QueueStatus(name, 0, 0, 0, 0, 0, 0, None, False))
         workers = ops.worker_overview(conn, rescue_after_s=config.rescue_after_s)
         outbox = ops.outbox_overview(conn, rescue_after_s=config.rescue_after_s)
+        # one statement for every queue's last hour, from the history (not dramatiq.queue)
+        last_hour = history.series_by_queue(conn, since=ops.db_now(conn) - timedelta(hours=1), bucket_s=60)
         return {
             "queues": [queues[name] for name in sorted(queues)],
+            "sparklines": {name: charts.sparkline(name, points) for name, points in last_hour.items()},
             "alive": sum(1 for w in workers if w.alive),
             "dead": sum(1 for w in workers if not w.alive),
             "outbox_lag_s": outbox.lag_s,
@@ -188,7 +195,7 @@ def ops_filters(filters: dict[str, str], *, hide_args: bool) -> dict[str, Any]:
     return {
         "state": filters.get("state"), "queue": filters.get("queue"), "actor": filters.get("actor"),
         "message_id": filters.get("id"), "since": since_filter(since) if since else None,
-        "search": None if hide_args else filters.get("q"),
+        "search": None if hide_args else filters.get("q"), "error": filters.get("error"),
     }
 
 
@@ -300,6 +307,46 @@ async def jobs_bulk(request: Request) -> Response:
     return redirect("/jobs", notice, **filters)
 
 
+#: At most this many jobs are acted on by one "Retry selected" / "Cancel selected".
+MAX_SELECTED = ops.MAX_LIMIT
+
+
+@guarded
+async def jobs_selected(request: Request) -> Response:
+    """Retry or cancel the jobs ticked on the list (``selected``, repeated): the calls of the bulk
+    actions. Cancel is final here too: a retry leaves the cancelled ones alone, and says so."""
+    form = await action_form(request)
+    config = config_of(request)
+    filters = visible_filters({k: str(form.get(k) or "") for k in FILTER_PARAMS}, hide_args=config.hide_args)
+    action = str(form.get("action") or "")
+    if action not in ("retry", "cancel"):
+        raise ops.OpsError(f"action must be retry or cancel, not {quoted(action)}")
+    raw = [str(v) for v in form.getlist("selected")]
+    if len(raw) > MAX_SELECTED:
+        raise ops.OpsError(f"at most {MAX_SELECTED} jobs can be selected at once, not {len(raw)}")
+    ids = list(dict.fromkeys(ops.parse_message_id(v) for v in raw))
+    page = str(form.get("page") or "").strip()
+    back = {**filters, **({"page": page} if page.isascii() and page.isdigit() else {})}
+    if not ids:
+        return redirect("/jobs", "none_selected", **back)
+    by, source = actor_of(request)
+
+    def act(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+        with conn.transaction():
+            if action == "retry":
+                outcome = ops.retry_jobs_outcome(conn, message_ids=ids, include_cancelled=False, by=by)
+                changed, skipped = outcome.retried, outcome.skipped_cancelled
+            else:
+                changed, skipped = ops.cancel_jobs(conn, message_ids=ids, by=by), 0
+            ops.record_action(conn, action=f"jobs.{action}", target={"selected": True, "message_ids": ids},
+                              by=by, source=source, affected=changed)
+        return changed, skipped
+
+    changed, skipped = await with_conn(request, act)
+    notice = "selected_cancel_final" if skipped else f"selected_{action}" if changed else "nothing"
+    return redirect("/jobs", notice, **back)
+
+
 def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[str]:
     """Every job id the list filters ``plan`` match (at most BULK_LIMIT), page by page."""
     ids: list[str] = []
@@ -328,14 +375,51 @@ async def job_page(request: Request) -> Response:
     show = request.query_params.get("show", "")
     if show not in ("", "args"):
         raise ops.OpsError(f"show must be args or absent, not {quoted(show)}")
-    job = await with_conn(request, lambda conn: ops.show_job(conn, message_id))
+
+    def read(conn: psycopg.Connection[Any]) -> tuple[ops.JobDetail | None, list[history.Attempt], datetime]:
+        return ops.show_job(conn, message_id), history.attempts(conn, message_id), ops.db_now(conn)
+
+    job, attempts, now = await with_conn(request, read)
     if job is None:
         return render(request, "not_found.html", {"what": f"job {message_id}"}, status_code=404)
     show_args = show == "args" and not config.hide_args
     # hidden means hidden: the next step of a pipeline, a group's callbacks and any other
     # message carried in the options lose their arguments too
     options = hidden_options(job.options) if config.hide_args else job.options
-    return render(request, "job.html", {"job": job, "options": options, "show_args": show_args})
+    return render(request, "job.html", {"job": job, "options": options, "show_args": show_args,
+                                        "attempts": attempts, "durations": job_durations(job, attempts, now),
+                                        "duration": duration_text})
+
+
+def duration_text(ms: float | None) -> str:
+    """A duration as a person reads it: 840 µs, 12.4 ms, 3.21 s, 4.5 min, 2.1 h; '–' for none."""
+    if ms is None:
+        return "–"
+    if ms < 1:
+        return f"{ms * 1000:.0f} µs"
+    if ms < 1000:
+        return f"{ms:.3g} ms"
+    if ms < 120_000:
+        return f"{ms / 1000:.3g} s"
+    if ms < 7_200_000:
+        return f"{ms / 60_000:.1f} min"
+    return f"{ms / 3_600_000:.1f} h"
+
+
+def job_durations(job: ops.JobDetail, attempts: list[history.Attempt], now: datetime) -> dict[str, Any]:
+    """How long a job took: its last run (start to end; so far, while it runs) and in all
+    (from its enqueue to its end; so far, while it is not finished), by the database's clock."""
+    running = job.state == "running" and job.started_at is not None
+    last = next((a for a in reversed(attempts) if a.started_at is not None), None)
+    if running:
+        assert job.started_at is not None
+        last_run_ms: float | None = (now - job.started_at).total_seconds() * 1000
+    else:
+        last_run_ms = last.run_ms if last is not None else None
+    end = job.finished_at if job.state in ("done", "rejected") and job.finished_at else None
+    total_ms = ((end or now) - job.enqueued_at).total_seconds() * 1000
+    return {"last_run_ms": last_run_ms, "last_run_so_far": running, "total_ms": max(total_ms, 0.0),
+            "total_so_far": end is None}
 
 
 async def _job_action(request: Request, action: str) -> Response:
@@ -369,6 +453,62 @@ async def job_retry(request: Request) -> Response:
 @guarded
 async def job_cancel(request: Request) -> Response:
     return await _job_action(request, "cancel")
+
+
+# -- history ---------------------------------------------------------------------------
+
+#: The windows the history page charts: how far back, and the width of a bucket.
+HISTORY_WINDOWS: dict[str, tuple[timedelta, int]] = {
+    "1h": (timedelta(hours=1), 60),
+    "24h": (timedelta(hours=24), 900),
+}
+#: The words a window's charts say it in.
+WINDOW_WORDS = {"1h": "hour", "24h": "24 hours"}
+
+
+@guarded
+async def history_page(request: Request) -> Response:
+    """Charts of each queue's (or one queue's) history over the last hour or day: read
+    from ``standmeet.queue_history`` in one statement, never from ``dramatiq.queue``."""
+    config = config_of(request)
+    window = request.query_params.get("window", "1h").strip() or "1h"
+    if window not in HISTORY_WINDOWS:
+        raise ops.OpsError(f"window must be one of {', '.join(HISTORY_WINDOWS)}, not {quoted(window)}")
+    queue = text_filter("queue", request.query_params.get("queue", "")).strip() or None
+    span, bucket_s = HISTORY_WINDOWS[window]
+
+    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        now = ops.db_now(conn)
+        if queue is not None and queue not in config.queues:
+            seen = {s.queue for s in history.summary(conn, since=now - timedelta(hours=24))}
+            if queue not in seen:
+                listed = sorted(seen | set(config.queues))
+                more = f" and {len(listed) - KNOWN_QUEUES_LISTED} more" if len(listed) > KNOWN_QUEUES_LISTED else ""
+                raise ops.OpsError(f"queue {quoted(queue)} is not declared and has no history in the last 24 hours; "
+                                   f"known: {', '.join(listed[:KNOWN_QUEUES_LISTED]) or 'none'}{more}")
+        series = history.series_by_queue(conn, since=now - span, bucket_s=bucket_s, queue=queue)
+        return {"series": series, "now": now}
+
+    data = await with_conn(request, read)
+    words = WINDOW_WORDS[window]
+    queues = [
+        {"name": name, "anchor": f"history-{index}",
+         "charts": charts.history_charts(name, points, bucket_s=bucket_s, window=words, chart_id=f"chart-{index}"),
+         "totals": _totals(points)}
+        for index, (name, points) in enumerate(sorted(data["series"].items()))
+    ]
+    quiet = sorted(set(config.queues) - set(data["series"])) if queue is None else []
+    return render(request, "history.html", {
+        "queue": queue, "window": window, "windows": list(HISTORY_WINDOWS), "window_words": words,
+        "bucket_min": bucket_s // 60, "queues": queues, "quiet": quiet, "as_of": data["now"],
+        "window_url": lambda w: "/history?" + urlencode({**({"queue": queue} if queue else {}), "window": w}),
+    })
+
+
+def _totals(points: list[history.SeriesPoint]) -> dict[str, int]:
+    return {"done": sum(p.figures.done for p in points), "failures": sum(p.figures.failures for p in points),
+            "rejected": sum(p.figures.rejected for p in points), "failed": sum(p.figures.failed for p in points),
+            "crashed": sum(p.figures.crashed for p in points)}
 
 
 # -- workers and periodic jobs ---------------------------------------------------------

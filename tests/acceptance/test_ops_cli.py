@@ -4,6 +4,7 @@ processes against real workers."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -413,3 +414,56 @@ def test_a_failed_outbox_event_is_listed_and_retried_from_the_command_line(
     actions = query(database_url, "SELECT target, affected, source FROM standmeet.operator_actions"
                                   " WHERE action = 'outbox.retry' ORDER BY id")
     assert actions[0] == ({"event_ids": [event_id]}, 1, "cli")
+
+
+def test_jobs_are_found_by_text_in_their_error_and_a_filtered_retry_takes_only_those(broker, database_url,
+                                                                                       subprocess_env):
+    # Given rejected jobs of a queue, two of them timed out upstream
+    timeouts = put_jobs(database_url, "cli_errors", 2, rejected_with="Traceback …\nTimeoutError: upstream took 30 s")
+    (other,) = put_jobs(database_url, "cli_errors", rejected_with="ValueError: no lines")
+    try:
+        # When an operator searches the errors, whatever the case, then retries what matched
+        listed = json.loads(ok(cli(subprocess_env, "jobs", "list", "--queue", "cli_errors", "--error",
+                                   "timeouterror", "--json")))
+        retried = ok(cli(subprocess_env, "jobs", "retry", "--state", "rejected", "--queue", "cli_errors",
+                         "--error", "TimeoutError"))
+        too_long = cli(subprocess_env, "jobs", "list", "--error", "x" * 201)
+        # Then only the two are listed, and retried
+        assert {j["id"] for j in listed} == set(timeouts)
+        assert all(j["error"] == "TimeoutError: upstream took 30 s" for j in listed)
+        assert "retried 2 job(s)" in retried
+        assert [_state(database_url, m) for m in [*timeouts, other]] == ["queued", "queued", "rejected"]
+        target = query(database_url, "SELECT target FROM standmeet.operator_actions WHERE action = 'jobs.retry'"
+                                     " ORDER BY id DESC LIMIT 1")[0][0]
+        assert target["error"] == "TimeoutError"
+        assert too_long.returncode == 2 and len(too_long.stderr.strip().splitlines()) == 1
+        assert "at most 200 characters" in too_long.stderr
+    finally:
+        drop_queue(database_url, "cli_errors")
+
+
+def test_status_gives_each_queues_last_hour_and_jobs_show_every_attempt(broker, database_url, subprocess_env,
+                                                                        start_worker):
+    # Given a worker that ran jobs, three of which failed for good
+    start_worker(queues=["index"], threads=2)
+    failed = [broken.send(n) for n in range(3)]
+    done = [noop.send(f"status-history-{n}") for n in range(4)]
+    for message in [*failed, *done]:
+        _settled(database_url, message.message_id)
+    doc = json.loads(ok(cli(subprocess_env, "status", "--json")))
+    text = ok(cli(subprocess_env, "status"))
+    shown = json.loads(ok(cli(subprocess_env, "jobs", "show", failed[0].message_id, "--json")))
+    # Then status --json sums the last hour of each queue from the history
+    assert doc["history"]["window_s"] == 3600
+    (index,) = [q for q in doc["history"]["queues"] if q["name"] == "index"]
+    assert index["rejected"] >= 3 and index["failures"] >= 3 and index["done"] >= 4
+    assert index["throughput_per_s"] == round(index["done"] / 3600, 3)
+    for key in ("wait_p50_ms", "wait_p95_ms", "run_p50_ms", "run_p95_ms"):
+        assert index[key] is not None and index[key] >= 0
+    assert index["wait_p50_ms"] <= index["wait_p95_ms"] and index["run_p50_ms"] <= index["run_p95_ms"]
+    # and status prints a line for it
+    assert re.search(r"last hour index: \d+ done \([\d.]+/s\), \d+ failures; wait p50 [\d.]+ m?s p95 [\d.]+ m?s; "
+                     r"run p50 [\d.]+ m?s p95 [\d.]+ m?s", text), text
+    # and jobs show lists the failed job's attempt with its own error
+    assert [(a["attempt"], a["outcome"]) for a in shown["attempts"]] == [(1, "rejected")]
+    assert "order 0 has no lines" in shown["attempts"][0]["error"]

@@ -468,3 +468,36 @@ def test_a_filtered_retry_skips_cancelled_jobs_and_says_how_many_unless_they_are
         assert _state(database_url, cancelled) == "queued"
     finally:
         drop_queue(database_url, queue)
+
+
+def test_jobs_are_found_by_text_in_their_error_or_last_traceback_and_filtered_actions_keep_to_them(
+        database_url, conn):
+    # Given rejected jobs with different errors, and a delayed one whose last run's traceback is kept
+    from tests.support.job_rows import drop_queue, put_jobs
+
+    queue = "ops_error_search"
+    timeouts = put_jobs(database_url, queue, 2, rejected_with="Traceback …\nTimeoutError: upstream took 30 s")
+    others = put_jobs(database_url, queue, 1, rejected_with="ValueError: no lines")
+    (retrying,) = put_jobs(database_url, queue, delay_ms=600_000,
+                           options={"traceback": "Traceback …\nConnectionError: upstream TIMEOUTERROR-ish reset"})
+    (waiting,) = put_jobs(database_url, queue, delay_ms=600_000)
+    try:
+        # When they are searched by text in the error, whatever its case
+        found = {j.id for j in ops.list_jobs(conn, queue=queue, error="timeouterror")}
+        # Then the rejected ones whose error says it, and the one whose traceback does, match
+        assert found == {*timeouts, retrying}
+        assert ops.count_jobs(conn, queue=queue, error="TimeoutError") == 3
+        assert ops.list_jobs(conn, queue=queue, error="no_lines") == []  # _ is no wildcard
+        assert {j.id for j in ops.list_jobs(conn, queue=queue, error="no lines")} == set(others)
+        # and a filtered retry or cancel takes the matches only
+        outcome = ops.retry_jobs_outcome(conn, state="rejected", queue=queue, error="timeouterror", by="test")
+        assert outcome.retried == 2
+        assert {m: _state(database_url, m) for m in [*timeouts, *others]} == {
+            timeouts[0]: "queued", timeouts[1]: "queued", others[0]: "rejected"}
+        assert ops.cancel_jobs(conn, queue=queue, error="connectionerror", by="test") == 1
+        assert (_state(database_url, retrying), _state(database_url, waiting)) == ("rejected", "queued")
+        # the text is bounded
+        with pytest.raises(ops.OpsError, match=f"at most {ops.MAX_ERROR_SEARCH_CHARS} characters"):
+            ops.list_jobs(conn, error="x" * (ops.MAX_ERROR_SEARCH_CHARS + 1))
+    finally:
+        drop_queue(database_url, queue)
