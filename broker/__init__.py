@@ -6,22 +6,65 @@ global broker; ``import actors`` calls it, so ``dramatiq actors`` just works.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import sys
+import types
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import dramatiq
-import psycopg
+if TYPE_CHECKING:  # imported on first use (below): `standmeet-jobs --help` loads none of them
+    import dramatiq
+    import psycopg
 
-from broker import services
-from broker.embedded import resolve_database_url
-from broker.enqueue import enqueue, enqueue_async
-from broker.errors import BudgetError, ConfigError, StandmeetError
-from broker.outbox import emit, emit_async
-from broker.pgbroker import StandmeetBroker, UniqueBy, current_broker
-from broker.rate_limits import PostgresRateLimiterBackend
-from broker.results import PostgresResultBackend
-from broker.settings import Settings
+    from broker.enqueue import enqueue, enqueue_async
+    from broker.errors import BudgetError, ConfigError, StandmeetError
+    from broker.outbox import emit, emit_async
+    from broker.pgbroker import StandmeetBroker, UniqueBy, current_broker
+    from broker.rate_limits import PostgresRateLimiterBackend
+    from broker.results import PostgresResultBackend
+    from broker.settings import Settings
+
+#: Where each public name lives: imported the first time it is asked for, so that
+#: importing ``broker`` (every command does) costs nothing until the broker is used.
+_PUBLIC = {
+    "BudgetError": "broker.errors", "ConfigError": "broker.errors", "StandmeetError": "broker.errors",
+    "PostgresRateLimiterBackend": "broker.rate_limits", "PostgresResultBackend": "broker.results",
+    "Settings": "broker.settings", "StandmeetBroker": "broker.pgbroker", "UniqueBy": "broker.pgbroker",
+    "current_broker": "broker.pgbroker", "emit": "broker.outbox", "emit_async": "broker.outbox",
+    "enqueue_async": "broker.enqueue",
+}
+
+
+class _Package(types.ModuleType):
+    """``broker.enqueue`` is the function, as it always was, not the submodule of the same
+    name: importing the submodule (which binds it on its package) leaves the function."""
+
+    @property
+    def enqueue(self) -> Any:
+        from broker.enqueue import enqueue
+
+        return enqueue
+
+    @enqueue.setter
+    def enqueue(self, value: Any) -> None:  # the import system binding the submodule
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        if name.startswith("_") or importlib.util.find_spec(f"broker.{name}") is None:
+            raise AttributeError(f"module 'broker' has no attribute {name!r}")
+        return importlib.import_module(f"broker.{name}")  # a submodule (``broker.ops``)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BudgetError",
@@ -53,6 +96,8 @@ def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connecti
     by an earlier message of the batch) is not written: the live message stands in its
     place in the list returned.
     """
+    from broker.pgbroker import current_broker
+
     return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 
 
@@ -80,10 +125,15 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
     ``url`` overrides the database; otherwise ``DATABASE_URL`` or the embedded server.
     """
-    from broker import pgpool
+    import dramatiq
+
+    from broker import pgpool, services
     from broker.budget import BACKEND_POOL_CONNECTIONS
+    from broker.embedded import resolve_database_url
+    from broker.pgbroker import StandmeetBroker
     from broker.rate_limits import PostgresRateLimiterBackend
     from broker.results import PostgresResultBackend
+    from broker.settings import Settings
     from middleware import default_middleware
 
     settings = settings or Settings.from_env()
