@@ -41,7 +41,6 @@ import math
 import os
 import re
 import reprlib
-import select
 import socket
 import threading
 import time
@@ -79,6 +78,7 @@ from broker.pgpool import (
     close_quietly,
     connect,
     open_send_pool,
+    readable,
     topology_for,
 )
 from broker.settings import MIB, PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
@@ -1510,14 +1510,14 @@ class StandmeetConsumer(Consumer):
             self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())  # a slot freed
             return
         try:
-            readable, _, _ = select.select([conn.fileno(), self.state.wake_fd], [], [], timeout)
+            woken = readable([conn.fileno(), self.state.wake_fd], timeout)
         finally:
             self.state.awake()
-        if self.state.wake_fd in readable:
+        if self.state.wake_fd in woken:
             self.state.drain_wake()
             self.state.clear_freed()  # the pipe said it
             self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())
-        if readable:
+        if woken:
             self._heard(conn)
 
     def _heard(self, conn: psycopg.Connection[Any]) -> bool:
@@ -1530,8 +1530,7 @@ class StandmeetConsumer(Consumer):
         return heard
 
     def _wait_on_pipe(self, timeout: float) -> None:
-        readable, _, _ = select.select([self.state.wake_fd], [], [], timeout)
-        if readable:
+        if readable([self.state.wake_fd], timeout):
             self.state.drain_wake()
 
     def _connection(self) -> psycopg.Connection[Any]:

@@ -230,6 +230,26 @@ def poll_s(url: str) -> float:
     return topology_for(url).poll_s
 
 
+#: What poll reports for a descriptor that has something to read, or whose peer is gone.
+_READABLE = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP if hasattr(select, "poll") else 0
+
+
+def readable(fds: list[int], timeout_s: float) -> list[int]:
+    """Which of ``fds`` have something to read (or a peer gone) within ``timeout_s``.
+
+    ``poll``, not ``select``: a process with more than 1024 descriptors open (many
+    connections, many sockets) gets descriptors that ``select`` refuses ("filedescriptor
+    out of range"), which made every pooled connection look dead and every wait fail.
+    ``select`` only where the platform has no ``poll``."""
+    if not hasattr(select, "poll"):
+        found, _, _ = select.select(fds, [], [], timeout_s)
+        return list(found)
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, _READABLE)
+    return [fd for fd, _ in poller.poll(max(0.0, timeout_s) * 1000)]
+
+
 def check_cheaply(conn: psycopg.Connection[Any]) -> None:
     """Hand out only live connections, at the cost of a system call: an idle connection has
     nothing to read, so one that does (a server's goodbye, an end of file) is checked for
@@ -237,10 +257,10 @@ def check_cheaply(conn: psycopg.Connection[Any]) -> None:
     if conn.closed or conn.broken:
         raise psycopg.OperationalError("the connection is closed")
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        waiting = readable([conn.fileno()], 0)
     except (OSError, ValueError) as exc:
         raise psycopg.OperationalError(f"the connection's socket is gone: {exc}") from exc
-    if readable:
+    if waiting:
         ConnectionPool.check_connection(conn)
 
 
