@@ -56,12 +56,14 @@ def broker(database_url):
 
 
 def _waiting_in_select(thread: threading.Thread) -> bool:
-    """The thread is blocked in the consumer's wait (its select), not about to look again."""
+    """The thread is blocked in the consumer's wait (its poll, in ``pgpool.readable``
+    called on its connection and wake pipe), not about to look again."""
     frame = sys._current_frames().get(thread.ident or -1)
-    if frame is None:
+    if frame is None or frame.f_back is None:
         return False
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    return "select.select([conn.fileno(), self.state.wake_fd]" in line
+    caller = linecache.getline(frame.f_back.f_code.co_filename, frame.f_back.f_lineno)
+    return "poller.poll(" in line and "readable([conn.fileno(), self.state.wake_fd]" in caller
 
 
 def _finish(broker, consumer, proxy) -> None:

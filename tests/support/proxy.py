@@ -8,12 +8,13 @@ server's Unix socket. Tests may own threads; this one runs the proxy.
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from broker.pgpool import readable
 
 
 class PostgresProxy:
@@ -77,13 +78,15 @@ class PostgresProxy:
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         peers = {a: b, b: a}
+        by_fd = {sock.fileno(): sock for sock in peers}
         try:
             while True:
-                readable, _, _ = select.select(list(peers), [], [], 1.0)
+                # poll, not select: the suite's process may hold over 1024 descriptors
+                ready = [by_fd[fd] for fd in readable(list(by_fd), 1.0)]
                 with self._lock:
                     if a not in self._open:
                         return
-                for sock in readable:
+                for sock in ready:
                     data = sock.recv(65536)
                     if not data:
                         return
