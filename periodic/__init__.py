@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
 
 import psycopg
-from apscheduler.triggers.base import BaseTrigger
-from apscheduler.triggers.interval import IntervalTrigger
 
 from broker import db
 from broker.app import PeriodicJob, periodic_jobs
 from broker.enqueue import build_message, enqueue_message
 from broker.errors import DatabaseError
 from broker.pgbroker import current_broker
+
+if TYPE_CHECKING:  # APScheduler is imported by the scheduler process only (``trigger``)
+    from apscheduler.triggers.base import BaseTrigger
 
 logger = logging.getLogger("standmeet.periodic")
 
@@ -109,6 +111,8 @@ def cron_period(job: PeriodicJob, now: datetime) -> datetime | None:
 def trigger(job: PeriodicJob, now: datetime) -> BaseTrigger:
     """When a scheduler ticks ``job``: on each interval boundary (aligned with the
     database's periods), or every ``CRON_TICK_S`` for a cron job."""
+    from apscheduler.triggers.interval import IntervalTrigger
+
     if job.schedule is not None:
         return IntervalTrigger(seconds=CRON_TICK_S, start_date=now + timedelta(seconds=CRON_TICK_S))
     assert job.interval_s is not None
