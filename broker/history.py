@@ -39,10 +39,10 @@ _FILTER = """
       AND (%(queue)s::text IS NULL OR h.queue_name = %(queue)s::text)
       AND (%(actor)s::text IS NULL OR h.actor_name = %(actor)s::text)"""
 
-#: The history of some queues and actors (all when NULL) cut into buckets of ``bucket_s``
-#: seconds, aligned on the epoch, from the one holding ``since`` to the one holding
-#: ``until`` (default: now), every bucket present (empty ones with no row of history).
-SERIES = """
+#: The window's buckets of ``bucket_s`` seconds, aligned on the epoch, from the one
+#: holding ``since`` to the one holding ``until`` (default: now): the grid both series
+#: fill, so that every bucket is present.
+_WINDOW_GRID = """
 WITH span AS (
     SELECT floor(EXTRACT(EPOCH FROM %(since)s::timestamptz)::float8 / %(bucket_s)s) * %(bucket_s)s AS first_s,
            floor(EXTRACT(EPOCH FROM coalesce(%(until)s::timestamptz, now()))::float8 / %(bucket_s)s) * %(bucket_s)s
@@ -50,7 +50,13 @@ WITH span AS (
 ), grid AS (
     SELECT to_timestamp(s::float8) AS bucket
     FROM span, generate_series(span.first_s::numeric, span.last_s::numeric, %(bucket_s)s::numeric) AS s
-), per_bucket AS (
+)
+"""
+
+#: The history of some queues and actors (all when NULL) cut into buckets of ``bucket_s``
+#: seconds, aligned on the epoch, from the one holding ``since`` to the one holding
+#: ``until`` (default: now), every bucket present (empty ones with no row of history).
+SERIES = _WINDOW_GRID + """, per_bucket AS (
     SELECT to_timestamp(floor(EXTRACT(EPOCH FROM h.minute)::float8 / %(bucket_s)s) * %(bucket_s)s) AS bucket,
            """ + _AGGREGATES + """
     FROM standmeet.queue_history h
@@ -76,15 +82,7 @@ ORDER BY h.queue_name
 #: The history of each queue (or only ``queue``) in buckets as :data:`SERIES` cuts them, in
 #: one statement: every bucket of every queue with history in the window (and of ``queue``
 #: even without any), queue by queue, oldest first.
-SERIES_BY_QUEUE = """
-WITH span AS (
-    SELECT floor(EXTRACT(EPOCH FROM %(since)s::timestamptz)::float8 / %(bucket_s)s) * %(bucket_s)s AS first_s,
-           floor(EXTRACT(EPOCH FROM coalesce(%(until)s::timestamptz, now()))::float8 / %(bucket_s)s) * %(bucket_s)s
-               AS last_s
-), grid AS (
-    SELECT to_timestamp(s::float8) AS bucket
-    FROM span, generate_series(span.first_s::numeric, span.last_s::numeric, %(bucket_s)s::numeric) AS s
-), per_bucket AS (
+SERIES_BY_QUEUE = _WINDOW_GRID + """, per_bucket AS (
     SELECT h.queue_name,
            to_timestamp(floor(EXTRACT(EPOCH FROM h.minute)::float8 / %(bucket_s)s) * %(bucket_s)s) AS bucket,
            """ + _AGGREGATES + """
