@@ -16,9 +16,10 @@ import time
 
 from actors import settings as app_settings
 from actors.secretbox import DEFAULT_RESEAL_BATCH
-from broker import app, opscli
+from broker import app
+from broker.cli import ops as opscli
+from broker.engine.broker import current_broker
 from broker.errors import StandmeetError
-from broker.pgbroker import current_broker
 from broker.settings import Settings
 
 #: How long ``mail test`` waits for the outcome, and for the SMTP server to answer a probe.
@@ -52,8 +53,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     check_payload(args.topic, payload)  # before any connection: bad input is named first
     _actors()
+    from broker.engine.broker import current_broker
     from broker.outbox import emit
-    from broker.pgbroker import current_broker
 
     with psycopg.connect(current_broker().url) as conn, conn.transaction():
         event_id = emit(conn, args.topic, payload)
@@ -89,7 +90,7 @@ def cmd_write(args: argparse.Namespace) -> int:
     check_document(title, body, max_bytes=settings.document_max_bytes)
     _actors()
     from actors.documents import write_document
-    from broker.pgbroker import current_broker
+    from broker.engine.broker import current_broker
 
     result = write_document(title.strip() or Path(args.file).stem, body, wait_s=wait_s)
     print(json.dumps(result), flush=True)  # the answer is out before the connections close
@@ -99,7 +100,7 @@ def cmd_write(args: argparse.Namespace) -> int:
 
 def _actors() -> None:
     """Check the database: reachable and migrated (one line naming the cause if not)."""
-    from broker.preflight import check_database
+    from broker.pg.preflight import check_database
 
     check_database(current_broker().url)
 
@@ -126,7 +127,7 @@ def cmd_mail_test(args: argparse.Namespace) -> int:
         return 1
     _actors()
     from actors.mail import test_mail
-    from broker import db
+    from broker.pg import db
 
     message = test_mail.send(args.address)
     end = time.monotonic() + wait_s
@@ -260,7 +261,7 @@ def _given_secret(args: argparse.Namespace) -> str | None:
 
 
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
-    from broker.opscli import print_endpoints
+    from broker.cli.ops import print_endpoints
 
     print_endpoints(Settings.from_env())
     return 0

@@ -8,7 +8,8 @@ import dramatiq
 
 from actors.reasons import keeps_reason
 from actors.search import Document, IndexRefused, search_index
-from broker import db, deadline
+from broker import deadline
+from broker.pg import db
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

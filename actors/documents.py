@@ -17,11 +17,12 @@ from contextlib import ExitStack
 from typing import Any
 
 from actors import settings as app_settings
-from broker import db, services
-from broker.enqueue import enqueue
+from broker import services
+from broker.engine.broker import current_broker
+from broker.engine.enqueue import enqueue
 from broker.errors import StandmeetError
-from broker.pgbroker import current_broker
-from broker.receipts import channel_for
+from broker.outbox.receipts import channel_for
+from broker.pg import db
 
 #: The longest a write waits for its receipts (the bound of STANDMEET_RECEIPT_WAIT_S).
 MAX_WAIT_S = 3_600.0

@@ -16,7 +16,7 @@ supplier APIs, job feeds):
   wall-clock watchdog (``broker.deadline.watchdog``) shuts the connection down when it
   passes, whatever the request is blocked in (a trickled TLS handshake included);
 * the response body is read up to a cap (truncated, or refused), never whole;
-* when OpenTelemetry records spans (``broker.tracing``: the API only, never the SDK),
+* when OpenTelemetry records spans (``broker.observability.tracing``: the API only, never the SDK),
   the request is an HTTP client span named after its method, a child of the current
   span, with the attributes of the HTTP semantic conventions (``url.full`` without its
   query or fragment); ``propagate_trace=True`` sends that span's context as
@@ -39,7 +39,8 @@ import httpx
 
 from actors import http1
 from actors.netguard import Target, check_url
-from broker import deadline, tracing
+from broker import deadline
+from broker.observability import tracing
 
 try:
     from opentelemetry import propagate

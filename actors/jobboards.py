@@ -32,9 +32,10 @@ from actors import settings as app_settings
 from actors.http import ResponseTooLarge, guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import keeps_reason
-from broker import app, db
-from broker.enqueue import build_message, enqueue_message
+from broker import app
+from broker.engine.enqueue import build_message, enqueue_message
 from broker.errors import StandmeetError
+from broker.pg import db
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

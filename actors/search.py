@@ -16,8 +16,9 @@ import httpx
 import psycopg
 
 from actors import settings as app_settings
-from broker import db, deadline
+from broker import deadline
 from broker.errors import StandmeetError
+from broker.pg import db
 
 UPSERT = """
 INSERT INTO standmeet.search_index (document_id, title, tsv, indexed_at)

@@ -26,9 +26,10 @@ import psycopg
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
 from actors import settings as app_settings
-from broker import current_broker, db
-from broker.embedded import is_embedded
+from broker import current_broker
 from broker.errors import ConfigError, StandmeetError
+from broker.pg import db
+from broker.pg.embedded import is_embedded
 from broker.settings import Settings
 
 PREFIX = "fernet:"

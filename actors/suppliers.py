@@ -24,9 +24,9 @@ from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import keeps_reason
-from broker import db
-from broker.enqueue import enqueue
+from broker.engine.enqueue import enqueue
 from broker.errors import StandmeetError
+from broker.pg import db
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

@@ -41,11 +41,12 @@ from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import MAX_REASON
-from broker import app, db, deadline
-from broker.enqueue import build_message, enqueue_messages, finish_queued
+from broker import app, deadline
+from broker.engine.enqueue import build_message, enqueue_messages, finish_queued
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.ops import record_delivery_messages
 from broker.outbox import check_payload, emit
+from broker.pg import db
 from middleware.keyed_lease import Lease, given_back, lease_of, read_without_lease
 from middleware.snooze import Snooze
 

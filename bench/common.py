@@ -47,7 +47,7 @@ def fresh_database(admin_url: str, prefix: str, *, ours: bool) -> str:
         conn.execute(f'CREATE DATABASE "{name}"'.encode())
     url = testdb.with_dbname(admin_url, name)
     if ours:
-        from broker.migrate import migrate
+        from broker.pg.migrate import migrate
 
         migrate(url)
     else:

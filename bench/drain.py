@@ -101,7 +101,7 @@ def fresh_database(prefix: str) -> Iterator[str]:
     """A new migrated database named ``bench_<prefix>_…``, dropped afterwards."""
     from psycopg import sql
 
-    from broker.migrate import migrate
+    from broker.pg.migrate import migrate
 
     admin = admin_url()
     name = f"bench_{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
@@ -121,7 +121,7 @@ def enqueue_backlog(url: str, n: int) -> float:
     from dramatiq.message import Message
 
     from broker import enqueue_many
-    from broker.pgbroker import current_broker
+    from broker.engine.broker import current_broker
 
     b = current_broker()
     if QUEUE not in b.queues:

@@ -40,7 +40,7 @@ FROM standmeet.outbox WHERE relayed_at IS NOT NULL
 
 
 def _backlog(url: str, n: int) -> None:
-    from broker import sql
+    from broker.engine import sql
 
     with psycopg.connect(url) as conn, conn.cursor() as cur:
         cur.executemany(sql.EMIT, [{"topic": "document.written", "payload": f'{{"document_id": {i}}}'}
@@ -64,8 +64,8 @@ def child() -> int:
 
     import actors  # noqa: F401
     import broker as runtime
+    from broker.engine.broker import StandmeetBroker
     from broker.outbox import Relay
-    from broker.pgbroker import StandmeetBroker
 
     if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
         runtime.configure()

@@ -89,8 +89,8 @@ def _ours_broker(admin_url: str, threads: int):  # type: ignore[no-untyped-def]
 
 def ours(admin_url: str, n: int, threads: int, fn_name: str, *, locks: bool = False) -> tuple[float, int]:
     """Seconds for our broker to run ``n`` queued messages of ``fn_name`` (and max locks)."""
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     url, b = _ours_broker(admin_url, threads)
     fn = noop if fn_name == "noop" else sleeper

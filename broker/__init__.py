@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import sys
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,41 +16,23 @@ if TYPE_CHECKING:  # imported on first use (below): `standmeet-jobs --help` load
     import dramatiq
     import psycopg
 
-    from broker.enqueue import enqueue, enqueue_async
+    from broker.backends.rate_limits import PostgresRateLimiterBackend
+    from broker.backends.results import PostgresResultBackend
+    from broker.engine.broker import StandmeetBroker, UniqueBy, current_broker
+    from broker.engine.enqueue import enqueue, enqueue_async
     from broker.errors import BudgetError, ConfigError, StandmeetError
     from broker.outbox import emit, emit_async
-    from broker.pgbroker import StandmeetBroker, UniqueBy, current_broker
-    from broker.rate_limits import PostgresRateLimiterBackend
-    from broker.results import PostgresResultBackend
     from broker.settings import Settings
 
 #: Where each public name lives: imported the first time it is asked for, so that
 #: importing ``broker`` (every command does) costs nothing until the broker is used.
 _PUBLIC = {
     "BudgetError": "broker.errors", "ConfigError": "broker.errors", "StandmeetError": "broker.errors",
-    "PostgresRateLimiterBackend": "broker.rate_limits", "PostgresResultBackend": "broker.results",
-    "Settings": "broker.settings", "StandmeetBroker": "broker.pgbroker", "UniqueBy": "broker.pgbroker",
-    "current_broker": "broker.pgbroker", "emit": "broker.outbox", "emit_async": "broker.outbox",
-    "enqueue_async": "broker.enqueue",
+    "PostgresRateLimiterBackend": "broker.backends.rate_limits", "PostgresResultBackend": "broker.backends.results",
+    "Settings": "broker.settings", "StandmeetBroker": "broker.engine.broker", "UniqueBy": "broker.engine.broker",
+    "current_broker": "broker.engine.broker", "emit": "broker.outbox", "emit_async": "broker.outbox",
+    "enqueue": "broker.engine.enqueue", "enqueue_async": "broker.engine.enqueue",
 }
-
-
-class _Package(types.ModuleType):
-    """``broker.enqueue`` is the function, as it always was, not the submodule of the same
-    name: importing the submodule (which binds it on its package) leaves the function."""
-
-    @property
-    def enqueue(self) -> Any:
-        from broker.enqueue import enqueue
-
-        return enqueue
-
-    @enqueue.setter
-    def enqueue(self, value: Any) -> None:  # the import system binding the submodule
-        pass
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
@@ -96,7 +76,7 @@ def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connecti
     by an earlier message of the batch) is not written: the live message stands in its
     place in the list returned.
     """
-    from broker.pgbroker import current_broker
+    from broker.engine.broker import current_broker
 
     return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 
@@ -107,7 +87,7 @@ _logged_databases: set[str] = set()
 def log_database(settings: Settings, url: str) -> None:
     """Say which database this process uses (password masked), and where an embedded one
     lives: once per process and database, however many parts of it ask."""
-    from broker.embedded import is_embedded
+    from broker.pg.embedded import is_embedded
     from broker.settings import masked_url
 
     if url in _logged_databases:
@@ -127,12 +107,13 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     """
     import dramatiq
 
-    from broker import pgpool, services
-    from broker.budget import BACKEND_POOL_CONNECTIONS
-    from broker.embedded import resolve_database_url
-    from broker.pgbroker import StandmeetBroker
-    from broker.rate_limits import PostgresRateLimiterBackend
-    from broker.results import PostgresResultBackend
+    from broker import services
+    from broker.backends.rate_limits import PostgresRateLimiterBackend
+    from broker.backends.results import PostgresResultBackend
+    from broker.engine.broker import StandmeetBroker
+    from broker.pg import pool as pgpool
+    from broker.pg.budget import BACKEND_POOL_CONNECTIONS
+    from broker.pg.embedded import resolve_database_url
     from broker.settings import Settings
     from middleware import default_middleware
 
@@ -167,6 +148,6 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
 
 def _runtime_actors() -> list[dramatiq.Actor]:
-    from broker import maintenance
+    from broker.engine import maintenance
 
     return [maintenance.prune_messages, maintenance.rescue, maintenance.prune_outbox, maintenance.prune_expired]

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import dramatiq
 
     import broker as runtime
-    from broker.pgbroker import StandmeetBroker
+    from broker.engine.broker import StandmeetBroker
 
     for module in args.modules:
         importlib.import_module(module)

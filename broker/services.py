@@ -18,11 +18,11 @@ import threading
 
 from psycopg_pool import ConnectionPool
 
+from broker.engine.broker import StandmeetBroker
 from broker.errors import ConfigError
 from broker.outbox import Relay
-from broker.pgbroker import StandmeetBroker
-from broker.pgpool import open_app_pool
-from broker.receipts import Waiters
+from broker.outbox.receipts import Waiters
+from broker.pg.pool import open_app_pool
 from broker.settings import Settings
 
 

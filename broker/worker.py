@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, NoReturn
 # Only what ``--help`` needs is imported here: Dramatiq, psycopg and the application are
 # imported by the commands that use them.
 if TYPE_CHECKING:
-    from broker.pgbroker import StandmeetBroker
+    from broker.engine.broker import StandmeetBroker
 
 logger = logging.getLogger("standmeet.worker")
 
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.supervised_by is not None and not die_with_supervisor(args.supervised_by):
         print(f"worker: its supervisor (pid {args.supervised_by}) is gone: not starting", file=sys.stderr)
         return 1
-    from broker.logging_setup import configure_logging
+    from broker.observability.logs import configure_logging
 
     log_format = (os.environ.get("STANDMEET_LOG_FORMAT") or "text").strip().lower()
     configure_logging("json" if log_format == "json" else "text")
@@ -349,8 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_worker_numbers(threads=args.threads, shutdown_ms=args.worker_shutdown_timeout)
         import dramatiq
 
-        from broker.budget import process_connections, served_queues
-        from broker.pgbroker import current_broker
+        from broker.engine.broker import current_broker
+        from broker.pg.budget import process_connections, served_queues
 
         load_modules(args.modules)
         broker = current_broker()

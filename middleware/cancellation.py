@@ -3,7 +3,7 @@ row) stops a running job at its next ``broker.deadline.check()``, which raises
 :class:`broker.errors.JobCancelled`.
 
 Before each run the thread's message is named for ``broker.deadline``; a per-process
-watcher (``broker.cancellation``) asks the database, once a second while jobs run,
+watcher (``broker.engine.cancel_watch``) asks the database, once a second while jobs run,
 which of them were cancelled. The broker's retry settle must then reject the job
 rather than retry it (it honours ``cancelled_at``).
 """
@@ -15,7 +15,7 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker import deadline
-from broker.cancellation import DEFAULT_POLL_S, CancellationWatcher
+from broker.engine.cancel_watch import DEFAULT_POLL_S, CancellationWatcher
 
 
 class Cancellation(Middleware):

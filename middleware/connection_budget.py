@@ -22,8 +22,8 @@ from typing import Any
 
 from dramatiq import Middleware
 
-from broker.budget import check_budget
 from broker.errors import StartupRefused
+from broker.pg.budget import check_budget
 from broker.worker import CONFIG_REFUSED_EXIT
 from middleware.queue_concurrency import served_queues
 

@@ -37,7 +37,7 @@ from typing import Any
 from dramatiq import Middleware
 from dramatiq.broker import MessageProxy
 
-from broker import db
+from broker.pg import db
 from middleware.snooze import snooze_before_start
 
 logger = logging.getLogger("standmeet.middleware")

@@ -3,7 +3,7 @@
 lease busy, claim-to-start latency (when the consumer stamps the claim time on the
 message as ``standmeet_claimed_at``, a ``time.time()`` value).
 
-The metric objects live in :mod:`broker.metrics`. Under ``standmeet-jobs run`` every
+The metric objects live in :mod:`broker.observability.metrics`. Under ``standmeet-jobs run`` every
 worker process writes them to ``PROMETHEUS_MULTIPROC_DIR`` and ``run`` serves them on
 one ``/metrics``. Placed before ``Retries`` in the middleware list, so its after-hooks
 see the retry policy's decision: a failure either retries or is rejected.
@@ -16,7 +16,7 @@ from typing import Any
 
 from dramatiq import Middleware
 
-from broker import metrics
+from broker.observability import metrics
 from middleware.snooze import Snooze
 
 #: The webhook actor whose busy-endpoint snoozes count as ``standmeet_lease_busy_total``.

@@ -7,7 +7,7 @@ policy treats as a retryable failure.
 
 The asynchronous exception cannot interrupt a blocking socket read or a running SQL
 statement, so the deadline is also recorded (``broker.deadline``) for the places
-where the job blocks: ``broker.db.connection()`` sets ``statement_timeout`` to what
+where the job blocks: ``broker.pg.db.connection()`` sets ``statement_timeout`` to what
 remains, HTTP clients cap their timeouts to it, and long actors call
 ``broker.deadline.check()`` between batches.
 """

@@ -1,6 +1,6 @@
 """Traces (the ``[otel]`` extra): a producer span per enqueue, a consumer span per run,
 named and attributed as the OpenTelemetry messaging conventions say (``send <queue>``,
-``process <queue>``; see :mod:`broker.tracing`).
+``process <queue>``; see :mod:`broker.observability.tracing`).
 
 ``before_enqueue`` records a producer span and carries its W3C context in the
 message's options (``trace_context``); a message that already carries one (a retry,
@@ -17,7 +17,7 @@ from typing import Any
 
 from dramatiq import Middleware
 
-from broker import tracing
+from broker.observability import tracing
 
 
 def _attributes(operation: str, message: Any) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from typing import Any
 
 from dramatiq.middleware import Middleware
 
+from broker.engine.broker import UniqueBy, unique_of
 from broker.errors import ConfigError, StartupRefused
-from broker.pgbroker import UniqueBy, unique_of
 
 __all__ = ["UniqueBy", "UniqueJobs"]
 

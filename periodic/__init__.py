@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from broker import db
 from broker.app import PeriodicJob, periodic_jobs
-from broker.enqueue import build_message, enqueue_message
+from broker.engine.broker import current_broker
+from broker.engine.enqueue import build_message, enqueue_message
 from broker.errors import DatabaseError
-from broker.pgbroker import current_broker
+from broker.pg import db
 
 if TYPE_CHECKING:  # APScheduler is imported by the scheduler process only (``trigger``)
     from apscheduler.triggers.base import BaseTrigger

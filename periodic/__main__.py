@@ -24,9 +24,14 @@ import threading
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from broker import services
-from broker.budget import SCHEDULER_TICK_THREADS, check_budget, scheduler_connections, served_queues
 from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
-from broker.logging_setup import configure_logging
+from broker.observability.logs import configure_logging
+from broker.pg.budget import (
+    SCHEDULER_TICK_THREADS,
+    check_budget,
+    scheduler_connections,
+    served_queues,
+)
 from broker.settings import Settings
 from broker.worker import (
     OneLineParser,
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import dramatiq
 
     import broker as runtime
-    from broker.pgbroker import StandmeetBroker
+    from broker.engine.broker import StandmeetBroker
     from periodic import CRON_TICK_S, periodic_jobs, publish_schedules, tick_or_say, trigger, utcnow
 
     try:

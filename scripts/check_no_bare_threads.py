@@ -212,7 +212,7 @@ def main(argv: list[str]) -> int:
     if violations:
         print(
             f"\n{len(violations)} place(s) start concurrency outside broker/ and the entry points.\n"
-            "Enqueue a job (actor.send, broker.enqueue) or declare a periodic job (periodic.PERIODIC_JOBS);\n"
+            "Enqueue a job (actor.send, broker.engine.enqueue) or declare a periodic job (periodic.PERIODIC_JOBS);\n"
             "infrastructure that must own a thread belongs in broker/ and uses broker.detach.",
             file=sys.stderr,
         )

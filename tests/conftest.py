@@ -154,7 +154,7 @@ def _unprepared_test_connections() -> None:
 def _settings_changed() -> None:
     """The environment changed (the listen URL of another module): settings cached by this
     process are rebuilt from it when next used."""
-    from broker import pgpool
+    from broker.pg import pool as pgpool
 
     Settings.use(None)
     pgpool.use_settings(Settings.from_env())

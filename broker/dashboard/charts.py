@@ -17,7 +17,7 @@ from html import escape
 
 from markupsafe import Markup
 
-from broker.history import Figures, SeriesPoint
+from broker.ops.history import Figures, SeriesPoint
 
 #: The drawing area of a chart, in SVG user units (it scales with the page's width).
 WIDTH, HEIGHT = 640, 210

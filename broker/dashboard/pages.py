@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from broker import history, ops
+from broker import ops
 from broker.dashboard import charts, webhooks
 from broker.dashboard.app import (
     BULK_LIMIT,
@@ -38,8 +38,9 @@ from broker.dashboard.app import (
     with_conn,
 )
 from broker.dashboard.security import quoted
-from broker.metrics import DatabaseCollector
-from broker.redact import hidden_options
+from broker.observability.metrics import DatabaseCollector
+from broker.ops import history
+from broker.ops.redact import hidden_options
 
 #: The list filters, as query parameters (``id``: a job id or its start; ``q``: text
 #: in the arguments; ``error``: text in the error or the last traceback; ``since``: an
@@ -672,7 +673,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """The database-derived gauges of ``broker.metrics`` (the ones ``run`` serves too)."""
+    """The database-derived gauges of ``broker.observability.metrics`` (the ones ``run`` serves too)."""
     config = config_of(request)
     collector = DatabaseCollector(config.database_url, rescue_after_s=config.rescue_after_s)
 

@@ -28,7 +28,7 @@ from broker.dashboard.security import (
     SecurityHeaders,
     allowed_hosts,
 )
-from broker.pgpool import open_pool
+from broker.pg.pool import open_pool
 
 
 def create_app(config: DashboardConfig) -> Starlette:

@@ -19,8 +19,9 @@ import psycopg
 from dramatiq.message import Message
 from psycopg.rows import class_row
 
-from broker import ops, sql
-from broker.pgbroker import enqueue_params
+from broker import ops
+from broker.engine import sql
+from broker.engine.broker import enqueue_params
 
 DELIVER_ACTOR = "webhook.deliver"
 DELIVER_QUEUE = "webhook"

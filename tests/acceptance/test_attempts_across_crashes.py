@@ -8,7 +8,7 @@ import signal
 
 import psycopg
 
-from broker import history
+from broker.ops import history
 from tests.conftest import TEST_OVERRIDES
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import psycopg
 
-from broker import sql
-from broker.pgbroker import enqueue_params
+from broker.engine import sql
+from broker.engine.broker import enqueue_params
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import mark
 from tests.support.procs import running, worker_cmd

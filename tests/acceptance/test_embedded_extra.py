@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.embedded import NOT_INSTALLED
+from broker.pg.embedded import NOT_INSTALLED
 from broker.worker import CONFIG_REFUSED_EXIT
 from tests.support.db import scalar
 from tests.support.procs import ROOT

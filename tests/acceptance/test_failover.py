@@ -63,9 +63,9 @@ def failover_run(n: int) -> None:
 
 # -- the test ---------------------------------------------------------------------------
 
-from broker import sql  # noqa: E402
-from broker.migrate import migrate  # noqa: E402
-from broker.pgbroker import enqueue_params  # noqa: E402
+from broker.engine import sql  # noqa: E402
+from broker.engine.broker import enqueue_params  # noqa: E402
+from broker.pg.migrate import migrate  # noqa: E402
 from tests.conftest import TEST_OVERRIDES  # noqa: E402
 from tests.support.db import wait_for  # noqa: E402
 from tests.support.procs import running  # noqa: E402

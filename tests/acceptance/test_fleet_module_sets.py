@@ -12,7 +12,8 @@ from typing import Any
 
 import psycopg
 
-from broker import emit, sql
+from broker import emit
+from broker.engine import sql
 from tests.support.db import query, scalar, wait_for
 from tests.support.procs import ROOT, running, worker_cmd
 

@@ -251,8 +251,8 @@ def describe(run: Run, origin: float) -> str:
 
 
 def enqueue(url: str, messages: list[dramatiq.Message[Any]]) -> list[str]:
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     with psycopg.connect(url, autocommit=True) as conn:
         for i in range(0, len(messages), 1000):

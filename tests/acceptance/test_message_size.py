@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from broker.enqueue import enqueue as enqueue_in
+from broker.engine.enqueue import enqueue as enqueue_in
 from broker.errors import MessageTooLarge
 from broker.outbox import emit, relay_once, route
 from broker.settings import MIB

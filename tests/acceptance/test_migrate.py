@@ -25,7 +25,7 @@ def test_three_concurrent_migrations_of_an_empty_database_apply_each_version_onc
         outputs = [r[1] for r in results]
         assert outputs.count("schema up to date\n") == 2, outputs
         assert sum(o.startswith("applied 0001_dramatiq_queue") for o in outputs) == 1, outputs
-        from broker.migrate import available_migrations
+        from broker.pg.migrate import available_migrations
 
         versions = [r[0] for r in testdb.query(url, "SELECT version FROM standmeet.schema_migrations ORDER BY version")]
         assert versions == [m.version for m in available_migrations()]

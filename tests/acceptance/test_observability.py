@@ -18,7 +18,7 @@ from dramatiq.message import Message
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import services
-from broker.logging_setup import JsonFormatter, masked_url
+from broker.observability.logs import JsonFormatter, masked_url
 from middleware.job_log import JobLog
 from middleware.retries import Retries
 from tests.support.db import scalar, wait_for
@@ -174,7 +174,7 @@ def _reachable(url: str) -> bool:
 def test_receipt_waiters_are_counted_while_they_wait_and_refusals_when_a_channel_is_full(broker, database_url):
     from prometheus_client import REGISTRY
 
-    from broker.receipts import channel_for
+    from broker.outbox.receipts import channel_for
 
     channel = channel_for("notify")
     listener = services.current().waiters.listener(channel)

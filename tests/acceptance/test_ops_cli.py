@@ -338,8 +338,8 @@ def test_status_says_which_queue_has_no_worker_and_which_topic_no_process_routes
         broker, database_url, subprocess_env, tmp_path):
     from dramatiq.message import Message
 
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     env = {**subprocess_env, "STANDMEET_QUEUE_UNSERVED_MAX_AGE_S": "30", "STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S": "30"}
     with running(worker_cmd(), subprocess_env, log=tmp_path / "worker.log") as worker:

@@ -30,7 +30,7 @@ import psycopg
 import pytest
 
 import tests.support.jobs  # noqa: F401  (configures the broker, declares the test actors)
-from broker import db
+from broker.pg import db
 from tests.support.jobs import cooperative_sleep
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ VALUES ('pooler.deadline_probe', 'index', %(label)s, %(pid)s, %(message_id)s, cl
 
 @dramatiq.actor(actor_name="pooler.deadline_probe", queue_name="index", max_retries=0)
 def deadline_probe(n: int, limit_ms: int, rounds: int = 4) -> None:
-    """What ``SHOW statement_timeout`` says inside ``broker.db.connection()``, a few times,
+    """What ``SHOW statement_timeout`` says inside ``broker.pg.db.connection()``, a few times,
     with the connection given back (and other jobs' statements run) in between."""
     from dramatiq.middleware import CurrentMessage
 
@@ -64,9 +64,9 @@ def deadline_probe(n: int, limit_ms: int, rounds: int = 4) -> None:
 
 # -- what the tests share -----------------------------------------------------------------
 
-from broker import sql  # noqa: E402
+from broker.engine import sql  # noqa: E402
+from broker.engine.broker import enqueue_params  # noqa: E402
 from broker.outbox import MESSAGE_NAMESPACE  # noqa: E402
-from broker.pgbroker import enqueue_params  # noqa: E402
 from tests.conftest import configured_broker, slow_polls  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 from tests.support.db import query, scalar, wait_for  # noqa: E402

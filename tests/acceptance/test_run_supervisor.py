@@ -21,7 +21,7 @@ import pytest
 
 from broker.backoff import Backoff
 from broker.cli import CHILD_EXIT_GRACE_S, Signals, Supervisor
-from broker.migrate import MIGRATION_LOCK_KEY
+from broker.pg.migrate import MIGRATION_LOCK_KEY
 from broker.worker import CONFIG_REFUSED_EXIT
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP

@@ -16,9 +16,10 @@ import uuid
 import psycopg
 import pytest
 
-from broker import emit, sql
+from broker import emit
+from broker.engine import sql
+from broker.engine.broker import enqueue_params
 from broker.outbox import MESSAGE_NAMESPACE
-from broker.pgbroker import enqueue_params
 from tests.conftest import TEST_OVERRIDES
 from tests.support import db as testdb
 from tests.support.db import query, scalar, wait_for

@@ -28,8 +28,9 @@ import httpx
 import psycopg
 import pytest
 
-from broker import app, sql
-from broker.pgbroker import enqueue_params
+from broker import app
+from broker.engine import sql
+from broker.engine.broker import enqueue_params
 from periodic import PeriodicJob
 from tests.support import db as testdb
 from tests.support.db import query, scalar, wait_for

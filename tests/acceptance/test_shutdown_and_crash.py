@@ -129,8 +129,8 @@ def test_a_backlog_drained_by_two_processes_runs_each_message_once_with_few_lock
     total = 20_000
     import psycopg
 
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     with psycopg.connect(database_url) as conn:
         conn.execute(sql.ENQUEUE, enqueue_params([mark.message("backlog") for _ in range(total)]))

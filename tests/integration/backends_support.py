@@ -30,7 +30,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 ROOT = Path(__file__).resolve().parents[2]
-MIGRATION = ROOT / "broker" / "migrations" / "0009_results_and_rate_limits.sql"
+MIGRATION = ROOT / "broker" / "pg" / "migrations" / "0009_results_and_rate_limits.sql"
 ADMIN_URL = os.environ.get("DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
 
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS standmeet"
@@ -96,7 +96,7 @@ T = TypeVar("T")
 
 
 def _import_broker_package() -> None:
-    """Let ``broker.results`` and ``broker.rate_limits`` be imported in this environment.
+    """Let ``broker.backends.results`` and ``broker.backends.rate_limits`` be imported in this environment.
 
     While ``broker/__init__`` still imports the old broker (psycopg2, dramatiq-pg),
     which this environment does not have, register ``broker`` as a bare package so
@@ -251,7 +251,7 @@ def _wait_result(args: dict[str, Any]) -> dict[str, Any]:
     from dramatiq.message import Message
     from dramatiq.results import ResultFailure, ResultTimeout
 
-    from broker.results import PostgresResultBackend
+    from broker.backends.results import PostgresResultBackend
 
     backend = PostgresResultBackend(url=args["url"], application_name=args["app"])
     message: Message[Any] = Message.decode(args["message"].encode())
@@ -275,7 +275,7 @@ def _limited_worker(args: dict[str, Any]) -> dict[str, Any]:
     from dramatiq.brokers.stub import StubBroker
     from dramatiq.rate_limits import ConcurrentRateLimiter
 
-    from broker.rate_limits import PostgresRateLimiterBackend
+    from broker.backends.rate_limits import PostgresRateLimiterBackend
 
     url, key = args["url"], args["key"]
     backend = PostgresRateLimiterBackend(url=url, pool_max_size=args["threads"])
@@ -324,7 +324,7 @@ def _limited_worker(args: dict[str, Any]) -> dict[str, Any]:
 def _window_tries(args: dict[str, Any]) -> dict[str, Any]:
     from dramatiq.rate_limits import WindowRateLimiter
 
-    from broker.rate_limits import PostgresRateLimiterBackend
+    from broker.backends.rate_limits import PostgresRateLimiterBackend
 
     backend = PostgresRateLimiterBackend(url=args["url"])
     limiter = WindowRateLimiter(backend, args["key"], limit=args["limit"], window=args["window_s"])
@@ -340,7 +340,7 @@ def _window_tries(args: dict[str, Any]) -> dict[str, Any]:
 def _barrier_wait(args: dict[str, Any]) -> dict[str, Any]:
     from dramatiq.rate_limits import Barrier
 
-    from broker.rate_limits import PostgresRateLimiterBackend
+    from broker.backends.rate_limits import PostgresRateLimiterBackend
 
     backend = PostgresRateLimiterBackend(url=args["url"], application_name=args["app"])
     barrier = Barrier(backend, args["key"], ttl=60_000)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dramatiq
 import psycopg
 
-from broker import history
+from broker.ops import history
 from middleware import Snooze
 from tests.support.db import scalar, wait_for
 from tests.support.jobs import bump, cooperative_sleep

@@ -10,8 +10,9 @@ import uuid
 import dramatiq
 import psycopg
 
-from broker import ops, sql
-from broker.pgbroker import claim_size_params, enqueue_params
+from broker import ops
+from broker.engine import sql
+from broker.engine.broker import claim_size_params, enqueue_params
 from broker.settings import MIB
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import noop, record_finish, record_start
@@ -35,7 +36,7 @@ def hold(key: str) -> None:
 
 
 def scalar_released(key: str) -> bool:
-    from broker import db
+    from broker.pg import db
 
     with db.connection() as conn:
         return conn.execute("SELECT 1 FROM test_counters WHERE key = %s", (key,)).fetchone() is not None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker import sql
-from broker.receipts import channel_for
+from broker.engine import sql
+from broker.outbox.receipts import channel_for
 from tests.support.db import query
 
 QUEUE_NAMES = ["index", "mail", "reports-eu", "Crawl.v2", "q_1"]

@@ -8,8 +8,8 @@ import uuid
 import psycopg
 from dramatiq.broker import MessageProxy
 
-from broker import sql
-from broker.pgbroker import QueueState, StandmeetConsumer, claim_size_params, enqueue_params
+from broker.engine import sql
+from broker.engine.broker import QueueState, StandmeetConsumer, claim_size_params, enqueue_params
 from broker.settings import MIB
 from tests.support.db import query
 from tests.support.jobs import mark
@@ -192,7 +192,7 @@ def test_a_message_for_an_unknown_actor_is_given_back_with_the_reason_not_lost(b
 def test_settles_commit_synchronously_and_claims_asynchronously_without_session_state(broker, database_url):
     import psycopg
 
-    from broker import sql
+    from broker.engine import sql
 
     # Given the broker's settler and a consumer, connected as they run
     broker.claiming = True
@@ -299,7 +299,7 @@ def test_when_shutdown_starts_prefetched_messages_go_back_at_once_and_nothing_mo
 
 
 def test_an_idle_settler_stops_as_soon_as_it_is_asked_not_at_its_next_tick(database_url):
-    from broker.pgbroker import StandmeetBroker
+    from broker.engine.broker import StandmeetBroker
     from tests.conftest import test_settings
 
     # Given a broker of its own (not the process's) whose settler thread runs, with nothing to write
@@ -395,7 +395,7 @@ def test_the_queue_table_is_vacuumed_after_one_percent_of_it_changed_not_twenty(
 def test_a_consumer_looks_again_when_the_next_message_is_due_not_at_the_retry_floor(
         broker, database_url, monkeypatch):
     # Given a retry floor far longer than the wait (the floor is for due rows another claimer holds)
-    from broker import pgbroker
+    from broker.engine import broker as pgbroker
 
     monkeypatch.setattr(pgbroker, "MIN_WAIT_S", 0.5)
     broker.claiming = True

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from broker.dashboard import DashboardConfig, create_app
 from broker.dashboard.app import CUT_MARKER
 from broker.dashboard.security import CSRF_COOKIE, CSRF_FIELD
-from broker.redact import HIDDEN
+from broker.ops.redact import HIDDEN
 from tests.support.db import query, scalar
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from broker.dashboard import DashboardConfig, create_app
 from broker.dashboard.security import CSRF_COOKIE, CSRF_FIELD
-from broker.enqueue import enqueue_message
+from broker.engine.enqueue import enqueue_message
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import bump, record_finish, record_start
 
@@ -104,8 +104,8 @@ def test_the_overview_shows_each_queue_by_state_with_throughput(broker, database
 
 def test_the_overview_and_workers_pages_say_how_many_running_jobs_are_not_yet_started(
         broker, database_url, dashboard):
-    from broker import sql
-    from broker.pgbroker import claim_size_params, enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import claim_size_params, enqueue_params
     from broker.settings import MIB
 
     # Given three messages claimed by this worker process: one started, two claimed ahead
@@ -458,8 +458,8 @@ def test_hidden_arguments_are_never_shown_nor_searched(broker, database_url, das
 
 
 def test_a_queue_with_due_jobs_and_no_live_worker_says_no_worker_not_active(broker, database_url, dashboard):
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     # Given due jobs on a queue no live worker process serves
     messages = [Message(queue_name="dash_unserved", actor_name="dash.none", args=(i,), kwargs={}, options={})
@@ -493,7 +493,7 @@ def test_a_queue_with_due_jobs_and_no_live_worker_says_no_worker_not_active(brok
 
 
 def test_the_outbox_page_shows_unrouted_topics_and_failed_events_and_retries_them(broker, database_url, dashboard):
-    from broker import sql
+    from broker.engine import sql
 
     # Given an event of a topic no live process routes, and a failed event of one this process routes
     query(database_url, "DELETE FROM standmeet.outbox")

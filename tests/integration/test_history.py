@@ -9,9 +9,10 @@ import dramatiq
 import psycopg
 import pytest
 
-from broker import history, maintenance
+from broker.engine import maintenance
+from broker.engine.sql import HISTORY_BOUNDS_MS
+from broker.ops import history
 from broker.settings import replace
-from broker.sql import HISTORY_BOUNDS_MS
 from middleware import Snooze
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import bump, record_finish, record_start

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from dramatiq.results import ResultFailure
 
-from broker.enqueue import enqueue as enqueue_in
+from broker.engine.enqueue import enqueue as enqueue_in
 from broker.errors import InvalidMessage
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import bump, noop

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker import db
-from broker.pgpool import readable
+from broker.pg import db
+from broker.pg.pool import readable
 from tests.support.db import scalar, wait_for
 from tests.support.jobs import mark
 

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from broker import ops
-from broker.pgbroker import claim_size_params
+from broker.engine.broker import claim_size_params
 from broker.settings import MIB
 from middleware.cancellation import Cancellation
 from middleware.retries import Retries
@@ -45,7 +45,7 @@ def _actors(queue: str) -> Actors:
 
     def hold(key: str) -> None:
         """Runs until the test releases ``key``."""
-        from broker import db
+        from broker.pg import db
 
         run = record_start(f"{prefix}.hold", queue, key)
         while True:
@@ -210,8 +210,8 @@ def test_a_queue_with_due_work_and_no_live_worker_is_unserved_and_served_once_a_
         broker, database_url, conn):
     from dramatiq.message import Message
 
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     # Given due jobs on a queue no worker process serves, and a dead worker that served it
     messages = [Message(queue_name="ops_unserved", actor_name="ops.none", args=(i,), kwargs={}, options={})
@@ -421,8 +421,8 @@ def test_operator_actions_are_recorded_with_who_what_and_from_where(broker, conn
 
 def test_the_overviews_say_how_many_of_the_running_jobs_are_claimed_and_not_yet_started(
         broker, database_url, conn):
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     # Given three messages of a queue, claimed by this worker process: one started, two
     # claimed ahead of a free slot

@@ -9,7 +9,8 @@ import uuid
 import psycopg
 import pytest
 
-from broker import emit, enqueue, sql
+from broker import emit, enqueue
+from broker.engine import sql
 from broker.errors import PayloadTooLarge, UnknownTopic
 from broker.outbox import MESSAGE_NAMESPACE, relay_once
 from tests.conftest import configured_broker, slow_polls

@@ -27,8 +27,8 @@ from tests.integration.backends_support import (
 
 # isort: split
 # (the support module prepares the ``broker`` package's import, so it comes first)
+from broker.backends.rate_limits import PostgresRateLimiterBackend, prune_expired_once
 from broker.errors import DatabaseUnavailable
-from broker.rate_limits import PostgresRateLimiterBackend, prune_expired_once
 
 LIVE_VALUE = "SELECT value FROM standmeet.rate_limits WHERE key = %s AND expires_at > now()"
 IS_LIVE = "SELECT count(*) FROM standmeet.rate_limits WHERE key = %s AND expires_at > now()"

@@ -12,7 +12,7 @@ import pytest
 from actors.documents import write_document
 from actors.search import search_index
 from broker import services
-from broker.receipts import channel_for
+from broker.outbox.receipts import channel_for
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import raise_once, snooze_n
 

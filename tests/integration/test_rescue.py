@@ -13,8 +13,8 @@ from contextlib import nullcontext
 import psycopg
 import pytest
 
-from broker import sql
-from broker.pgbroker import enqueue_params
+from broker.engine import sql
+from broker.engine.broker import enqueue_params
 from tests.support.db import query
 from tests.support.jobs import mark
 

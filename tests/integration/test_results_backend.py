@@ -30,8 +30,8 @@ from tests.integration.backends_support import (
 
 # isort: split
 # (the support module prepares the ``broker`` package's import, so it comes first)
+from broker.backends.results import RESULTS_CHANNEL, PostgresResultBackend, prune_expired_once
 from broker.errors import DatabaseUnavailable
-from broker.results import RESULTS_CHANNEL, PostgresResultBackend, prune_expired_once
 
 COUNT_ROWS = "SELECT count(*) FROM standmeet.results"
 COUNT_KEY = "SELECT count(*) FROM standmeet.results WHERE message_key = %s"

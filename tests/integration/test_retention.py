@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import psycopg
 
-from broker import maintenance, sql
-from broker.pgbroker import enqueue_params
+from broker.engine import maintenance, sql
+from broker.engine.broker import enqueue_params
 from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.jobs import mark

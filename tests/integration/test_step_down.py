@@ -113,7 +113,7 @@ def test_a_worker_back_from_a_cut_says_which_claims_it_lost_and_writes_no_stale_
 def test_a_worker_that_was_cut_off_takes_back_the_crash_rescue_blamed_on_it(
     broker, database_url, admin_url, start_worker, caplog
 ):
-    from broker import sql
+    from broker.engine import sql
 
     # Given a worker running one long job
     start_worker(queues=["index"], threads=2)

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.trace import SpanKind  # noqa: E402
 
-from broker import tracing  # noqa: E402
+from broker.observability import tracing  # noqa: E402
 from middleware.retries import Retries  # noqa: E402
 from middleware.tracing import Tracing  # noqa: E402
 from tests.support.db import scalar, wait_for  # noqa: E402

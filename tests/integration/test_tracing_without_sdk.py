@@ -9,7 +9,7 @@ pytest.importorskip("opentelemetry", reason="the [otel] extra is not installed")
 
 from opentelemetry import trace  # noqa: E402
 
-from broker import tracing  # noqa: E402
+from broker.observability import tracing  # noqa: E402
 from middleware.retries import Retries  # noqa: E402
 from middleware.tracing import Tracing  # noqa: E402
 from tests.support.db import scalar  # noqa: E402
@@ -72,7 +72,7 @@ def test_the_runtime_imports_no_opentelemetry_sdk():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    probe = ("import sys, broker, broker.tracing, middleware, middleware.tracing, periodic, actors; "
+    probe = ("import sys, broker, broker.observability.tracing, middleware, middleware.tracing, periodic, actors; "
              "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=root,
                             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root),

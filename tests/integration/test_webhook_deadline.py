@@ -97,7 +97,7 @@ def test_an_endpoint_trickling_its_headers_is_cut_at_the_total_deadline(broker):
 def test_an_attempt_cut_by_the_jobs_own_time_limit_is_recorded_as_a_timeout(broker, database_url, start_worker):
     import psycopg
 
-    from broker.enqueue import enqueue
+    from broker.engine.enqueue import enqueue
     from tests.support.db import query, wait_for
     from tests.support.trickle import trickling_headers_server
 

@@ -12,7 +12,8 @@ import os
 import dramatiq
 import httpx
 
-from broker import app, db, deadline
+from broker import app, deadline
+from broker.pg import db
 from middleware import Lease, Snooze
 from tests.support.jobs import bump, record_finish, record_start  # noqa: F401  (declares the test actors)
 

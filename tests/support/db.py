@@ -12,8 +12,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from broker.embedded import embedded_server_url
-from broker.migrate import migrate
+from broker.pg.embedded import embedded_server_url
+from broker.pg.migrate import migrate
 from broker.settings import DEFAULT_EMBEDDED_DIR, Settings
 
 #: Extra tables the test actors write what they observed into.

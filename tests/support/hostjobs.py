@@ -34,7 +34,8 @@ from typing import Any
 import dramatiq
 
 import broker
-from broker import app, db
+from broker import app
+from broker.pg import db
 from middleware.keyed_lease import Lease, lease_of
 
 #: Queues and their limits per process (the test asserts the limits from the runs).
@@ -95,7 +96,7 @@ def observed(fn: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
-        from broker.pgbroker import claim_of, current_broker
+        from broker.engine.broker import claim_of, current_broker
 
         message = _current()
         held = lease_of(message) if message is not None else None
@@ -141,7 +142,7 @@ def short(ms: float = 5.0) -> None:
 def long_job(seconds: float, again_s: float) -> None:
     """``seconds`` on its first claim; ``again_s`` when it runs again (rescued, retried)."""
     message = _current()
-    from broker.pgbroker import claim_of
+    from broker.engine.broker import claim_of
 
     cooperative_sleep(seconds if message is None or claim_of(message) in (None, 1) else again_s)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from dramatiq.message import Message
 
-from broker import sql
-from broker.pgbroker import enqueue_params
+from broker.engine import sql
+from broker.engine.broker import enqueue_params
 from tests.support.db import query
 
 #: Reject rows as the broker does: state, reason, when.

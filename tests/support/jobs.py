@@ -16,7 +16,7 @@ import httpx
 
 import actors  # noqa: F401  (configures the broker)
 from actors.queues import QUEUE_NAMES
-from broker import db
+from broker.pg import db
 from middleware import Snooze
 
 START = """

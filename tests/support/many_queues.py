@@ -7,7 +7,7 @@ import os
 import dramatiq
 
 import broker
-from broker import db
+from broker.pg import db
 
 broker.configure()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dramatiq
 
 import tests.support.jobs  # noqa: F401  (the test actors, and the configured broker)
-from broker.logging_setup import configure_logging
+from broker.observability.logs import configure_logging
 from broker.settings import Settings
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from broker.pgpool import readable
+from broker.pg.pool import readable
 
 
 class PostgresProxy:

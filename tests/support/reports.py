@@ -14,9 +14,10 @@ from typing import Any
 import dramatiq
 
 import broker
-from broker import app, db
+from broker import app
+from broker.engine.broker import StandmeetBroker
 from broker.outbox import route
-from broker.pgbroker import StandmeetBroker
+from broker.pg import db
 
 QUEUE = "reports"
 TOPIC = "report.requested"

@@ -8,7 +8,7 @@ import dramatiq
 import pytest
 
 from broker.backoff import Backoff
-from broker.pgbroker import Claim, QueueState
+from broker.engine.broker import Claim, QueueState
 from broker.settings import PREFETCH_MOST, QueueSettings
 
 
@@ -146,7 +146,7 @@ def _run_through(state: QueueState, claims: list[Claim], run_s: float, clock: li
 
 
 def test_by_default_the_prefetch_holds_what_finishes_soon_between_half_the_limit_and_its_ceiling(monkeypatch):
-    import broker.pgbroker as pgbroker
+    import broker.engine.broker as pgbroker
 
     clock = [1000.0]
     monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
@@ -171,7 +171,7 @@ def test_a_queue_with_many_workers_may_prefetch_twice_its_limit():
 
 
 def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
-    import broker.pgbroker as pgbroker
+    import broker.engine.broker as pgbroker
 
     clock = [1000.0]
     monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
@@ -184,7 +184,7 @@ def test_a_prefetch_that_was_set_stays_as_set(monkeypatch):
 def _busy_queue(monkeypatch, *, run_s: float) -> tuple[QueueState, list[float], list[Claim], list[Claim]]:
     """A queue of limit 2 whose jobs took ``run_s`` each, both slots running, and as many
     claims buffered as its prefetch allows; the clock is the test's."""
-    import broker.pgbroker as pgbroker
+    import broker.engine.broker as pgbroker
 
     clock = [1000.0]
     monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])
@@ -267,7 +267,7 @@ def test_claims_being_given_back_are_never_started_here_and_count_until_confirme
 
 
 def test_an_explicit_prefetch_is_never_cut(monkeypatch):
-    import broker.pgbroker as pgbroker
+    import broker.engine.broker as pgbroker
 
     clock = [1000.0]
     monkeypatch.setattr(pgbroker.time, "monotonic", lambda: clock[0])

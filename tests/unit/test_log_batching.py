@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 
-from broker.logging_setup import BatchedStreamHandler
+from broker.observability.logs import BatchedStreamHandler
 from tests.support.db import wait_for
 
 
@@ -70,7 +70,7 @@ def test_lines_still_pending_at_exit_are_written_by_logging_shutdown():
     # Given a process that logs one INFO line with a long linger and exits at once
     code = (
         "import logging, sys\n"
-        "from broker.logging_setup import BatchedStreamHandler\n"
+        "from broker.observability.logs import BatchedStreamHandler\n"
         "h = BatchedStreamHandler(sys.stdout, linger_s=60)\n"
         "logging.getLogger().addHandler(h); logging.getLogger().setLevel(logging.INFO)\n"
         "logging.info('last words')\n"
@@ -84,7 +84,7 @@ def test_lines_still_pending_at_exit_are_written_by_logging_shutdown():
 
 
 def test_the_text_format_stamps_each_line_as_the_stock_formatter_does():
-    from broker.logging_setup import TEXT_FORMAT, TextFormatter
+    from broker.observability.logs import TEXT_FORMAT, TextFormatter
 
     ours, stock = TextFormatter(TEXT_FORMAT), logging.Formatter(TEXT_FORMAT)
     for created in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.5, 1_700_000_000.25):

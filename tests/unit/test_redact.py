@@ -1,4 +1,4 @@
-"""broker.redact.hidden_options: nested messages keep their shape, lose their arguments."""
+"""broker.ops.redact.hidden_options: nested messages keep their shape, lose their arguments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dramatiq
 from dramatiq import group, pipeline
 from dramatiq.brokers.stub import StubBroker
 
-from broker.redact import HIDDEN, hidden_options
+from broker.ops.redact import HIDDEN, hidden_options
 
 
 def _stub_actors() -> tuple[StubBroker, dramatiq.Actor, dramatiq.Actor]:

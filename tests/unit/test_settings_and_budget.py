@@ -7,7 +7,8 @@ import pytest
 
 import actors.queues  # noqa: F401  (declares the application's queues these tests count)
 from broker import app
-from broker.budget import (
+from broker.errors import BudgetError, ConfigError
+from broker.pg.budget import (
     BACKEND_LISTEN_CONNECTIONS,
     BACKEND_POOL_CONNECTIONS,
     SCHEDULER_TICK_THREADS,
@@ -20,7 +21,6 @@ from broker.budget import (
     process_connections,
     scheduler_connections,
 )
-from broker.errors import BudgetError, ConfigError
 from broker.settings import Settings
 
 #: The queues the application (actors) declares; other test modules declare more of their

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.opscli import health_problems
+from broker.cli.ops import health_problems
 
 
 def _queue(name: str, *, queued: int = 0, age: float | None = None, live_workers: int = 1,

@@ -3,7 +3,7 @@ message; a failure answers at once; a full channel refuses the next waiter."""
 
 from __future__ import annotations
 
-from broker.receipts import Listener
+from broker.outbox.receipts import Listener
 
 URL = "postgresql://nobody.invalid/none"  # never connected: dispatch needs no database
 

@@ -44,10 +44,10 @@ import psycopg
 from dramatiq.message import Message
 from psycopg.types.json import Jsonb
 
-from broker import detach, pgpool, sql, tracing
+from broker import detach
 from broker.backoff import Backoff
-from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
-from broker.pgbroker import (
+from broker.engine import sql
+from broker.engine.broker import (
     MAX_JSON_DEPTH,
     UniqueBy,
     UniqueItem,
@@ -66,7 +66,10 @@ from broker.pgbroker import (
     unique_of,
     unique_write,
 )
-from broker.pgpool import DISCONNECTS, Outage, close_quietly
+from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
+from broker.observability import tracing
+from broker.pg import pool as pgpool
+from broker.pg.pool import DISCONNECTS, Outage, close_quietly
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -123,7 +126,7 @@ MAX_PAYLOAD_DEPTH = MAX_JSON_DEPTH
 
 def check_payload(topic: str, payload: Any) -> None:
     """Refuse what Postgres' jsonb would refuse (inside the caller's transaction, aborting
-    it), before anything is written: :func:`broker.pgbroker.check_json_value`, the check
+    it), before anything is written: :func:`broker.engine.broker.check_json_value`, the check
     messages get too, raising :class:`InvalidPayload`."""
     if not isinstance(payload, dict):
         raise InvalidPayload(f"the payload of {topic!r} must be a JSON object, not {type(payload).__name__}")
@@ -131,7 +134,7 @@ def check_payload(topic: str, payload: Any) -> None:
 
 
 def emit_params(topic: str, payload: dict[str, Any], *, max_payload_bytes: int | None = None) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.EMIT` for an event, once it is known to be one its
+    """Parameters of :data:`broker.engine.sql.EMIT` for an event, once it is known to be one its
     routes take: :class:`UnknownTopic`, :class:`PayloadTooLarge` or :class:`InvalidPayload`
     otherwise, before anything is written. The one preparation of :func:`emit` and
     :func:`emit_async`."""

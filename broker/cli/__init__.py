@@ -8,7 +8,7 @@
     standmeet-jobs dashboard               the web dashboard (loopback:8420 unless told)
     standmeet-jobs db url|stop             the database in use; stop the embedded server
     standmeet-jobs status | jobs … | queues …   what runs and what failed; retry, cancel,
-                                           pause (see broker/opscli.py)
+                                           pause (see broker/cli/ops.py)
 
 Every other command is an application's (``broker.app.command``): for those, the
 modules named by ``STANDMEET_APP_MODULES`` (comma-separated; default ``actors``) are
@@ -17,7 +17,7 @@ loaded first. The runtime itself imports nothing of the application.
 What ``run`` guarantees as a supervisor (:class:`Supervisor`):
 
 * Nothing starts unless it fits: every worker's connection budget, the scheduler's, and
-  all of their connections together in what the server can give (``broker.budget``).
+  all of their connections together in what the server can give (``broker.pg.budget``).
 * A SIGTERM or SIGINT at any moment, start-up and restarts included, starts nothing
   more and stops every child within the worker shutdown timeout plus
   :data:`CHILD_EXIT_GRACE_S` (then SIGKILL); an exception in the supervisor does the same.
@@ -88,7 +88,7 @@ OWN_COMMANDS = {
     "dashboard": "serve the web dashboard (see and steer the jobs in a browser)",
     "db": "the database in use; stop the embedded server",
 }
-#: The operators' commands (built by ``broker.opscli``, imported only to run or show one of them).
+#: The operators' commands (built by ``broker.cli.ops``, imported only to run or show one of them).
 OPS_COMMANDS = {
     "status": "queues, worker processes, periodic jobs and the outbox at a glance",
     "jobs": "list, show, retry and cancel jobs",
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     parser = build_parser(command)
     args = parser.parse_args(argv)
-    from broker.logging_setup import configure_logging
+    from broker.observability.logs import configure_logging
 
     configure_logging(args.log_format or _env_log_format(), level=logging.DEBUG if args.verbose else logging.INFO)
     if not hasattr(args, "func"):
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not isinstance(exc, psycopg.Error):
             raise
-        from broker.preflight import first_line
+        from broker.pg.preflight import first_line
 
         say(f"database error: {type(exc).__name__}: {first_line(exc)}")
         return 1
@@ -183,7 +183,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             builders[name](p)
     if command in OPS_COMMANDS:
-        from broker import opscli
+        from broker.cli import ops as opscli
 
         opscli.add_commands(sub)
     else:
@@ -256,8 +256,8 @@ def _db_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from broker.embedded import resolve_database_url
-    from broker.migrate import migrate
+    from broker.pg.embedded import resolve_database_url
+    from broker.pg.migrate import migrate
     from broker.settings import Settings
 
     settings = Settings.from_env()
@@ -289,8 +289,14 @@ def threads_per_worker(settings: Settings, queues: Sequence[str], threads: int) 
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
-    from broker.embedded import resolve_database_url
+    from broker.pg.budget import (
+        Fleet,
+        check_budget,
+        check_fleet,
+        scheduler_connections,
+        served_queues,
+    )
+    from broker.pg.embedded import resolve_database_url
     from broker.settings import Settings, undeclared
 
     settings = Settings.from_env()
@@ -315,7 +321,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from broker.dashboard import serve
     from broker.dashboard.security import check_bind
-    from broker.embedded import resolve_database_url
+    from broker.pg.embedded import resolve_database_url
     from broker.settings import Settings
 
     settings = Settings.from_env()
@@ -325,14 +331,14 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
-    from broker.embedded import resolve_database_url, stop_embedded
+    from broker.pg.embedded import resolve_database_url, stop_embedded
     from broker.settings import Settings
 
     settings = Settings.from_env()
     if args.action == "url":
         print(resolve_database_url(settings))
         return 0
-    from broker.embedded import connected_workers
+    from broker.pg.embedded import connected_workers
 
     workers = connected_workers(settings)
     if workers:  # the operator asked: it stops anyway, saying what follows
@@ -377,10 +383,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
     import importlib.util
 
-    from broker.budget import Fleet, check_budget, check_fleet, scheduler_connections, served_queues
-    from broker.embedded import resolve_database_url
     from broker.errors import BudgetError
-    from broker.migrate import migrate
+    from broker.pg.budget import (
+        Fleet,
+        check_budget,
+        check_fleet,
+        scheduler_connections,
+        served_queues,
+    )
+    from broker.pg.embedded import resolve_database_url
+    from broker.pg.migrate import migrate
     from broker.settings import Settings
 
     settings = Settings.from_env()
@@ -427,7 +439,7 @@ def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
     if signals.stopping:
         logger.info("stopping: %s came before any process started", signals.first_name)
         return signals.exit_status
-    from broker.embedded import is_embedded
+    from broker.pg.embedded import is_embedded
 
     began = time.monotonic()
     with serving_metrics(settings, url, env):
@@ -485,7 +497,7 @@ def serving_metrics(settings: Settings, url: str, env: dict[str, str]) -> Iterat
     import tempfile
 
     from broker.errors import ConfigError
-    from broker.metrics import registry_for, serve
+    from broker.observability.metrics import registry_for, serve
 
     folder = tempfile.mkdtemp(prefix="standmeet-metrics-")
     env["PROMETHEUS_MULTIPROC_DIR"] = folder

@@ -21,7 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import detach, history, ops, pgbroker, pgpool
+from broker import detach, ops
+from broker.engine import broker as pgbroker
+from broker.ops import history
+from broker.pg import pool as pgpool
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

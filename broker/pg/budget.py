@@ -88,7 +88,7 @@ def served_queues(requested: Sequence[str] | None = None) -> list[str]:
 
     Raises :class:`StartupRefused` for a queue nothing declares, naming the known ones,
     and :class:`broker.errors.ConfigError` when no loaded module configured the broker."""
-    from broker.pgbroker import current_broker
+    from broker.engine.broker import current_broker
 
     known = sorted(current_broker().queues)
     unknown = sorted(set(requested or ()) - set(known))
@@ -250,7 +250,7 @@ GROUP BY 1 ORDER BY 2 DESC, 1
 
 def server_room(url: str, settings: Settings) -> ServerRoom:
     """What the server at ``url`` can give new clients now (one short connection)."""
-    from broker.preflight import CONNECT_TIMEOUT_S, first_line, server_of
+    from broker.pg.preflight import CONNECT_TIMEOUT_S, first_line, server_of
 
     where = server_of(url)
     try:
@@ -307,7 +307,7 @@ def check_fleet(settings: Settings, url: str, fleet: Fleet) -> str:
     """Refuse (:class:`BudgetError`) a fleet the server at ``url`` cannot hold; what was
     checked, in one line. Through a pooler, the server's ``max_connections`` bounds the
     pooler's own connections, not its clients': that is said, not checked."""
-    from broker.pgpool import DIRECT, SESSION, topology_for
+    from broker.pg.pool import DIRECT, SESSION, topology_for
 
     topology = topology_for(url)
     if topology.mode == SESSION:

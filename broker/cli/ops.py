@@ -38,10 +38,12 @@ from typing import Any
 
 import psycopg
 
-from broker import app, history, ops, pgpool
-from broker.embedded import resolve_database_url
+from broker import app, ops
 from broker.errors import DatabaseUnavailable, StandmeetError
-from broker.redact import hidden_options
+from broker.ops import history
+from broker.ops.redact import hidden_options
+from broker.pg import pool as pgpool
+from broker.pg.embedded import resolve_database_url
 from broker.settings import MONTH_S, Settings, masked_url
 from broker.worker import bounded_float, bounded_int
 
@@ -594,7 +596,7 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
     try:
         conn = pgpool.connect(url, application_name="standmeet-cli")
     except psycopg.OperationalError as exc:
-        from broker.preflight import first_line, server_of
+        from broker.pg.preflight import first_line, server_of
 
         raise DatabaseUnavailable(
             f"cannot reach the database at {server_of(url)} ({masked_url(url)}): {first_line(exc)}") from exc

@@ -31,9 +31,11 @@ from typing import Any
 
 import psycopg
 
-from broker import detach, metrics, sql
+from broker import detach
 from broker.backoff import Backoff
-from broker.pgpool import Outage, close_quietly, connect, listen_url, poll_s
+from broker.engine import sql
+from broker.observability import metrics
+from broker.pg.pool import Outage, close_quietly, connect, listen_url, poll_s
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

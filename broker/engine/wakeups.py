@@ -5,10 +5,10 @@ PgBouncer in transaction mode hands each transaction to any server connection, s
 LISTEN on it would be heard by nobody. Given a connection that can listen
 (``STANDMEET_LISTEN_DATABASE_URL``: direct, or session-pooled), :class:`WakeListener`
 listens there on every served queue's channel and wakes that queue's consumer. Without
-one, consumers poll (see :mod:`broker.pgpool`).
+one, consumers poll (see :mod:`broker.pg.pool`).
 
 The listener never dies for good: a lost connection is said once (through the process's
-:class:`~broker.pgpool.Outage`), retried with back-off, and on reconnecting it wakes every
+:class:`~broker.pg.pool.Outage`), retried with back-off, and on reconnecting it wakes every
 consumer once, since notifications sent meanwhile were missed.
 """
 
@@ -23,7 +23,7 @@ import psycopg
 
 from broker import detach
 from broker.backoff import Backoff
-from broker.pgpool import Outage, close_quietly, connect
+from broker.pg.pool import Outage, close_quietly, connect
 
 logger = logging.getLogger("standmeet.broker")
 

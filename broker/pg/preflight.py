@@ -10,8 +10,8 @@ from __future__ import annotations
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from broker import pgpool
 from broker.errors import DatabaseError, DatabaseUnavailable
+from broker.pg import pool as pgpool
 from broker.settings import masked_url
 
 #: How long a command waits for the database to answer a connection.
@@ -41,7 +41,7 @@ def first_line(exc: BaseException) -> str:
 
 def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> None:
     """Raise :class:`DatabaseUnavailable` or :class:`NotMigrated` with one clear line."""
-    from broker.migrate import available_migrations
+    from broker.pg.migrate import available_migrations
 
     where = server_of(url)
     try:

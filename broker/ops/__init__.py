@@ -993,8 +993,8 @@ def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]
     enqueued in the same transaction; returns how many exist. Needs no actor import."""
     from dramatiq.message import Message
 
-    from broker import sql
-    from broker.pgbroker import enqueue_params
+    from broker.engine import sql
+    from broker.engine.broker import enqueue_params
 
     with conn.transaction():
         found = [int(r[0]) for r in conn.execute(REPLAY_DELIVERIES, {"ids": list(delivery_ids)}).fetchall()]

@@ -12,11 +12,13 @@ import logging
 
 import dramatiq
 
-from broker import db, deadline, sql
+from broker import deadline
+from broker.backends.rate_limits import PRUNE_EXPIRED_RATE_LIMITS
+from broker.backends.results import PRUNE_EXPIRED_RESULTS
+from broker.engine import sql
+from broker.engine.broker import current_broker
 from broker.outbox import PRUNE_RELAYS
-from broker.pgbroker import current_broker
-from broker.rate_limits import PRUNE_EXPIRED_RATE_LIMITS
-from broker.results import PRUNE_EXPIRED_RESULTS
+from broker.pg import db
 
 logger = logging.getLogger("standmeet.maintenance")
 

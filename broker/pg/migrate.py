@@ -13,8 +13,8 @@ from importlib import resources
 
 import psycopg
 
-from broker import pgpool
 from broker.errors import DatabaseUnavailable, MigrationError
+from broker.pg import pool as pgpool
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -58,7 +58,7 @@ class Migration:
 
 def available_migrations() -> list[Migration]:
     found = []
-    for entry in resources.files("broker").joinpath("migrations").iterdir():
+    for entry in resources.files("broker.pg").joinpath("migrations").iterdir():
         if not entry.name.endswith(".sql"):
             continue
         number, _, rest = entry.name.partition("_")

@@ -39,7 +39,7 @@ import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
-from broker.results import (
+from broker.backends.results import (
     connect_backend,
     fetch_one,
     prune_expired,

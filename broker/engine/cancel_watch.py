@@ -11,7 +11,8 @@ import logging
 import threading
 from collections import Counter
 
-from broker import db, deadline, detach
+from broker import deadline, detach
+from broker.pg import db
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

@@ -22,7 +22,7 @@ What it guarantees:
   :class:`broker.errors.DatabaseError`, each raised ``from`` the psycopg error.
 
 The LISTEN machinery (:class:`NotificationListener`) and the pool handling
-(:class:`Database`) are shared with :mod:`broker.rate_limits`.
+(:class:`Database`) are shared with :mod:`broker.backends.rate_limits`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from dramatiq.results.backend import DEFAULT_TIMEOUT, MResult, Result
 from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from broker import detach, pgpool
+from broker import detach
 from broker.errors import ConfigError, DatabaseError, DatabaseUnavailable
+from broker.pg import pool as pgpool
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

@@ -28,7 +28,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker import deadline, services
 from broker.errors import DatabaseUnavailable
-from broker.pgpool import (
+from broker.pg.pool import (
     SET_LOCAL_STATEMENT_TIMEOUT,
     SET_STATEMENT_TIMEOUT,
     close_quietly,

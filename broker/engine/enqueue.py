@@ -37,8 +37,9 @@ import dramatiq
 import psycopg
 from dramatiq.message import Message
 
-from broker import app, sql
-from broker.pgbroker import (
+from broker import app
+from broker.engine import sql
+from broker.engine.broker import (
     StandmeetBroker,
     Step,
     UniqueItem,
@@ -152,7 +153,7 @@ def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: A
 
 async def run_steps_async(aconn: psycopg.AsyncConnection[Any],
                           steps: Generator[Step, list[Any], UniqueOutcome]) -> UniqueOutcome:
-    """:func:`broker.pgbroker.run_steps` on an ``AsyncConnection``."""
+    """:func:`broker.engine.broker.run_steps` on an ``AsyncConnection``."""
     try:
         step = next(steps)
         while True:

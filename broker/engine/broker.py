@@ -59,8 +59,10 @@ from dramatiq.middleware import Middleware, MiddlewareError
 from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
-from broker import app, detach, sql, tracing
+from broker import app, detach
 from broker.backoff import Backoff
+from broker.engine import sql
+from broker.engine.wakeups import WakeListener
 from broker.errors import (
     ConfigError,
     CutOff,
@@ -71,7 +73,8 @@ from broker.errors import (
     MessageTooLarge,
     ResultRefused,
 )
-from broker.pgpool import (
+from broker.observability import tracing
+from broker.pg.pool import (
     DISCONNECTS,
     TRANSACTION,
     Outage,
@@ -82,7 +85,6 @@ from broker.pgpool import (
     topology_for,
 )
 from broker.settings import MIB, PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
-from broker.wakeups import WakeListener
 
 logger = logging.getLogger("standmeet.broker")
 
@@ -1793,7 +1795,7 @@ def checked_json(message: Message | MessageProxy, *, max_bytes: int | None = Non
 
 
 def claim_size_params(max_bytes: int) -> dict[str, int]:
-    """What :data:`broker.sql.CLAIM` refuses: a row whose text, as Postgres writes it (a
+    """What :data:`broker.engine.sql.CLAIM` refuses: a row whose text, as Postgres writes it (a
     space after each ``,`` and ``:``, so up to 1.5 times the compact text a send measured),
     is over 1.5 × ``max_bytes``: never one a send accepted. A row whose stored size is
     below a sixth of that is not measured."""
@@ -1907,7 +1909,7 @@ def attempt_error(message: MessageProxy, exception: BaseException | None, attemp
 
 def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None, *,
                    max_bytes: int | None = None) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.ENQUEUE` for ``messages``, due after ``delay`` ms;
+    """Parameters of :data:`broker.engine.sql.ENQUEUE` for ``messages``, due after ``delay`` ms;
     :class:`InvalidMessage` or :class:`MessageTooLarge` (naming the message) for a batch
     holding one Postgres would refuse or one over ``max_bytes`` (default:
     :func:`default_max_bytes`), before anything is written."""
@@ -1944,7 +1946,7 @@ def _check_sizes(array: str, batch: Sequence[Message], max_bytes: int) -> None:
 
 
 def batch_params(texts: Sequence[str], priorities: Sequence[str], *, delay_s: float = 0.0) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.ENQUEUE` for messages already encoded: their JSON
+    """Parameters of :data:`broker.engine.sql.ENQUEUE` for messages already encoded: their JSON
     texts and priorities (as decimal text), in order, all due after ``delay_s``."""
     return _array_params(f"[{','.join(texts)}]", priorities, delay_s=delay_s)
 
@@ -1955,7 +1957,7 @@ def _array_params(array: str, priorities: Sequence[str], *, delay_s: float) -> d
 
 def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None, *,
                        max_bytes: int | None = None) -> dict[str, Any]:
-    """Parameters of :data:`broker.sql.ENQUEUE_ONE` for ``message``, due after ``delay`` ms;
+    """Parameters of :data:`broker.engine.sql.ENQUEUE_ONE` for ``message``, due after ``delay`` ms;
     refused as :func:`checked_json` says, before anything is written."""
     delay_s = delay_seconds(delay)
     return {"queue": message.queue_name, "message_id": message.message_id,
@@ -2096,10 +2098,10 @@ def unique_item(message: Message | MessageProxy, key: UniqueKey, *, max_bytes: i
 
 def unique_write(items: Sequence[UniqueItem], delay_s: float = 0.0) -> Generator[Step, list[Any], UniqueOutcome]:
     """The statements that write ``items``, one at a time (a generator: the sync and the
-    async drivers, :func:`run_steps` and ``broker.enqueue.run_steps_async``, send each
-    one's rows back). INSERT … ON CONFLICT DO NOTHING (:data:`broker.sql.ENQUEUE_UNIQUE`),
+    async drivers, :func:`run_steps` and ``broker.engine.enqueue.run_steps_async``, send each
+    one's rows back). INSERT … ON CONFLICT DO NOTHING (:data:`broker.engine.sql.ENQUEUE_UNIQUE`),
     then, in a new statement that sees what concurrent senders committed, the holder of
-    each key not written (:data:`broker.sql.UNIQUE_LIVE`); a key whose holder finished in
+    each key not written (:data:`broker.engine.sql.UNIQUE_LIVE`); a key whose holder finished in
     between is written again, at most UNIQUE_ATTEMPTS times."""
     live: list[str | None] = [None] * len(items)
     skipped: dict[tuple[str, str], int] = {}
@@ -2158,7 +2160,7 @@ def live_messages(messages: Sequence[Message], outcome: UniqueOutcome) -> list[M
             for m, text in zip(messages, outcome.live, strict=True)]
 
 
-#: Told the skips of each write that skipped ({(queue, actor): n}): ``broker.metrics``
+#: Told the skips of each write that skipped ({(queue, actor): n}): ``broker.observability.metrics``
 #: adds its counter here when it is imported (it imports this module, not the reverse).
 SKIP_COUNTERS: list[Callable[[dict[tuple[str, str], int]], None]] = []
 #: What may keep a skip count from being written (the database refused it, or is away).

@@ -1,0 +1,1 @@
+"""Dramatiq's pluggable backends, in Postgres: results and rate limits."""

@@ -1,0 +1,7 @@
+"""``python -m broker.cli``: the ``standmeet-jobs`` command."""
+
+import sys
+
+from broker.cli import main
+
+sys.exit(main())

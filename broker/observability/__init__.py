@@ -1,0 +1,1 @@
+"""What operators read from a running process: metrics, traces and logs."""
