@@ -18,8 +18,8 @@ from actors import settings as app_settings
 from actors.secretbox import DEFAULT_RESEAL_BATCH
 from broker import app
 from broker.cli import ops as opscli
-from broker.engine.broker import current_broker
 from broker.errors import StandmeetError
+from broker.services import current_broker
 from broker.settings import Settings
 
 #: How long ``mail test`` waits for the outcome, and for the SMTP server to answer a probe.
@@ -53,8 +53,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     check_payload(args.topic, payload)  # before any connection: bad input is named first
     _actors()
-    from broker.engine.broker import current_broker
     from broker.outbox import emit
+    from broker.services import current_broker
 
     with psycopg.connect(current_broker().url) as conn, conn.transaction():
         event_id = emit(conn, args.topic, payload)
@@ -90,7 +90,7 @@ def cmd_write(args: argparse.Namespace) -> int:
     check_document(title, body, max_bytes=settings.document_max_bytes)
     _actors()
     from actors.documents import write_document
-    from broker.engine.broker import current_broker
+    from broker.services import current_broker
 
     result = write_document(title.strip() or Path(args.file).stem, body, wait_s=wait_s)
     print(json.dumps(result), flush=True)  # the answer is out before the connections close

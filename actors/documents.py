@@ -18,11 +18,11 @@ from typing import Any
 
 from actors import settings as app_settings
 from broker import services
-from broker.engine.broker import current_broker
 from broker.engine.enqueue import enqueue
 from broker.errors import StandmeetError
 from broker.outbox.receipts import channel_for
 from broker.pg import db
+from broker.services import current_broker
 
 #: The longest a write waits for its receipts (the bound of STANDMEET_RECEIPT_WAIT_S).
 MAX_WAIT_S = 3_600.0

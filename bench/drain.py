@@ -121,7 +121,7 @@ def enqueue_backlog(url: str, n: int) -> float:
     from dramatiq.message import Message
 
     from broker import enqueue_many
-    from broker.engine.broker import current_broker
+    from broker.services import current_broker
 
     b = current_broker()
     if QUEUE not in b.queues:

@@ -18,10 +18,11 @@ if TYPE_CHECKING:  # imported on first use (below): `standmeet-jobs --help` load
 
     from broker.backends.rate_limits import PostgresRateLimiterBackend
     from broker.backends.results import PostgresResultBackend
-    from broker.engine.broker import StandmeetBroker, UniqueBy, current_broker
+    from broker.engine.broker import StandmeetBroker, UniqueBy
     from broker.engine.enqueue import enqueue, enqueue_async
     from broker.errors import BudgetError, ConfigError, StandmeetError
     from broker.outbox import emit, emit_async
+    from broker.services import current_broker
     from broker.settings import Settings
 
 #: Where each public name lives: imported the first time it is asked for, so that
@@ -30,7 +31,7 @@ _PUBLIC = {
     "BudgetError": "broker.errors", "ConfigError": "broker.errors", "StandmeetError": "broker.errors",
     "PostgresRateLimiterBackend": "broker.backends.rate_limits", "PostgresResultBackend": "broker.backends.results",
     "Settings": "broker.settings", "StandmeetBroker": "broker.engine.broker", "UniqueBy": "broker.engine.broker",
-    "current_broker": "broker.engine.broker", "emit": "broker.outbox", "emit_async": "broker.outbox",
+    "current_broker": "broker.services", "emit": "broker.outbox", "emit_async": "broker.outbox",
     "enqueue": "broker.engine.enqueue", "enqueue_async": "broker.engine.enqueue",
 }
 
@@ -76,7 +77,7 @@ def enqueue_many(messages: Sequence[dramatiq.Message], *, conn: psycopg.Connecti
     by an earlier message of the batch) is not written: the live message stands in its
     place in the list returned.
     """
-    from broker.engine.broker import current_broker
+    from broker.services import current_broker
 
     return current_broker().enqueue_many(messages, conn=conn, delay=delay_ms)
 
@@ -111,9 +112,12 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     from broker.backends.rate_limits import PostgresRateLimiterBackend
     from broker.backends.results import PostgresResultBackend
     from broker.engine.broker import StandmeetBroker
+    from broker.outbox import Relay
+    from broker.outbox.receipts import Waiters
     from broker.pg import pool as pgpool
     from broker.pg.budget import BACKEND_POOL_CONNECTIONS
     from broker.pg.embedded import resolve_database_url
+    from broker.pg.pool import open_app_pool
     from broker.settings import Settings
     from middleware import default_middleware
 
@@ -138,7 +142,12 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
         if isinstance(previous, StandmeetBroker):
             previous.close()
     dramatiq.set_broker(broker)
-    services.install(services.Services(settings=settings, url=url, broker=broker))
+    services.install(services.Services(
+        settings=settings, url=url, broker=broker,
+        open_app_pool=lambda: open_app_pool(url, max_size=settings.pool_max_size),
+        open_waiters=lambda: Waiters(url, max_waiters=settings.max_waiters),
+        start_relay=lambda: Relay(url, batch=settings.relay_batch, poll_s=settings.relay_poll_s,
+                                  outage=broker.outage).start()))
     for actor in _runtime_actors():  # the runtime's own jobs, on every broker
         if actor.actor_name not in broker.actors:  # configured again: they move over too
             actor.broker = broker

@@ -15,24 +15,32 @@ listeners and the pool.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from psycopg_pool import ConnectionPool
-
-from broker.engine.broker import StandmeetBroker
 from broker.errors import ConfigError
-from broker.outbox import Relay
-from broker.outbox.receipts import Waiters
-from broker.pg.pool import open_app_pool
 from broker.settings import Settings
+
+if TYPE_CHECKING:  # the lookup every part uses imports none of them: configure() gives it its factories
+    from psycopg_pool import ConnectionPool
+
+    from broker.engine.broker import StandmeetBroker
+    from broker.outbox import Relay
+    from broker.outbox.receipts import Waiters
 
 
 class Services:
     """What every part of one process shares."""
 
-    def __init__(self, *, settings: Settings, url: str, broker: StandmeetBroker) -> None:
+    def __init__(self, *, settings: Settings, url: str, broker: StandmeetBroker,
+                 open_app_pool: Callable[[], ConnectionPool], open_waiters: Callable[[], Waiters],
+                 start_relay: Callable[[], Relay]) -> None:
         self.settings = settings
         self.url = url
         self.broker = broker
+        self._open_app_pool = open_app_pool
+        self._open_waiters = open_waiters
+        self._start_relay = start_relay
         self._lock = threading.Lock()
         self._app_pool: ConnectionPool | None = None
         self._waiters: Waiters | None = None
@@ -44,7 +52,7 @@ class Services:
         """The application's psycopg 3 pool, opened on first use."""
         with self._lock:
             if self._app_pool is None:
-                self._app_pool = open_app_pool(self.url, max_size=self.settings.pool_max_size)
+                self._app_pool = self._open_app_pool()
             return self._app_pool
 
     @property
@@ -52,15 +60,14 @@ class Services:
         """This process's receipt listeners and waiters (one LISTEN connection a channel)."""
         with self._lock:
             if self._waiters is None:
-                self._waiters = Waiters(self.url, max_waiters=self.settings.max_waiters)
+                self._waiters = self._open_waiters()
             return self._waiters
 
     def start_relay(self) -> None:
         """Run the outbox relay in this process (every worker process runs one)."""
         with self._lock:
             if self.relay is None:
-                self.relay = Relay(self.url, batch=self.settings.relay_batch, poll_s=self.settings.relay_poll_s,
-                                   outage=self.broker.outage).start()
+                self.relay = self._start_relay()
 
     def stop_relay(self) -> None:
         """Stop the relay first on shutdown: no new messages from this process."""
@@ -100,4 +107,10 @@ def installed() -> Services | None:
     return _current
 
 
-__all__ = ["Services", "current", "install", "installed"]
+def current_broker() -> StandmeetBroker:
+    """The configured broker (``current().broker``); a clear error if ``broker.configure()``
+    was not called."""
+    return current().broker
+
+
+__all__ = ["Services", "current", "current_broker", "install", "installed"]

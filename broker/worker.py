@@ -349,8 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_worker_numbers(threads=args.threads, shutdown_ms=args.worker_shutdown_timeout)
         import dramatiq
 
-        from broker.engine.broker import current_broker
         from broker.pg.budget import process_connections, served_queues
+        from broker.services import current_broker
 
         load_modules(args.modules)
         broker = current_broker()

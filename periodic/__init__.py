@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from broker.app import PeriodicJob, periodic_jobs
-from broker.engine.broker import current_broker
 from broker.engine.enqueue import build_message, enqueue_message
 from broker.errors import DatabaseError
 from broker.pg import db
+from broker.services import current_broker
 
 if TYPE_CHECKING:  # APScheduler is imported by the scheduler process only (``trigger``)
     from apscheduler.triggers.base import BaseTrigger

@@ -59,7 +59,7 @@ from dramatiq.middleware import Middleware, MiddlewareError
 from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
-from broker import app, detach
+from broker import app, detach, services
 from broker.backoff import Backoff
 from broker.engine import sql
 from broker.engine.wakeups import WakeListener
@@ -2178,7 +2178,7 @@ def count_skips(skipped: dict[tuple[str, str], int], broker: StandmeetBroker | N
         counter(skipped)
     keys = sorted(skipped)
     try:
-        (broker or current_broker()).execute(sql.UNIQUE_SKIPPED, {
+        (broker or services.current_broker()).execute(sql.UNIQUE_SKIPPED, {
             "queues": [k[0] for k in keys], "actors": [k[1] for k in keys], "counts": [skipped[k] for k in keys]})
     except _COUNT_FAILURES as exc:
         logger.warning("could not record %d skipped unique send(s): %s", sum(skipped.values()), exc)
@@ -2198,11 +2198,3 @@ def refuse_non_json_encoder() -> None:
             f"the message encoder is {type(encoder).__name__}, but this broker stores messages as JSON "
             "(dramatiq-pg's jsonb column): use dramatiq.JSONEncoder or a subclass of it"
         )
-
-
-def current_broker() -> StandmeetBroker:
-    """The configured broker; a clear error if ``broker.configure()`` was not called."""
-    current = dramatiq.broker.global_broker
-    if not isinstance(current, StandmeetBroker):
-        raise ConfigError("the broker is not configured: import actors, or call broker.configure()")
-    return current

@@ -45,7 +45,6 @@ from broker.engine.broker import (
     UniqueItem,
     UniqueOutcome,
     count_skips,
-    current_broker,
     delay_seconds,
     enqueue_one_params,
     enqueue_params,
@@ -56,6 +55,7 @@ from broker.engine.broker import (
     unique_key_of,
     unique_write,
 )
+from broker.services import current_broker
 
 
 def build_message(actor: dramatiq.Actor | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,

@@ -16,9 +16,9 @@ from broker import deadline
 from broker.backends.rate_limits import PRUNE_EXPIRED_RATE_LIMITS
 from broker.backends.results import PRUNE_EXPIRED_RESULTS
 from broker.engine import sql
-from broker.engine.broker import current_broker
 from broker.outbox import PRUNE_RELAYS
 from broker.pg import db
+from broker.services import current_broker
 
 logger = logging.getLogger("standmeet.maintenance")
 

@@ -57,7 +57,6 @@ from broker.engine.broker import (
     checked_json,
     compact_json,
     count_skips,
-    current_broker,
     message_json,
     message_priority,
     run_steps,
@@ -70,6 +69,7 @@ from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.observability import tracing
 from broker.pg import pool as pgpool
 from broker.pg.pool import DISCONNECTS, Outage, close_quietly
+from broker.services import current_broker
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

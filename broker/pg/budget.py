@@ -88,7 +88,7 @@ def served_queues(requested: Sequence[str] | None = None) -> list[str]:
 
     Raises :class:`StartupRefused` for a queue nothing declares, naming the known ones,
     and :class:`broker.errors.ConfigError` when no loaded module configured the broker."""
-    from broker.engine.broker import current_broker
+    from broker.services import current_broker
 
     known = sorted(current_broker().queues)
     unknown = sorted(set(requested or ()) - set(known))

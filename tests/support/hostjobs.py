@@ -96,7 +96,8 @@ def observed(fn: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
-        from broker.engine.broker import claim_of, current_broker
+        from broker.engine.broker import claim_of
+        from broker.services import current_broker
 
         message = _current()
         held = lease_of(message) if message is not None else None
