@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from actors import queues  # noqa: F401  (declares the queues before any actor names one)
 from actors import settings as _settings
+from broker import app as _app
 from broker import configure
+
+# The application's tables: its own migrations, applied by `standmeet-jobs migrate` after the runtime's.
+_app.migrations(package="actors", folder="migrations")
 
 configure()
 # The application's settings, checked as the process starts: a malformed or out-of-range

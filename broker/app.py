@@ -215,3 +215,32 @@ periodic("prune-messages", "maintenance.prune_messages", interval_s=3600)
 periodic("rescue", "maintenance.rescue", interval_s=30)
 periodic("prune-outbox", "maintenance.prune_outbox", interval_s=3600)
 periodic("prune-expired", "maintenance.prune_expired", interval_s=600)
+
+
+# An application's own tables: its migrations, numbered and recorded on their own.
+@dataclass(frozen=True)
+class MigrationFolder:
+    """``<package>/<folder>/NNNN_name.sql``: a package's migrations, versioned on their own
+    and applied by ``standmeet-jobs migrate`` after the runtime's (``broker.pg.migrate``)."""
+
+    package: str
+    folder: str = "migrations"
+
+
+_MIGRATION_FOLDERS: dict[str, MigrationFolder] = {}
+
+
+def migrations(*, package: str, folder: str = "migrations") -> MigrationFolder:
+    """Declare that ``package`` brings the migrations in its ``folder``: ``migrate`` applies
+    them (once each, in their order) after the runtime's and those declared before."""
+    if not all(part.isidentifier() for part in package.split(".")) or package.split(".")[0] == "broker":
+        raise ConfigError(f"migrations: {package!r} is not the name of an application's package")
+    parts = folder.replace("\\", "/").split("/")
+    if folder.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ConfigError(f"migrations of {package!r}: folder {folder!r} must be a plain relative path inside it")
+    return REGISTRY._put(_MIGRATION_FOLDERS, "migrations of package", package, MigrationFolder(package, folder))
+
+
+def migration_folders() -> list[MigrationFolder]:
+    """The declared migration folders, in the order they were declared."""
+    return list(_MIGRATION_FOLDERS.values())

@@ -12,6 +12,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from broker.app import MigrationFolder
 from broker.pg.embedded import embedded_server_url
 from broker.pg.migrate import migrate
 from broker.settings import DEFAULT_EMBEDDED_DIR, Settings
@@ -34,6 +35,9 @@ CREATE TABLE IF NOT EXISTS test_counters (
 );
 """
 
+
+#: The application's migrations (what ``import actors`` declares), applied without importing it.
+APP_MIGRATIONS = (MigrationFolder(package="actors", folder="migrations"),)
 
 #: The suite's own embedded data folder, beside the default one `standmeet-jobs` uses.
 SUITE_EMBEDDED_FOLDER = "pgdata-tests"
@@ -66,7 +70,7 @@ def create_template(admin_url: str, name: str) -> str:
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     url = with_dbname(admin_url, name)
-    migrate(url)
+    migrate(url, packages=APP_MIGRATIONS)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(TEST_SCHEMA)
     return url

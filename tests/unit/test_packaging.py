@@ -81,8 +81,9 @@ def test_the_wheel_holds_the_packages_their_data_the_license_and_no_tests(wheel)
     names = set(zipfile.ZipFile(path).namelist())
     for package in PACKAGES:
         assert f"{package}/py.typed" in names, package
-    migrations = sorted(p.name for p in (ROOT / "broker" / "pg" / "migrations").glob("*.sql"))
-    assert migrations and all(f"broker/pg/migrations/{m}" in names for m in migrations)
+    for folder in ("broker/pg/migrations", "actors/migrations"):  # the runtime's, the application's
+        migrations = sorted(p.name for p in (ROOT / folder).glob("*.sql"))
+        assert migrations and all(f"{folder}/{m}" in names for m in migrations), folder
     for folder in ("broker/dashboard/templates", "broker/dashboard/static", "actors/templates"):
         expected = [p.relative_to(ROOT).as_posix() for p in (ROOT / folder).iterdir() if p.is_file()]
         assert expected and set(expected) <= names, folder
