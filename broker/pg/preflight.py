@@ -19,6 +19,13 @@ CONNECT_TIMEOUT_S = 5
 
 SCHEMA_TABLE = "SELECT to_regclass('standmeet.schema_migrations') IS NOT NULL"
 SCHEMA_VERSION = "SELECT coalesce(max(version), 0) FROM standmeet.schema_migrations"
+#: The newest applied version of each package's own migrations (NULL: the table is missing).
+PACKAGE_VERSIONS = """
+SELECT CASE WHEN to_regclass('standmeet.package_migrations') IS NULL THEN NULL
+            ELSE (SELECT coalesce(jsonb_object_agg(package, version), '{}'::jsonb)
+                  FROM (SELECT package, max(version) AS version FROM standmeet.package_migrations
+                        GROUP BY package) AS newest) END
+"""
 
 
 class NotMigrated(DatabaseError):
@@ -40,8 +47,11 @@ def first_line(exc: BaseException) -> str:
 
 
 def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> None:
-    """Raise :class:`DatabaseUnavailable` or :class:`NotMigrated` with one clear line."""
-    from broker.pg.migrate import available_migrations
+    """Raise :class:`DatabaseUnavailable` or :class:`NotMigrated` with one clear line: the
+    runtime's schema and that of every package the loaded modules declared
+    (``broker.app.migrations``) must be current."""
+    from broker import app
+    from broker.pg.migrate import available_migrations, package_migrations
 
     where = server_of(url)
     try:
@@ -55,6 +65,7 @@ def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> N
             if not row or not row[0]:
                 raise NotMigrated(f"the database at {where} has no standmeet schema: run `standmeet-jobs migrate`")
             version_row = conn.execute(SCHEMA_VERSION).fetchone()
+            packages_row = conn.execute(PACKAGE_VERSIONS).fetchone()
         except psycopg.Error as exc:
             raise DatabaseUnavailable(f"the database at {where} answered: {first_line(exc)}") from None
     have = int(version_row[0]) if version_row else 0
@@ -62,3 +73,10 @@ def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> N
     if have < need:
         raise NotMigrated(f"the database at {where} is at schema version {have}, this code needs {need}: "
                           "run `standmeet-jobs migrate`")
+    packages_have = packages_row[0] if packages_row else None
+    for source in app.migration_folders():
+        need = max((m.version for m in package_migrations(source)), default=0)
+        have = int((packages_have or {}).get(source.package, 0))
+        if have < need:
+            raise NotMigrated(f"the database at {where} is at version {have} of the migrations of {source.package}, "
+                              f"this code needs {need}: run `standmeet-jobs migrate`")

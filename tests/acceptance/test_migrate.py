@@ -267,3 +267,21 @@ def test_a_module_that_cannot_load_stops_migrate_in_one_line_before_the_database
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith("standmeet-jobs: cannot load module 'no_such_module_here'")
     assert testdb.scalar(new_database, "SELECT to_regclass('standmeet.schema_migrations') IS NULL")
+
+
+def test_the_preflight_refuses_a_database_whose_application_migrations_are_behind(new_database, monkeypatch):
+    from broker import app
+    from broker.pg.preflight import NotMigrated, check_database
+
+    # Given the application's migrations declared, and a database migrated by the runtime alone
+    monkeypatch.setattr(app, "migration_folders", lambda: list(ACTORS))
+    migrate(new_database, packages=[])
+    # Then a command of the application is refused in one line naming the package and the fix
+    with pytest.raises(NotMigrated) as refused:
+        check_database(new_database)
+    need = max(m.version for m in package_migrations(ACTORS[0]))
+    assert str(refused.value).endswith(f"is at version 0 of the migrations of actors, this code needs {need}: "
+                                       "run `standmeet-jobs migrate`")
+    # When the application's migrations are applied, it passes
+    migrate(new_database, packages=ACTORS)
+    check_database(new_database)
