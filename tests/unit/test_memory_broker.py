@@ -19,7 +19,7 @@ import pytest
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.results import ResultMissing
 
-from broker import deadline
+from broker import deadline, services
 from broker.errors import JobCancelled, ResultRefused
 from broker.testing import MemoryBroker
 from middleware import Lease, Snooze
@@ -384,3 +384,16 @@ def test_actor_tests_on_the_memory_broker_import_no_database_driver():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_the_worked_example_of_the_testing_docs_passes(monkeypatch):
+    text = (ROOT / "docs" / "testing.md").read_text()
+    example = text.split("### A worked example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, object] = {}
+    monkeypatch.setattr(dramatiq.broker, "global_broker", None)
+    monkeypatch.setattr(services, "_current", services.installed())
+    exec(compile(example, "docs/testing.md", "exec"), namespace)  # noqa: S102  (our own docs)
+    (test,) = [f for name, f in namespace.items() if name.startswith("test_")]
+    started = time.monotonic()
+    test(monkeypatch)  # type: ignore[operator]
+    assert time.monotonic() - started < 1.0
