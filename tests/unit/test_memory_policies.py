@@ -169,3 +169,16 @@ def test_an_async_job_past_its_time_limit_is_cancelled_and_fails(make_broker):
     (rejected,) = broker.dead_letters
     assert isinstance(rejected._exception, TimeLimitExceeded)
     assert ended == ["cancelled"]
+
+
+def test_the_memory_broker_runs_the_production_policies_in_their_order(make_broker):
+    from dramatiq.rate_limits.backends.stub import StubBackend as StubRateLimiterBackend
+    from dramatiq.results.backends.stub import StubBackend
+
+    from middleware import default_middleware
+
+    broker = make_broker()
+    production = default_middleware(broker.settings, results=StubBackend(), rate_limiter=StubRateLimiterBackend())
+    postgres_only = {"ConnectionBudget", "Metrics", "GracefulShutdown"}
+    assert [type(m).__name__ for m in broker.middleware] == [
+        type(m).__name__ for m in production if type(m).__name__ not in postgres_only]
