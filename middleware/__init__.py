@@ -29,6 +29,11 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 The broker disarms the time limit before any after-hook runs, so the limit never fires
 inside the settle path; what after-hooks send (retries, snoozes, pipelines, callbacks)
 is written with the run's settle, in one transaction.
+
+Importing this package (``from middleware import Snooze``) loads no database driver: the
+two policies that need Postgres to exist at all (the connection budget, the metrics'
+database gauges) are imported by :func:`default_middleware`, so an application's actors
+load on the memory broker of ``broker.testing`` with psycopg absent.
 """
 
 from __future__ import annotations
@@ -48,12 +53,10 @@ from dramatiq.rate_limits import RateLimiterBackend
 from dramatiq.results import ResultBackend
 
 from broker.settings import Settings
-from middleware.cancellation import Cancellation
-from middleware.connection_budget import ConnectionBudget
+from middleware.cancellation import Cancellation, Watcher
 from middleware.graceful_shutdown import GracefulShutdown
 from middleware.job_log import JobLog
-from middleware.keyed_lease import Held, KeyedLease, Lease, given_back, lease_of
-from middleware.metrics import Metrics
+from middleware.keyed_lease import Held, KeyedLease, Lease, LeaseStore, given_back, lease_of
 from middleware.queue_concurrency import QueueConcurrency
 from middleware.results import results_middleware
 from middleware.retries import Retries
@@ -66,14 +69,29 @@ __all__ = ["Held", "Lease", "Snooze", "default_middleware", "given_back", "lease
 
 
 def default_middleware(
-    settings: Settings, *, results: ResultBackend | None = None, rate_limiter: RateLimiterBackend | None = None
+    settings: Settings, *, results: ResultBackend | None = None, rate_limiter: RateLimiterBackend | None = None,
+    leases: LeaseStore | None = None, cancel_watcher: Watcher | None = None, postgres: bool = True,
 ) -> list[Any]:
     """The policies every broker of ours runs, in order; results and group callbacks
-    when their backends are given (``broker.configure()`` gives the Postgres ones)."""
+    when their backends are given (``broker.configure()`` gives the Postgres ones).
+
+    ``leases`` and ``cancel_watcher``: where keyed leases live and what learns of
+    cancellations (None: in Postgres). ``postgres=False`` leaves out the policies that
+    only a Postgres broker has (the connection budget, the metrics with their database
+    gauges, the outbox relay's shutdown): the memory broker of ``broker.testing``.
+    """
     stores = [results_middleware(backend=results)] if results is not None else []
     groups = [GroupCallbacks(rate_limiter)] if rate_limiter is not None else []
+    budget: list[Any] = []
+    measures: list[Any] = []
+    shutdown: list[Any] = []
+    if postgres:
+        from middleware.connection_budget import ConnectionBudget
+        from middleware.metrics import Metrics
+
+        budget, measures, shutdown = [ConnectionBudget()], [Metrics()], [GracefulShutdown()]
     return [
-        ConnectionBudget(),
+        *budget,
         Tracing(),
         QueueConcurrency(),
         AgeLimit(),
@@ -82,9 +100,9 @@ def default_middleware(
         ShutdownNotifications(),
         Callbacks(),
         Pipelines(),
-        Metrics(),
+        *measures,
         JobLog(),
-        Cancellation(),
+        Cancellation(watcher=cancel_watcher),
         Retries(
             max_retries=settings.max_retries,
             min_backoff_ms=settings.min_backoff_ms,
@@ -93,8 +111,8 @@ def default_middleware(
         *stores,
         *groups,
         SnoozePolicy(),
-        KeyedLease(),
+        KeyedLease(store=leases),
         UniqueJobs(),
-        GracefulShutdown(),
+        *shutdown,
         AsyncIO(),
     ]

@@ -6,21 +6,39 @@ Before each run the thread's message is named for ``broker.deadline``; a per-pro
 watcher (``broker.engine.cancel_watch``) asks the database, once a second while jobs run,
 which of them were cancelled. The broker's retry settle must then reject the job
 rather than retry it (it honours ``cancelled_at``).
+
+The watcher is the middleware's ``watcher`` (a :class:`Watcher`): by default the one that
+asks Postgres; the memory broker of ``broker.testing`` gives its own, which asks nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from dramatiq import Middleware
 
 from broker import deadline
-from broker.engine.cancel_watch import DEFAULT_POLL_S, CancellationWatcher
+
+
+class Watcher(Protocol):
+    """What learns which running jobs were cancelled, and marks them in ``broker.deadline``."""
+
+    def watch(self, message_id: str) -> None: ...
+
+    def unwatch(self, message_id: str) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class Cancellation(Middleware):
-    def __init__(self, *, poll_s: float = DEFAULT_POLL_S) -> None:
-        self.watcher = CancellationWatcher(poll_s=poll_s)
+    def __init__(self, *, poll_s: float | None = None, watcher: Watcher | None = None) -> None:
+        """``poll_s``: how often the default watcher asks Postgres (its default when None)."""
+        if watcher is None:
+            # here, not at the top: a memory broker's watcher needs no database
+            from broker.engine.cancel_watch import DEFAULT_POLL_S, CancellationWatcher
+
+            watcher = CancellationWatcher(poll_s=DEFAULT_POLL_S if poll_s is None else poll_s)
+        self.watcher: Watcher = watcher
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         deadline.set_message(message.message_id)

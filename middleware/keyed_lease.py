@@ -24,6 +24,10 @@ needs no lease (the actor records why, from what the row's other columns read:
 ``%(token)s`` and ``%(message_id)s`` (the releasing message's). ``key(message)``
 returns None when the message needs no lease. An actor that gives the lease back itself, in the statement that records its
 outcome, says so with :func:`given_back`: the middleware then skips its own release.
+
+Where the leases live is the middleware's ``store`` (a :class:`LeaseStore`): by default
+:class:`PostgresLeases`, which runs ``take`` and ``release``; the memory broker of
+``broker.testing`` gives one that keeps them in a dict (by ``key(message)`` alone).
 """
 
 from __future__ import annotations
@@ -32,12 +36,11 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dramatiq import Middleware
 from dramatiq.broker import MessageProxy
 
-from broker.pg import db
 from middleware.snooze import snooze_before_start
 
 logger = logging.getLogger("standmeet.middleware")
@@ -85,7 +88,41 @@ def given_back(message: Any) -> None:
     message.standmeet_lease = None
 
 
+class LeaseStore(Protocol):
+    """Where leases are taken and given back."""
+
+    def take(self, lease: Lease, key: Any) -> tuple[Any, ...] | None:
+        """The row ``lease.take`` returns for ``key`` (token first), or None when it is busy."""
+        ...
+
+    def release(self, held: Held, message_id: str) -> None:
+        """Give ``held`` back, only if its token is still the holder's."""
+        ...
+
+
+class PostgresLeases:
+    """Leases as rows: ``take`` and ``release`` run as autocommit statements."""
+
+    def __init__(self) -> None:
+        from broker.pg import db  # here, not at the top: a memory broker's store needs no database
+
+        self._db = db
+
+    def take(self, lease: Lease, key: Any) -> tuple[Any, ...] | None:
+        with self._db.connection() as conn:
+            row: tuple[Any, ...] | None = conn.execute(
+                lease.take, {"key": key, "lease_s": lease.lease_s()}).fetchone()
+        return row
+
+    def release(self, held: Held, message_id: str) -> None:
+        with self._db.connection() as conn:
+            conn.execute(held.lease.release, {"key": held.key, "token": held.token, "message_id": message_id})
+
+
 class KeyedLease(Middleware):
+    def __init__(self, *, store: LeaseStore | None = None) -> None:
+        self.store: LeaseStore = store if store is not None else PostgresLeases()
+
     @property
     def actor_options(self) -> set[str]:
         return {"lease"}
@@ -97,8 +134,7 @@ class KeyedLease(Middleware):
         key = lease.key(message)
         if key is None:
             return  # this message needs no lease (the actor records why)
-        with db.connection() as conn:
-            taken = conn.execute(lease.take, {"key": key, "lease_s": lease.lease_s()}).fetchone()
+        taken = self.store.take(lease, key)
         if taken is None:
             wait = lease.busy_snooze_s() * (1 + random.random() / 2)
             snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy")
@@ -114,9 +150,7 @@ class KeyedLease(Middleware):
             return
         message.standmeet_lease = None  # type: ignore[attr-defined]
         try:
-            with db.connection() as conn:
-                conn.execute(held.lease.release,
-                             {"key": held.key, "token": held.token, "message_id": message.message_id})
+            self.store.release(held, message.message_id)
         except Exception as exc:  # the lease then expires by itself
             logger.warning("could not give back the lease of key %s: %s", held.key, exc)
 

@@ -1,0 +1,602 @@
+"""The memory broker: this runtime's queue policies with no database, for tests of actors.
+
+What it keeps from the Postgres broker (``broker.engine.broker``), so that an actor
+behaves under test as it does in production:
+
+* **Bounded hand-out per queue.** A consumer hands out at most the queue's
+  ``max_workers`` messages at once (``STANDMEET_QUEUE_<NAME>_MAX_WORKERS``); the
+  ``QueueConcurrency`` middleware holds the same count where jobs start.
+* **One settle path.** A run's outcome is decided as the engine decides it: a
+  ``Snooze`` (any ``Deferred``) is a skip, not a failure; a result the results backend
+  cannot encode fails the run for good; the time limit is disarmed before any after-hook;
+  what the after-hooks send for the same message (a retry, a snooze) puts that message
+  back, due after the delay, keeping its id and options; what they send for others
+  (pipelines, callbacks) is enqueued once the run is settled.
+* **Delays by a clock a test can move** (:meth:`MemoryBroker.advance`): a delayed
+  message is due when the broker's clock reaches it; by itself the clock follows real time.
+* **Unique keys** (the ``unique`` actor option, ``unique_key`` / ``unique_period_s``
+  message options): a send whose key is live returns the live message.
+* **Cancellation** (:meth:`MemoryBroker.cancel`): a waiting message is dropped; a
+  running one is stopped at its next ``broker.deadline.check()`` and not retried.
+
+It imports no database driver. ``broker.testing.memory_broker()`` builds one with the
+default middleware and installs it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import math
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import dramatiq
+from dramatiq.broker import Consumer, MessageProxy
+from dramatiq.errors import QueueJoinTimeout, QueueNotFound
+from dramatiq.message import Message
+from dramatiq.results import ResultBackend
+from dramatiq.worker import WorkerThread
+
+from broker.errors import ConfigError, Deferred, ResultRefused
+from broker.memory.stores import Clock, MemoryCancellations
+from broker.settings import QueueSettings, Settings
+
+logger = logging.getLogger("standmeet.broker.memory")
+
+#: How many runs one :meth:`MemoryBroker.drain` makes before it calls it a loop.
+DEFAULT_MAX_RUNS = 10_000
+#: How long a consumer or a join waits at most between two looks (seconds): a clock moved
+#: by another thread is noticed within it.
+LOOK_AGAIN_S = 0.05
+
+_local = threading.local()
+
+
+@dataclass
+class SettleContext:
+    """What the after-hooks of one run decided (read by ``middleware.results`` too)."""
+
+    proxy: MessageProxy
+    requeue_delay_ms: int | None = None
+    followups: list[tuple[Message, int | None]] = field(default_factory=list)
+    returned: bool = False
+    skipped: bool = False
+
+
+class MemoryMessage(MessageProxy):
+    """A message handed to a worker: it keeps its exception (as Dramatiq's stub broker's
+    does), so a join can raise it and a test can read it."""
+
+    def __init__(self, message: Message, *, claim: int) -> None:
+        super().__init__(message)
+        self.standmeet_claim = claim
+        self.standmeet_settle: SettleContext | None = None
+        self.standmeet_lease: Any = None
+
+    def clear_exception(self) -> None:
+        """Kept for the test to read (see Dramatiq's ``_StubMessageProxy``)."""
+
+
+@dataclass(order=True)
+class _Waiting:
+    due: float
+    seq: int
+    message: Message = field(compare=False)
+
+
+class MemoryQueue:
+    """One queue: its waiting messages (due now or later) and how many are handed out."""
+
+    def __init__(self, settings: QueueSettings) -> None:
+        self.settings = settings
+        self.waiting: list[_Waiting] = []  # a heap, by due time then order of sending
+        self.handed_out = 0
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def next_due(self) -> float | None:
+        return self.waiting[0].due if self.waiting else None
+
+
+def as_message(message: Message | MessageProxy) -> Message:
+    return message._message if isinstance(message, MessageProxy) else message  # type: ignore[attr-defined]
+
+
+def delay_ms_of(delay: Any) -> int:
+    """A send's ``delay`` (milliseconds, or None) as whole milliseconds, never negative."""
+    return max(0, int(delay or 0))
+
+
+class MemoryBroker(dramatiq.Broker):
+    """A Dramatiq broker in memory with the Postgres broker's policies (see the module)."""
+
+    def __init__(self, *, settings: Settings, middleware: list[Any] | None = None,
+                 clock: Clock | None = None, cancellations: MemoryCancellations | None = None,
+                 backends: Sequence[Any] = (), fail_fast_default: bool = True) -> None:
+        self.settings = settings
+        self.clock = clock or Clock()
+        self.cancellations = cancellations or MemoryCancellations()
+        #: the result and rate-limiter backends its middleware use (``results`` first)
+        self.backends = list(backends)
+        #: as Dramatiq's StubBroker: whether ``join`` raises a dead-lettered message's error
+        self.fail_fast_default = fail_fast_default
+        self.dead_letters_by_queue: defaultdict[str, list[MessageProxy]] = defaultdict(list)
+        #: messages that ran to ``done``, in order (the engine's ``done`` rows)
+        self.done: list[Message] = []
+        self.claiming = True
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._claims = itertools.count(1)
+        self._unique: dict[tuple[str, float | None], tuple[Message, bool]] = {}
+        self._key_of: dict[str, tuple[str, float | None]] = {}
+        self._cancelled: set[str] = set()
+        self._runs_without_outcome: defaultdict[str, int] = defaultdict(int)
+        self._workers: list[Any] = []
+        self._close_hooks: list[Callable[[], None]] = []
+        super().__init__(middleware=middleware or [])
+
+    @property
+    def results(self) -> Any:
+        """The results backend its middleware store in (None without one)."""
+        return next((b for b in self.backends if isinstance(b, ResultBackend)), None)
+
+    # -- queues -------------------------------------------------------------------
+
+    def declare_queue(self, queue_name: str) -> None:
+        if queue_name not in self.queues:  # no delay queues: delays are the broker's (a due time)
+            self.emit_before("declare_queue", queue_name)
+            self.queues[queue_name] = MemoryQueue(self.settings.queue(queue_name))
+            self.emit_after("declare_queue", queue_name)
+
+    def queue_settings(self, queue_name: str) -> QueueSettings:
+        queue = self.queues.get(queue_name)
+        return queue.settings if queue is not None else self.settings.queue(queue_name)
+
+    def get_declared_queues(self) -> set[str]:
+        return set(self.queues)
+
+    def get_declared_delay_queues(self) -> set[str]:
+        return set()
+
+    def _queue(self, queue_name: str) -> MemoryQueue:
+        queue = self.queues.get(queue_name)
+        if queue is None:
+            raise QueueNotFound(queue_name)
+        return queue  # type: ignore[no-any-return]
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def enqueue(self, message: Message, *, delay: int | None = None) -> Message:
+        """Keep ``message``, due after ``delay`` ms; a send whose unique key is live
+        returns the live message instead. Sent from a run's after-hooks, it is kept with
+        that run's outcome (the same message: put back; another: sent once settled)."""
+        self._queue(message.queue_name)
+        message.options.pop("eta", None)  # Dramatiq's worker would hold an ``eta`` message itself
+        context: SettleContext | None = getattr(_local, "settling", None)
+        self.emit_before("enqueue", message, delay)
+        if context is not None:
+            if message.message_id == context.proxy.message_id:
+                context.requeue_delay_ms = delay_ms_of(delay)
+            else:
+                as_message(message).encode()  # refused here, as the engine refuses a bad follow-up
+                context.followups.append((as_message(message), delay))
+        else:
+            with self._cond:
+                live = self._keep(as_message(message), delay)
+            if live is not None:
+                return live
+        self.emit_after("enqueue", message, delay)
+        return message
+
+    def enqueue_many(self, messages: Sequence[Message], *, conn: Any = None,
+                     delay: int | None = None) -> list[Message]:
+        """Each message as :meth:`enqueue` keeps it; a skipped one's live message in its place."""
+        if conn is not None:
+            raise ConfigError("the memory broker has no database: enqueue_many(conn=...) cannot write in a "
+                              "transaction here; send without conn")
+        return [self.enqueue(message, delay=delay) for message in messages]
+
+    def _keep(self, message: Message, delay: Any, *, keyed: bool = True) -> Message | None:
+        """Add ``message`` to its queue (the lock held); the live message when its unique
+        key is taken (then nothing is added)."""
+        data = message.encode()  # what a row would hold: arguments that are not JSON fail the send
+        if keyed:
+            key = self._unique_key(message)
+            if key is not None:
+                holder = self._unique.get(key)
+                if holder is not None:
+                    logger.debug("unique: %s skipped, %s holds its key", message.message_id, holder[0].message_id)
+                    return holder[0]
+                self._unique[key] = (message, False)
+                self._key_of[message.message_id] = key
+        due = self.clock.monotonic() + delay_ms_of(delay) / 1000
+        heapq.heappush(self._queue(message.queue_name).waiting,
+                       _Waiting(due, next(self._seq), Message.decode(data)))
+        self._cond.notify_all()
+        return None
+
+    def _unique_key(self, message: Message) -> tuple[str, float | None] | None:
+        """The message's unique key, as the engine forms it: its ``unique_key`` option,
+        else the actor's ``unique`` (the arguments, or the actor alone); with a period,
+        the start of the period the send falls in."""
+        options = message.options
+        actor = self.actors.get(message.actor_name)
+        unique = actor.options.get("unique") if actor is not None else None
+        unique = None if unique is False else unique
+        given, period = options.get("unique_key"), options.get("unique_period_s")
+        if given is None and unique is None and period is None:
+            return None
+        if given is not None:
+            parts: list[Any] = [message.actor_name, "key", given]
+        elif unique is None or getattr(unique, "args", True):
+            parts = [message.actor_name, "args", list(message.args), message.kwargs or {}]
+        else:
+            parts = [message.actor_name, "actor"]
+        if period is None:
+            period = getattr(unique, "period_s", None)
+        text = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        start = None if period is None else math.floor(self.clock.wall() / float(period)) * float(period)
+        return (text, start)
+
+    def _free_key(self, message_id: str, *, done: bool) -> None:
+        key = self._key_of.pop(message_id, None)
+        if key is None:
+            return
+        if done and key[1] is not None:  # done within its period: still holds the key
+            self._unique[key] = (self._unique[key][0], True)
+        else:
+            self._unique.pop(key, None)
+
+    # -- signals: the settle path ---------------------------------------------------
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal == "worker_boot" and args:
+            self._workers = [*self._workers, args[0]]
+        elif signal == "worker_shutdown" and args:
+            self._workers = [w for w in self._workers if w is not args[0]]
+        super().emit_before(signal, *args, **kwargs)
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        if signal not in ("process_message", "skip_message"):
+            super().emit_after(signal, *args, **kwargs)
+            return
+        proxy = args[0]
+        exception = kwargs.get("exception")
+        if signal == "process_message" and isinstance(exception, Deferred):
+            signal, kwargs = "skip_message", {}  # asked to run later: not a failure
+        if signal == "process_message" and exception is None and kwargs.get("result") is not None:
+            exception = self._refused_result(proxy, kwargs["result"])
+            if exception is not None:
+                kwargs = {"exception": exception}
+        context = getattr(proxy, "standmeet_settle", None)
+        if context is None:
+            context = proxy.standmeet_settle = SettleContext(proxy)
+        if signal == "process_message" and exception is None:
+            context.returned = True
+        if signal == "skip_message":
+            context.skipped = True
+        for middleware in self.middleware:  # the time limit never fires in the settle path
+            disarm = getattr(middleware, "disarm", None)
+            if callable(disarm):
+                disarm()
+        _local.settling = context
+        try:
+            super().emit_after(signal, *args, **kwargs)
+        finally:
+            _local.settling = None
+
+    def _refused_result(self, proxy: MessageProxy, result: Any) -> ResultRefused | None:
+        for middleware in self.middleware:
+            refuse = getattr(middleware, "refuse_result", None)
+            reason = refuse(self, proxy, result) if callable(refuse) else None
+            if reason:
+                refused = ResultRefused(reason)
+                logger.error("message %s failed: %s", proxy.message_id, reason)
+                proxy.stuff_exception(refused)
+                proxy.options["error"] = f"ResultRefused: {reason}"
+                proxy.fail()
+                return refused
+        return None
+
+    def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
+        """Decide a finished run's outcome (done, put back, rejected) and free its slot."""
+        context: SettleContext | None = getattr(proxy, "standmeet_settle", None)
+        proxy.standmeet_settle = None  # type: ignore[attr-defined]
+        message = as_message(proxy)
+        with self._cond:
+            queue = self._queue(proxy.queue_name)
+            queue.handed_out -= 1
+            again = context is not None and context.requeue_delay_ms is not None
+            if again and message.message_id in self._cancelled:
+                rejected, again = True, False  # cancelled while it ran: not retried
+                proxy.options["error"] = "cancelled by an operator while it ran"
+            if rejected:
+                self._reject(proxy)
+            elif again:
+                assert context is not None and context.requeue_delay_ms is not None
+                self._keep(message, context.requeue_delay_ms, keyed=False)
+            elif context is not None and (context.returned or context.skipped):
+                self._done(message)
+            else:
+                self._rerun(proxy)
+            for followup, delay in context.followups if context is not None else []:
+                self._keep(followup, delay)
+            self._cond.notify_all()
+
+    def _done(self, message: Message) -> None:
+        self.done.append(message)
+        self._free_key(message.message_id, done=True)
+        self._cancelled.discard(message.message_id)
+        self._runs_without_outcome.pop(message.message_id, None)
+
+    def _reject(self, proxy: MessageProxy) -> None:
+        self.dead_letters_by_queue[proxy.queue_name].append(proxy)
+        self._free_key(proxy.message_id, done=False)
+        self._cancelled.discard(proxy.message_id)
+        self._runs_without_outcome.pop(proxy.message_id, None)
+
+    def _rerun(self, proxy: MessageProxy) -> None:
+        """No middleware decided the run's outcome (an after-hook raised): as the engine
+        does, run it again after the shortest back-off, at most ``max_runs_without_outcome``."""
+        runs = self._runs_without_outcome[proxy.message_id] = self._runs_without_outcome[proxy.message_id] + 1
+        if runs >= self.settings.max_runs_without_outcome:
+            proxy.options["error"] = f"ended {runs} runs without an outcome"
+            self._reject(proxy)
+            return
+        logger.error("message %s ended without an outcome; running it again", proxy.message_id)
+        self._keep(as_message(proxy), self.settings.min_backoff_ms, keyed=False)
+
+    # -- handing out ------------------------------------------------------------------
+
+    def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 30000) -> MemoryConsumer:
+        self._queue(queue_name)
+        return MemoryConsumer(self, queue_name, timeout_ms=timeout)
+
+    def take(self, queue_names: Iterable[str], *, wait_s: float = 0.0) -> MemoryMessage | None:
+        """The oldest due message of these queues whose queue is below its limit, handed
+        out (None if there is none within ``wait_s``)."""
+        names = list(queue_names)
+        end = self.clock.monotonic() + wait_s
+        with self._cond:
+            while True:
+                now = self.clock.monotonic()
+                best: MemoryQueue | None = None
+                for name in names:
+                    queue = self._queue(name)
+                    if (self.claiming and queue.waiting and queue.waiting[0].due <= now
+                            and queue.handed_out < queue.settings.max_workers
+                            and (best is None or queue.waiting[0] < best.waiting[0])):
+                        best = queue
+                if best is not None:
+                    best.handed_out += 1
+                    return MemoryMessage(heapq.heappop(best.waiting).message, claim=next(self._claims))
+                if now >= end:
+                    return None
+                self._cond.wait(min(end - now, LOOK_AGAIN_S))
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        """Give handed-out messages that never started back to their queue, due now."""
+        with self._cond:
+            for proxy in messages:
+                self._queue(proxy.queue_name).handed_out -= 1
+                self._keep(as_message(proxy), 0, keyed=False)
+
+    def stop_claiming(self) -> None:
+        with self._cond:
+            self.claiming = False
+
+    # -- the test's controls ----------------------------------------------------------
+
+    def advance(self, seconds: float) -> None:
+        """Move the broker's clock ``seconds`` forward: delayed messages (retries, snoozes,
+        ``send_with_options(delay=…)``) due by then can run, leases held that long expire."""
+        self.clock.advance(seconds)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _advance_to_next_due(self, queue_names: Iterable[str]) -> bool:
+        """Move the clock to the next due time of these queues if nothing of theirs is due
+        or handed out; whether it moved."""
+        with self._cond:
+            queues = [self._queue(name) for name in queue_names]
+            if any(q.handed_out for q in queues):
+                return False
+            dues = [q.next_due() for q in queues if q.waiting]
+            if not dues:
+                return False
+            ahead = min(d for d in dues if d is not None) - self.clock.monotonic()
+            if ahead > 0:
+                self.clock.advance(ahead)
+            self._cond.notify_all()
+            return True
+
+    def drain(self, *queue_names: str, advance: bool = True, max_runs: int = DEFAULT_MAX_RUNS) -> int:
+        """Run the messages of ``queue_names`` (default: all) on this thread, through
+        every middleware, until none is left; how many runs it made.
+
+        With ``advance`` (the default) the clock jumps to each delayed message's due time
+        (a retry's back-off, a snooze) instead of waiting for it; without, only what is
+        due now runs. Not while a Dramatiq ``Worker`` runs on this broker (use ``join``).
+        """
+        if self._workers:
+            raise RuntimeError("drain() runs jobs on this thread: stop the Worker first, or join() its queues")
+        names = list(queue_names) or sorted(self.queues)
+        for name in names:
+            self._queue(name)
+        runner = _Runner(self)
+        self.emit_before("worker_boot", runner)  # the time limit's timer, the event loop of async actors
+        self.emit_after("worker_boot", runner)
+        runs = 0
+        try:
+            while True:
+                proxy = self.take(names)
+                if proxy is None:
+                    if advance and self._advance_to_next_due(names):
+                        continue
+                    return runs
+                runs += 1
+                if runs > max_runs:
+                    self.requeue([proxy])
+                    raise RuntimeError(f"drain: more than {max_runs} runs; does a job send itself forever?")
+                runner.thread.process_message(proxy)
+        finally:
+            self.emit_before("worker_shutdown", runner)
+            self.emit_after("worker_shutdown", runner)
+
+    def cancel(self, message_id: str) -> str:
+        """Cancel a message, as an operator's ``jobs cancel`` does: a waiting one is dropped
+        (``"dropped"``), a running one stops at its next ``broker.deadline.check()`` and is
+        not retried (``"stopping"``); ``"unknown"`` when neither."""
+        with self._cond:
+            for queue in self.queues.values():
+                for waiting in queue.waiting:
+                    if waiting.message.message_id == message_id:
+                        queue.waiting.remove(waiting)
+                        heapq.heapify(queue.waiting)
+                        self._free_key(message_id, done=False)
+                        self._cond.notify_all()
+                        return "dropped"
+            self._cancelled.add(message_id)
+        if self.cancellations.cancel(message_id):
+            return "stopping"
+        with self._cond:
+            self._cancelled.discard(message_id)
+        return "unknown"
+
+    @property
+    def dead_letters(self) -> list[MessageProxy]:
+        """The rejected messages of every queue (as Dramatiq's StubBroker names them)."""
+        return [message for messages in self.dead_letters_by_queue.values() for message in messages]
+
+    def waiting(self, queue_name: str) -> list[Message]:
+        """The messages of ``queue_name`` not handed out yet (due now or later), soonest first."""
+        with self._cond:
+            return [w.message for w in sorted(self._queue(queue_name).waiting)]
+
+    def flush(self, queue_name: str) -> None:
+        """Drop the messages of ``queue_name`` that wait (due now or later)."""
+        with self._cond:
+            queue = self._queue(queue_name)
+            for waiting in queue.waiting:
+                self._free_key(waiting.message.message_id, done=False)
+            queue.waiting.clear()
+            self._cond.notify_all()
+
+    def flush_all(self) -> None:
+        """Drop the waiting messages of every queue, the dead letters and the done list."""
+        for queue_name in list(self.queues):
+            self.flush(queue_name)
+        with self._cond:
+            self.dead_letters_by_queue.clear()
+            self.done.clear()
+            self._unique.clear()
+            self._key_of.clear()
+
+    def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool | None = None,
+             advance: bool = False) -> None:
+        """Wait until ``queue_name`` has nothing waiting (delayed included) or running.
+
+        ``timeout`` in milliseconds (:class:`QueueJoinTimeout` past it); ``fail_fast``
+        (default: ``fail_fast_default``) raises the error of a message rejected on that
+        queue; ``advance`` jumps the clock to a delayed message's due time whenever
+        nothing else of the queue is left, instead of waiting for it.
+        """
+        queue = self._queue(queue_name)
+        end = None if timeout is None else self.clock.monotonic() + timeout / 1000
+        while True:
+            with self._cond:
+                if not queue.waiting and not queue.handed_out:
+                    break
+                now = self.clock.monotonic()
+                if end is not None and now >= end:
+                    raise QueueJoinTimeout(queue_name)
+            if not (advance and self._advance_to_next_due([queue_name])):
+                with self._cond:
+                    self._cond.wait(LOOK_AGAIN_S if end is None else max(0.0, min(end - now, LOOK_AGAIN_S)))
+        if fail_fast if fail_fast is not None else self.fail_fast_default:
+            for message in self.dead_letters_by_queue[queue_name]:
+                raise (message._exception or Exception(message.options.get("error", "rejected"))) from None
+
+    # -- shutdown -----------------------------------------------------------------
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        self._close_hooks.append(hook)
+
+    def close(self) -> None:
+        self.stop_claiming()
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
+
+
+class MemoryConsumer(Consumer):
+    """What a Dramatiq worker's consumer thread reads a queue through."""
+
+    def __init__(self, broker: MemoryBroker, queue_name: str, *, timeout_ms: int) -> None:
+        self.broker = broker
+        self.queue_name = queue_name
+        self.timeout_s = timeout_ms / 1000
+
+    def __iter__(self) -> MemoryConsumer:
+        return self
+
+    def __next__(self) -> MessageProxy | None:
+        return self.broker.take([self.queue_name], wait_s=self.timeout_s)
+
+    def ack(self, message: MessageProxy) -> None:
+        self.broker.settle(message, rejected=False)
+
+    def nack(self, message: MessageProxy) -> None:
+        self.broker.settle(message, rejected=True)
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        self.broker.requeue(messages)
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class _Runner:
+    """The worker :meth:`MemoryBroker.drain` boots: one thread (the caller's), Dramatiq's
+    own ``WorkerThread.process_message`` run on it, settled as a consumer thread would."""
+
+    consumer_whitelist = None
+    worker_threads = 1
+    worker_timeout = 100
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self.broker = broker
+        self.consumers = _Settles(broker)
+        self.thread = WorkerThread(broker=broker, consumers=self.consumers,  # type: ignore[arg-type]
+                                   work_queue=_Done(), worker_timeout=self.worker_timeout)  # type: ignore[arg-type]
+
+
+class _Settles:
+    """Every queue's post-processing, as Dramatiq's consumer thread does it."""
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self.broker = broker
+
+    def __getitem__(self, queue_name: str) -> _Settles:
+        return self
+
+    def post_process_message(self, message: MessageProxy) -> None:
+        signal = "nack" if message.failed else "ack"
+        self.broker.emit_before(signal, message)
+        self.broker.settle(message, rejected=message.failed)
+        self.broker.emit_after(signal, message)
+
+
+class _Done:
+    """The work queue a drained message never was on."""
+
+    def task_done(self) -> None:
+        """Nothing was taken from it."""
