@@ -48,6 +48,7 @@ class ConfigError(StandmeetError):
     """A setting is missing, malformed or out of range. The message names it."""
 
 
+
 class StartupRefused(ConfigError, MiddlewareError):
     """A start-up check failed (the budget, the webhook timings).
 

@@ -17,29 +17,34 @@ recorded as stopped (within :data:`FORCED_STOP_S`), then it exits with status 1.
 The modules are looked up in the current directory first, as ``dramatiq`` does.
 
 A worker that refuses its configuration (the connection budget, a bad setting, an
-unknown queue, a module that cannot load) exits with :data:`CONFIG_REFUSED_EXIT` after
+unknown queue, a module that cannot load) exits with :data:`broker.exits.CONFIG_REFUSED_EXIT` after
 one line saying why; any other failure is a crash. Started by ``standmeet-jobs run``
 (``--supervised-by``), it dies with it: Linux sends it SIGTERM when ``run`` dies, and it
 tells ``run`` its refusal on ``--refusal-fd``, so that ``run`` stops with that reason
-instead of starting it again. :func:`die_with_supervisor` and :func:`refuse` serve the
-scheduler process the same way.
+instead of starting it again. :func:`~broker.boot.die_with_supervisor` and :func:`~broker.boot.refuse` serve
+every process ``run`` supervises the same way.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from broker.boot import (
+    DEFAULT_APP_MODULES,
+    OneLineParser,
+    add_supervision_arguments,
+    boot,
+    die_with_supervisor,
+    refuse,
+)
+from broker.running import SHUTDOWN_MS_ATTRIBUTE, running_jobs
 
 # Only what ``--help`` needs is imported here: Dramatiq, psycopg and the application are
 # imported by the commands that use them.
@@ -52,11 +57,6 @@ logger = logging.getLogger("standmeet.worker")
 WORKER_POLL_MS = 100
 #: A second Ctrl-C forces the exit only this long after the first signal.
 FORCE_AFTER_S = 1.0
-#: The exit status of a process that refuses its configuration (sysexits.h EX_CONFIG):
-#: starting it again cannot help, so ``run`` stops instead of restarting it.
-CONFIG_REFUSED_EXIT = 78
-#: prctl(2): the signal a process gets when the thread that started it exits.
-PR_SET_PDEATHSIG = 1
 #: The most threads one worker process may be given (``--threads``).
 THREADS_MOST = 10_000
 #: The longest ``--worker-shutdown-timeout``: a day, as STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S allows.
@@ -64,89 +64,6 @@ SHUTDOWN_TIMEOUT_MOST_MS = 86_400_000
 #: A forced stop (a deliberate second Ctrl-C) gives the running jobs back and records the
 #: process as stopped within this, then exits whatever happened.
 FORCED_STOP_S = 3.0
-#: How many running jobs a shutdown line names before it says "and N more".
-NAMED_JOBS_MOST = 5
-#: The attribute of a Dramatiq worker that tells the shutdown how long it waits for jobs (ms).
-SHUTDOWN_MS_ATTRIBUTE = "standmeet_shutdown_ms"
-
-
-@dataclass(frozen=True)
-class RunningJob:
-    """A job running on a worker thread of this process."""
-
-    actor: str
-    message_id: str
-    started: float  # time.monotonic()
-
-    def describe(self, now: float | None = None) -> str:
-        ran_s = (time.monotonic() if now is None else now) - self.started
-        return f"{self.actor} {self.message_id} (running {ran_s:.1f} s)"
-
-
-class RunningJobs:
-    """The jobs running in this process, one per worker thread (``middleware.JobLog``
-    keeps it): what a shutdown names while it waits, and what it cuts off."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_thread: dict[int, RunningJob] = {}
-
-    def started(self, actor: str, message_id: str) -> None:
-        with self._lock:
-            self._by_thread[threading.get_ident()] = RunningJob(actor, message_id, time.monotonic())
-
-    def finished(self) -> None:
-        with self._lock:
-            self._by_thread.pop(threading.get_ident(), None)
-
-    def now(self) -> list[RunningJob]:
-        """The running jobs, longest-running first."""
-        with self._lock:
-            return sorted(self._by_thread.values(), key=lambda job: job.started)
-
-
-#: This process's running jobs.
-running_jobs = RunningJobs()
-
-
-def name_jobs(jobs: Sequence[RunningJob], *, most: int = NAMED_JOBS_MOST) -> str:
-    """``a 0b5a… (running 3.1 s), b 7c1d… (running 0.2 s) and 4 more``."""
-    now = time.monotonic()
-    named = ", ".join(job.describe(now) for job in jobs[:most])
-    return f"{named} and {len(jobs) - most} more" if len(jobs) > most else named
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments are one line naming what was wrong, exit 2 (``--help`` shows the usage)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
-def bounded_int(*, low: int, high: int) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number from ``low`` to ``high``, else one line saying so."""
-    def whole_number(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: give {low} to {high}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range: give {low} to {high}")
-        return value
-    return whole_number
-
-
-def bounded_float(*, low: float, high: float) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number from ``low`` to ``high``, else one line saying so."""
-    def number(text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number: give {low:.15g} to {high:.15g}") from None
-        if not (math.isfinite(value) and low <= value <= high):
-            raise argparse.ArgumentTypeError(f"{text.strip()} is out of range: give {low:.15g} to {high:.15g}")
-        return value
-    return number
 
 
 def check_worker_numbers(*, threads: int, shutdown_ms: int | None) -> None:
@@ -160,102 +77,6 @@ def check_worker_numbers(*, threads: int, shutdown_ms: int | None) -> None:
     if shutdown_ms is not None and not 0 <= shutdown_ms <= SHUTDOWN_TIMEOUT_MOST_MS:
         raise ConfigError(f"--worker-shutdown-timeout {shutdown_ms}: give 0 to {SHUTDOWN_TIMEOUT_MOST_MS} "
                           "milliseconds")
-
-
-def die_with_supervisor(supervisor_pid: int) -> bool:
-    """Have Linux send this process SIGTERM when its supervisor dies (prctl
-    PR_SET_PDEATHSIG); False when the supervisor is gone already (it died before the
-    request took hold, and no signal will come), and this process must not start."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-            errno = ctypes.get_errno()
-            logger.warning("cannot ask to die with the supervisor (pid %d): %s", supervisor_pid, os.strerror(errno))
-    return os.getppid() == supervisor_pid
-
-
-def refuse(who: str, reason: str, refusal_fd: int | None) -> int:
-    """Say in one line why this process refuses its configuration (on stderr, and to the
-    supervisor on ``refusal_fd``); the exit status that tells it not to restart us."""
-    line = " ".join(reason.split())
-    print(f"{who}: {line}", file=sys.stderr, flush=True)
-    if refusal_fd is not None:
-        try:
-            os.write(refusal_fd, line.encode()[:4000])
-        except OSError:
-            pass  # the supervisor still sees the exit status
-    return CONFIG_REFUSED_EXIT
-
-
-def look_in_current_directory() -> str:
-    """Put the current directory first on ``sys.path``, as ``dramatiq`` does, so that
-    ``run reports`` finds ``./reports.py`` (the children ``run`` starts inherit the
-    directory and do the same). Returns the directory."""
-    here = os.getcwd()
-    if sys.path[:1] != [here]:
-        while here in sys.path:
-            sys.path.remove(here)
-        sys.path.insert(0, here)
-    return here
-
-
-def load_modules(modules: Sequence[str]) -> None:
-    """Import the modules that declare actors, queues and commands, looked up in the
-    current directory first.
-
-    A module that cannot load raises :class:`ModuleNotLoaded`: one line naming it, the
-    last line of its error and where it was raised (``file:line``); our own errors raised
-    by its import (a malformed setting, an unreachable database) stay what they are."""
-    from broker.errors import ModuleNotLoaded, StandmeetError
-
-    if modules:
-        here = look_in_current_directory()
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except StandmeetError:
-            raise
-        except ModuleNotFoundError as exc:
-            if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-                raise ModuleNotLoaded(
-                    f"cannot load module {module!r}: no module named {exc.name!r} in {here} or on the Python "
-                    "path: check the name (a module, not a file name), or run from the folder that holds it"
-                ) from None
-            raise ModuleNotLoaded(f"cannot load module {module!r}: {last_line(exc)}{_where(exc)}") from None
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # SystemExit too: a module that exits at import is refused
-            raise ModuleNotLoaded(f"cannot load module {module!r}: {last_line(exc)}{_where(exc)}") from None
-
-
-def last_line(exc: BaseException) -> str:
-    """The last line Python prints for an exception (``ValueError: boom``), on one line."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    # a syntax error ends with its type and message; any other error starts with them (a
-    # message of several lines continues below: detail)
-    return lines[-1] if isinstance(exc, SyntaxError) else lines[0]
-
-
-def _where(exc: BaseException) -> str:
-    """`` (file:line)`` where an exception was raised: the innermost frame outside
-    Python's import machinery (for a syntax error, the offending line)."""
-    if isinstance(exc, SyntaxError) and exc.filename:
-        return f" ({exc.filename}:{exc.lineno})"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen importlib")]
-    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
-def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options ``run`` gives each child it supervises."""
-    parser.add_argument("--supervised-by", type=int, default=None, metavar="PID",
-                        help="exit when this process (the parent, `standmeet-jobs run`) dies")
-    parser.add_argument("--refusal-fd", type=int, default=None, metavar="FD",
-                        help="write the reason of a configuration refusal to this file descriptor")
 
 
 def forced_stop(broker: StandmeetBroker | None, closed: threading.Event, *,
@@ -298,7 +119,8 @@ def forced_stop(broker: StandmeetBroker | None, closed: threading.Event, *,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m broker.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("modules", nargs="*", default=["actors"], help="modules that declare actors (default: actors)")
+    parser.add_argument("modules", nargs="*", default=list(DEFAULT_APP_MODULES),
+                        help=f"modules that declare actors (default: {', '.join(DEFAULT_APP_MODULES)})")
     parser.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="worker threads (default: the sum of the served queues' limits)")
     parser.add_argument("--worker-shutdown-timeout", type=int, default=None, metavar="MS",
@@ -350,10 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import dramatiq
 
         from broker.pg.budget import process_connections, served_queues
-        from broker.services import current_broker
 
-        load_modules(args.modules)
-        broker = current_broker()
+        broker = boot(args.modules)
         queues = served_queues(args.queues)
         threads = args.threads or 1
         connections = process_connections(broker.settings, queues, threads=threads)

@@ -7,7 +7,7 @@ otherwise run a worker that consumes nothing): the refusal names the unknown que
 the nearest known one.
 
 Under Dramatiq's CLI (``dramatiq actors --queues indx``) a refusal is one line on
-stderr and the worker process exits :data:`broker.worker.CONFIG_REFUSED_EXIT` (Dramatiq
+stderr and the worker process exits :data:`broker.exits.CONFIG_REFUSED_EXIT` (Dramatiq
 then stops and exits with that status), not a traceback per process. Anywhere else it
 is raised (:class:`broker.errors.StartupRefused`), for the caller to report.
 """
@@ -23,8 +23,8 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker.errors import StartupRefused
+from broker.exits import CONFIG_REFUSED_EXIT
 from broker.pg.budget import check_budget
-from broker.worker import CONFIG_REFUSED_EXIT
 from middleware.queue_concurrency import served_queues
 
 logger = logging.getLogger("standmeet.middleware")

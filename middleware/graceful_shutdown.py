@@ -23,7 +23,7 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker import services
-from broker.worker import SHUTDOWN_MS_ATTRIBUTE, name_jobs, running_jobs
+from broker.running import SHUTDOWN_MS_ATTRIBUTE, name_jobs, running_jobs
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 

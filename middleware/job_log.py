@@ -20,7 +20,7 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker.errors import Deferred
-from broker.worker import running_jobs
+from broker.running import running_jobs
 
 logger = logging.getLogger("standmeet.jobs")
 

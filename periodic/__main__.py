@@ -24,6 +24,15 @@ import threading
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from broker import services
+from broker.boot import (
+    DEFAULT_APP_MODULES,
+    OneLineParser,
+    add_supervision_arguments,
+    boot,
+    die_with_supervisor,
+    load_modules,
+    refuse,
+)
 from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
 from broker.observability.logs import configure_logging
 from broker.pg.budget import (
@@ -33,13 +42,6 @@ from broker.pg.budget import (
     served_queues,
 )
 from broker.settings import Settings
-from broker.worker import (
-    OneLineParser,
-    add_supervision_arguments,
-    die_with_supervisor,
-    load_modules,
-    refuse,
-)
 
 logger = logging.getLogger("standmeet.periodic")
 
@@ -56,8 +58,8 @@ def load_jobs(path: str) -> list:  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m periodic", description=__doc__.split("\n")[0])
-    parser.add_argument("modules", nargs="*", default=["actors"],
-                        help="modules that declare actors and periodic jobs (default: actors)")
+    parser.add_argument("modules", nargs="*", default=list(DEFAULT_APP_MODULES),
+                        help=f"modules that declare actors and periodic jobs (default: {', '.join(DEFAULT_APP_MODULES)})")
     parser.add_argument("--jobs", default=None, metavar="MODULE:ATTRIBUTE",
                         help="run only this table of periodic jobs instead of the declared ones")
     add_supervision_arguments(parser)
@@ -68,19 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    import dramatiq
-
-    import broker as runtime
-    from broker.engine.broker import StandmeetBroker
     from periodic import CRON_TICK_S, periodic_jobs, publish_schedules, tick_or_say, trigger, utcnow
 
     try:
         settings = Settings.from_env()
         configure_logging(settings.log_format)
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
-        load_modules(args.modules)
-        if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
-            runtime.configure()
+        broker = boot(args.modules, settings=settings)
         # The budget of the queues a worker of these modules serves: the one `run` checks.
         budget = check_budget(settings, served_queues())
         jobs = load_jobs(args.jobs) if args.jobs else periodic_jobs()
@@ -91,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # `run` logs the budget once for all its processes; here it is detail.
     logger.debug("connection budget: %s; %s", budget.describe(), scheduler_connections(settings).describe())
-    broker = runtime.current_broker()
     if stop.is_set():
         logger.info("scheduler stopped before it started")
         return 0

@@ -23,7 +23,7 @@ What ``run`` guarantees as a supervisor (:class:`Supervisor`):
   more and stops every child within the worker shutdown timeout plus
   :data:`CHILD_EXIT_GRACE_S` (then SIGKILL); an exception in the supervisor does the same.
 * Children never outlive it: each asks Linux for a SIGTERM when ``run`` dies.
-* A child that refuses its configuration (exit :data:`~broker.worker.CONFIG_REFUSED_EXIT`)
+* A child that refuses its configuration (exit :data:`~broker.exits.CONFIG_REFUSED_EXIT`)
   stops ``run`` with its one-line reason and that exit status; a crash is restarted after
   the runtime's one back-off (:class:`broker.backoff.Backoff`): a step doubling from
   :data:`RESTART_MIN_BACKOFF_S` to :data:`RESTART_MAX_BACKOFF_S`, each wait jittered into
@@ -48,13 +48,9 @@ from typing import TYPE_CHECKING, Any
 # Only what ``--help`` needs is imported here (it answers without Dramatiq, psycopg's pools,
 # Starlette or the application): each command imports what it uses.
 from broker.backoff import Backoff
-from broker.worker import (
-    CONFIG_REFUSED_EXIT,
-    OneLineParser,
-    bounded_int,
-    check_worker_numbers,
-    load_modules,
-)
+from broker.boot import OneLineParser, bounded_int, load_modules
+from broker.exits import CONFIG_REFUSED_EXIT
+from broker.worker import check_worker_numbers
 
 if TYPE_CHECKING:
     from broker.settings import Settings

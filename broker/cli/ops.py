@@ -39,13 +39,13 @@ from typing import Any
 import psycopg
 
 from broker import app, ops
+from broker.boot import bounded_float, bounded_int
 from broker.errors import DatabaseUnavailable, StandmeetError
 from broker.ops import history
 from broker.ops.redact import hidden_options
 from broker.pg import pool as pgpool
 from broker.pg.embedded import resolve_database_url
 from broker.settings import MONTH_S, Settings, masked_url
-from broker.worker import bounded_float, bounded_int
 
 #: ``status --check`` fails when a queue's oldest due job has waited longer than this.
 DEFAULT_MAX_AGE_S = 300.0

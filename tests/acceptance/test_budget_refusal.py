@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.worker import CONFIG_REFUSED_EXIT
+from broker.exits import CONFIG_REFUSED_EXIT
 from tests.acceptance.test_run_supervisor import session_members, started_pids, supervised
 from tests.support.db import wait_for
 from tests.support.procs import ROOT, dramatiq_cmd

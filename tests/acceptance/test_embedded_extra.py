@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from broker.exits import CONFIG_REFUSED_EXIT
 from broker.pg.embedded import NOT_INSTALLED
-from broker.worker import CONFIG_REFUSED_EXIT
 from tests.support.db import scalar
 from tests.support.procs import ROOT
 

@@ -21,8 +21,8 @@ import pytest
 
 from broker.backoff import Backoff
 from broker.cli import CHILD_EXIT_GRACE_S, Signals, Supervisor
+from broker.exits import CONFIG_REFUSED_EXIT
 from broker.pg.migrate import MIGRATION_LOCK_KEY
-from broker.worker import CONFIG_REFUSED_EXIT
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP
 from tests.support.procs import ROOT, child_pids, running, worker_cmd

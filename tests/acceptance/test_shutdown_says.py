@@ -9,7 +9,8 @@ import signal
 import sys
 import time
 
-from broker.worker import FORCE_AFTER_S, FORCED_STOP_S, NAMED_JOBS_MOST
+from broker.running import NAMED_JOBS_MOST
+from broker.worker import FORCE_AFTER_S, FORCED_STOP_S
 from tests.acceptance.test_run_supervisor import supervised
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP
