@@ -12,6 +12,7 @@ another) declares, at import, through these few calls:
     app.command("report", "print the last report", setup=add_arguments, run=main)
     app.startup_check(refuse_bad_timings)                            # fn(settings) -> None
     app.settings(ReportSettings)   # its own settings, declared like broker.settings.Settings
+    app.page("/reports", reports_page, title="Reports", templates=("reports", "templates"))
 
 and its actors with ``@dramatiq.actor``, its topics and routes with
 ``broker.outbox.route``. Every entry point (``standmeet-jobs run MODULE…``,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -115,6 +116,22 @@ class Command:
 StartupCheck = Callable[[Any], None]
 
 
+@dataclass(frozen=True)
+class Page:
+    """A dashboard route an application adds: ``handler(request)`` (a Starlette handler,
+    ``async``) answers ``path`` (a Starlette path: ``/reports/{id:int}``) for ``methods``.
+    A ``title`` lists it in the dashboard's navigation. ``templates`` is where its
+    templates are, ``(package, folder)``, looked up after the dashboard's own (so they
+    may extend ``base.html``). The dashboard answers its refusals and bad input as it
+    does its own pages' (``broker.dashboard.pages.guarded``)."""
+
+    path: str
+    handler: Callable[[Any], Awaitable[Any]]
+    title: str | None = None
+    methods: tuple[str, ...] = ("GET",)
+    templates: tuple[str, str] | None = None
+
+
 class Registry:
     """What the loaded modules declared. One per process (:data:`REGISTRY`)."""
 
@@ -124,6 +141,10 @@ class Registry:
         self.periodic: dict[str, PeriodicJob] = {}
         self.commands: dict[str, Command] = {}
         self.startup_checks: list[StartupCheck] = []
+        #: the applications' dashboard routes, by "METHODS path"
+        self.pages: dict[str, Page] = {}
+        #: the applications' dashboard notices, by code (``?notice=CODE`` after an action)
+        self.notices: dict[str, str] = {}
         #: the applications' settings declarations (``broker.settings.Declared`` subclasses)
         self.settings: list[Any] = []
 
@@ -167,6 +188,26 @@ def startup_check(check: StartupCheck) -> StartupCheck:
         if check not in REGISTRY.startup_checks:
             REGISTRY.startup_checks.append(check)
     return check
+
+
+def page(path: str, handler: Callable[[Any], Awaitable[Any]], *, title: str | None = None,
+         methods: tuple[str, ...] = ("GET",), templates: tuple[str, str] | None = None) -> Page:
+    """Declare a dashboard route (a page, or with ``methods=("POST",)`` an action); see :class:`Page`."""
+    if not path.startswith("/"):
+        raise ConfigError(f"dashboard page {path!r}: a path starts with /")
+    methods = tuple(m.upper() for m in methods)
+    declared = Page(path, handler, title, methods, templates)
+    return REGISTRY._put(REGISTRY.pages, "dashboard page", f"{','.join(methods)} {path}", declared)
+
+
+def dashboard_notice(code: str, text: str) -> str:
+    """Declare what the dashboard says after an action that redirects with ``notice=code``."""
+    return REGISTRY._put(REGISTRY.notices, "dashboard notice", code, text)
+
+
+def dashboard_pages() -> list[Page]:
+    """The dashboard routes the loaded applications declared, in the order declared."""
+    return list(REGISTRY.pages.values())
 
 
 def settings(declaration: Any) -> Any:

@@ -38,7 +38,7 @@ from dramatiq import Middleware
 from dramatiq.broker import MessageProxy
 
 from broker.pg import db
-from middleware.snooze import snooze_before_start
+from middleware.snooze import LEASE_BUSY, snooze_before_start
 
 logger = logging.getLogger("standmeet.middleware")
 
@@ -101,7 +101,7 @@ class KeyedLease(Middleware):
             taken = conn.execute(lease.take, {"key": key, "lease_s": lease.lease_s()}).fetchone()
         if taken is None:
             wait = lease.busy_snooze_s() * (1 + random.random() / 2)
-            snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy")
+            snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy", label=LEASE_BUSY)
         if taken[0] is None:
             message.standmeet_lease_read = tuple(taken[2:])  # type: ignore[attr-defined]
             return  # the statement found nothing to lease (the actor records why)

@@ -5,7 +5,8 @@
     standmeet-jobs run [MODULE …]          check the connections, migrate, then supervise
                                            worker processes (python -m broker.worker
                                            MODULE …) and the scheduler until Ctrl-C / SIGTERM
-    standmeet-jobs dashboard               the web dashboard (loopback:8420 unless told)
+    standmeet-jobs dashboard               the web dashboard (loopback:8420 unless told),
+                                           with the pages of the STANDMEET_APP_MODULES
     standmeet-jobs db url|stop             the database in use; stop the embedded server
     standmeet-jobs status | jobs … | queues …   what runs and what failed; retry, cancel,
                                            pause (see broker/cli/ops.py)
@@ -95,7 +96,8 @@ OPS_COMMANDS = {
     "queues": "list, pause and resume queues",
     "outbox": "events not relayed yet (pending, unrouted, failed); re-relay failed ones",
 }
-#: The commands the runtime owns: they never load the application's modules.
+#: The commands the runtime owns: their arguments are its own (only `dashboard` and `check`
+#: load the application's modules, for its pages and its settings).
 RUNTIME_COMMANDS = frozenset(OWN_COMMANDS) | frozenset(OPS_COMMANDS)
 #: The application modules loaded for every other command (comma-separated).
 APP_MODULES_VARIABLE = "STANDMEET_APP_MODULES"
@@ -326,6 +328,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env()
     check_bind(args.host, settings.dashboard_password)  # before touching the database
+    load_modules(app_modules())  # the applications' pages (broker.app.page)
     serve(settings, resolve_database_url(settings), host=args.host, port=args.port, read_only=args.read_only)
     return 0
 

@@ -1,4 +1,4 @@
-"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, the outbox, webhook deliveries.
+"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, the outbox.
 
     standmeet-jobs status [--json] [--check [--max-age-s N] [--queues Q …]]
     standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--error TEXT] [--limit N] [--json]
@@ -8,13 +8,14 @@
     standmeet-jobs queues list | pause Q | resume Q
     standmeet-jobs outbox list [--failed] [--topic T] [--limit N] [--json]
     standmeet-jobs outbox retry ID … | outbox retry --failed [--topic T]
-    standmeet-jobs webhooks deliveries [ENDPOINT_ID] [--limit N] [--json]
 
 A table by default (rich), ``--json`` for scripts. They read the database only (the
 queries of :mod:`broker.ops`): they import neither the broker's consumers nor the
-application (``actors``). Every action is recorded in ``standmeet.operator_actions``.
+application. Every action is recorded in ``standmeet.operator_actions``. An
+application's commands that show rows the same way use :func:`operator_connection`,
+:func:`print_table`, :func:`printable` and :func:`when`.
 
-What they print of a job, a queue, an actor, an event or an endpoint is printed as text:
+What they print of a job, a queue, an actor or an event is printed as text:
 never read as rich markup, control characters and direction overrides shown as escapes
 (:func:`printable`). Wherever a job id is taken, a unique prefix of at least
 :data:`broker.ops.MIN_ID_PREFIX_HEX` hex digits will do (``status`` prints 8). Every
@@ -144,15 +145,6 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--failed", action="store_true", help="retry every failed event …")
     q.add_argument("--topic", help="… of this topic")
     q.set_defaults(func=cmd_outbox_retry)
-
-
-def add_webhook_deliveries(webhooks: Any) -> None:
-    """``webhooks deliveries``, for an application that has webhooks to add to its command."""
-    q = webhooks.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
-    q.add_argument("endpoint", type=bounded_int(low=1, high=ops.MAX_BIGINT), nargs="?", help="only this endpoint's")
-    q.add_argument("--limit", type=LIMIT, default=100, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 100)")
-    q.add_argument("--json", action="store_true", help="a JSON list")
-    q.set_defaults(func=cmd_webhooks_deliveries)
 
 
 # -- status ------------------------------------------------------------------------------
@@ -541,42 +533,25 @@ def cmd_outbox_retry(args: argparse.Namespace) -> int:
     return 1 if unchanged else 0
 
 
-# -- webhooks ----------------------------------------------------------------------------
+# -- for applications' commands ------------------------------------------------------------
 
-#: The keys of ``webhooks deliveries --json`` (a contract for outside checks).
-DELIVERY_KEYS = ("id", "endpoint_id", "event", "state", "attempts", "last_status", "last_error")
+def operator_connection(settings: Settings) -> Any:
+    """A context manager: a connection to the database ``settings`` name, as these
+    commands open it (an unreachable server or an old schema said in one line)."""
+    return _connect(settings)
 
 
-def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
-    with _connect(settings) as conn:
-        deliveries = ops.webhook_deliveries(conn, args.endpoint, limit=args.limit)
-    if args.json:
-        print(json.dumps([{**{k: getattr(d, k) for k in DELIVERY_KEYS}, "event_id": d.event_id,
-                           "updated_at": ops.jsonable(d.updated_at)} for d in deliveries], indent=2))
-        return 0
-    t = _table("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated")
-    for d in deliveries:
-        _row(t, d.id, d.endpoint_id, d.event, d.state, d.attempts,
-             "" if d.last_status is None else d.last_status, d.last_error or "", _when(d.updated_at))
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print ``rows`` under ``columns`` as these commands print tables, every value as text."""
+    t = _table(*columns)
+    for values in rows:
+        _row(t, *values)
     _console().print(t)
-    return 0
 
 
-def print_endpoints(settings: Settings) -> None:
-    """``webhooks list``: each endpoint, enabled or not, and why it fails."""
-    with _connect(settings) as conn:
-        endpoints = ops.webhook_endpoints(conn)
-    for e in endpoints:  # tab-separated fields, each printable on one line
-        state = "enabled" if e.enabled else f"disabled ({printable(e.disabled_reason)})"
-        why = printable(e.why_failing) if e.enabled and e.why_failing else None
-        counts = f"\t{e.pending} pending, {e.failed} failed" if e.pending or e.failed else ""
-        last = ""
-        if e.last_outcome and e.last_outcome != "ok" and not why:
-            last = f"\tlast attempt: {printable(e.last_outcome)}" + (f" HTTP {e.last_status}" if e.last_status else "") \
-                + (f": {printable(e.last_error)}" if e.last_error else "")
-        types = ",".join(printable(t) for t in e.event_types)
-        print(f"{e.id}\t{printable(e.url)}\t{types}\t{state}" + (f"\t{why}" if why else "") + last + counts)
+def when(value: datetime | str | None) -> str:
+    """A time as these commands print it (ISO, to the second; ``-`` for none)."""
+    return _when(value)
 
 
 # -- helpers -----------------------------------------------------------------------------

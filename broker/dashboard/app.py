@@ -1,7 +1,9 @@
 """The dashboard's web application (Starlette, server-rendered Jinja2 pages).
 
 Every page is read from the database through :mod:`broker.ops` (the queries the
-command line uses too) or, for webhooks, :mod:`broker.dashboard.webhooks`. Pages carry
+command line uses too); an application adds its own pages (``broker.app.page``), which
+use the helpers here (:func:`render`, :func:`with_conn`, :func:`action_form`,
+:func:`actor_of`, :func:`redirect`, :class:`Refused`) as the runtime's do. Pages carry
 ``data-live`` regions that ``static/dashboard.js`` refreshes in place every few
 seconds; forms sit outside them, so nothing the user typed is reloaded. Actions are
 POSTs with a CSRF token, refused in read-only mode, and recorded with
@@ -28,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
 from broker import ops
-from broker.app import PeriodicJob
+from broker.app import REGISTRY, PeriodicJob
 from broker.dashboard.security import CSRF_FIELD, Csrf, cookie_is_secure, quoted
 from broker.settings import SecureCookieMode
 
@@ -53,15 +55,17 @@ CUT_MARKER = f"(cut: nested deeper than {MAX_SHOWN_DEPTH} levels)"
 #: The states the jobs list filters by (as ``broker.ops`` names them).
 JOB_STATES = ("queued", "delayed", "running", "done", "rejected", "cancelled")
 
-#: Messages shown after an action, by code (the redirect carries the code, not the text).
+#: The runtime's pages in the navigation, (path, title); the applications' follow.
+NAV = (("/", "Overview"), ("/jobs", "Jobs"), ("/history", "History"), ("/workers", "Workers"),
+       ("/periodic", "Periodic"), ("/outbox", "Outbox"))
+
+#: Messages shown after an action, by code (the redirect carries the code, not the text);
+#: an application's are declared with ``broker.app.dashboard_notice``.
 NOTICES = {
     "retried": "Retry queued.",
     "cancelled": "Cancelled.",
     "paused": "Queue paused: no process claims from it until it is resumed.",
     "resumed": "Queue resumed.",
-    "enabled": "Endpoint enabled.",
-    "disabled": "Endpoint disabled.",
-    "replayed": "Delivery queued again.",
     "relayed": "Given back to the relays: a process that routes the topic relays it again.",
     "bulk": "Bulk action done.",
     "bulk_cancel_final": ("Bulk action done. Cancelled jobs that matched were left alone: cancel is final "
@@ -126,7 +130,8 @@ def render(request: Request, template: str, context: dict[str, Any], *, status_c
     config = config_of(request)
     csrf: Csrf = request.app.state.csrf
     nonce, new = csrf.nonce(request)
-    notice = NOTICES.get(request.query_params.get("notice", ""))
+    code = request.query_params.get("notice", "")
+    notice = NOTICES.get(code) or REGISTRY.notices.get(code)
     base = {
         "read_only": config.read_only,
         "hide_args": config.hide_args,
@@ -136,6 +141,7 @@ def render(request: Request, template: str, context: dict[str, Any], *, status_c
         "refresh_ms": int(config.refresh_s * 1000),
         "now": datetime.now(timezone.utc),
         "path": request.url.path,
+        "nav": request.app.state.nav,
     }
     response = request.app.state.templates.TemplateResponse(
         request, template, {**base, **context}, status_code=status_code

@@ -17,7 +17,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from broker import ops
-from broker.dashboard import charts, webhooks
+from broker.app import dashboard_pages
+from broker.dashboard import charts
 from broker.dashboard.app import (
     BULK_LIMIT,
     JOB_STATES,
@@ -69,13 +70,10 @@ def routes() -> list[BaseRoute]:
         Route("/periodic", periodic_page, name="periodic"),
         Route("/outbox", outbox_page, name="outbox"),
         Route("/outbox/retry", outbox_retry, methods=["POST"]),
-        Route("/webhooks", webhooks_page, name="webhooks"),
-        Route("/webhooks/deliveries/{id:int}", delivery_page, name="delivery"),
-        Route("/webhooks/deliveries/{id:int}/replay", delivery_replay, methods=["POST"]),
-        Route("/webhooks/endpoints/{id:int}/enable", endpoint_enable, methods=["POST"]),
-        Route("/webhooks/endpoints/{id:int}/disable", endpoint_disable, methods=["POST"]),
         Route("/healthz", healthz, name="healthz"),
         Route("/metrics", metrics, name="metrics"),
+        # the applications' pages and actions (broker.app.page), answered as these are
+        *(Route(p.path, guarded(p.handler), methods=list(p.methods)) for p in dashboard_pages()),
     ]
 
 
@@ -572,90 +570,6 @@ async def outbox_retry(request: Request) -> Response:
 
     changed = await with_conn(request, act)
     return redirect("/outbox", "relayed" if changed else "nothing")
-
-
-# -- webhooks --------------------------------------------------------------------------
-
-@guarded
-async def webhooks_page(request: Request) -> Response:
-    raw = request.query_params.get("endpoint", "").strip()
-    endpoint_id = whole_number("endpoint", raw, low=1, high=MAX_ROW_ID) if raw else None
-
-    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        return {"endpoints": webhooks.endpoints(conn),
-                "deliveries": ops.webhook_deliveries(conn, endpoint_id, limit=100)}
-
-    return render(request, "webhooks.html", {**await with_conn(request, read), "endpoint_id": endpoint_id})
-
-
-@guarded
-async def delivery_page(request: Request) -> Response:
-    config = config_of(request)
-    delivery_id = row_id("delivery id", request.path_params["id"])
-    show = request.query_params.get("show", "")
-    if show not in ("", "payload"):
-        raise ops.OpsError(f"show must be payload or absent, not {quoted(show)}")
-    show_payload = show == "payload" and not config.hide_args
-
-    def read(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
-        found = webhooks.deliveries(conn, delivery_id=delivery_id, limit=1)
-        if not found:
-            return None
-        return {"delivery": found[0], "attempts": webhooks.attempts(conn, delivery_id),
-                "payload": webhooks.payload(conn, delivery_id) if show_payload else None}
-
-    data = await with_conn(request, read)
-    if data is None:
-        return render(request, "not_found.html", {"what": f"webhook delivery {delivery_id}"}, status_code=404)
-    return render(request, "delivery.html", {**data, "show_payload": show_payload})
-
-
-@guarded
-async def delivery_replay(request: Request) -> Response:
-    await action_form(request)
-    delivery_id = row_id("delivery id", request.path_params["id"])
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> str | None:
-        with conn.transaction():
-            message_id = webhooks.replay(conn, delivery_id)
-            if message_id is not None:
-                ops.record_action(conn, action="webhooks.replay",
-                                  target={"delivery_id": delivery_id, "message_ids": [message_id]},
-                                  by=by, source=source, affected=1)
-        return message_id
-
-    if await with_conn(request, act) is None:
-        raise Refused(404, f"no webhook delivery {delivery_id}")
-    return redirect(f"/webhooks/deliveries/{delivery_id}", "replayed")
-
-
-async def _endpoint_toggle(request: Request, enabled: bool) -> Response:
-    await action_form(request)
-    endpoint_id = row_id("endpoint id", request.path_params["id"])
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> bool:
-        with conn.transaction():
-            found = webhooks.set_enabled(conn, endpoint_id, enabled, reason=f"disabled by {by} ({source})")
-            if found:
-                ops.record_action(conn, action="webhooks.enable" if enabled else "webhooks.disable",
-                                  target={"endpoint_id": endpoint_id}, by=by, source=source, affected=1)
-        return found
-
-    if not await with_conn(request, act):
-        raise Refused(404, f"no webhook endpoint {endpoint_id}")
-    return redirect("/webhooks", "enabled" if enabled else "disabled")
-
-
-@guarded
-async def endpoint_enable(request: Request) -> Response:
-    return await _endpoint_toggle(request, True)
-
-
-@guarded
-async def endpoint_disable(request: Request) -> Response:
-    return await _endpoint_toggle(request, False)
 
 
 # -- probes ----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ DURATION = Histogram(
 # -- ours ---------------------------------------------------------------------------------
 SNOOZES = Counter("standmeet_snoozes_total", "Jobs that asked to run later (not a retry).", LABELS)
 LEASE_BUSY = Counter("standmeet_lease_busy_total",
-                     "Webhook deliveries snoozed because their endpoint was busy.", LABELS)
+                     "Jobs snoozed because the key of their lease was busy.", LABELS)
 RESCUES = Counter("standmeet_rescues_total", "Messages of dead worker processes, requeued or rejected.",
                   ("queue_name", "outcome"))
 RECEIPT_WAITERS = Gauge("standmeet_receipt_waiters", "Requests waiting for a job's receipt.", ("channel",),
