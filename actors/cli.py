@@ -18,7 +18,7 @@ from actors import settings as app_settings
 from actors.secretbox import DEFAULT_RESEAL_BATCH
 from actors.webhook_views import MAX_ROW_ID
 from broker import app, ops
-from broker.cli import ops as opscli
+from broker.cli import output as cliout
 from broker.errors import StandmeetError
 from broker.services import current_broker
 from broker.settings import Settings
@@ -265,9 +265,9 @@ def _given_secret(args: argparse.Namespace) -> str | None:
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
     """Each endpoint, enabled or not, and why it fails: tab-separated fields, each printable on one line."""
     from actors.webhook_views import webhook_endpoints
-    from broker.cli.ops import printable
+    from broker.cli.output import printable
 
-    with opscli.operator_connection(Settings.from_env()) as conn:
+    with cliout.operator_connection(Settings.from_env()) as conn:
         endpoints = webhook_endpoints(conn)
     for e in endpoints:
         state = "enabled" if e.enabled else f"disabled ({printable(e.disabled_reason)})"
@@ -291,15 +291,15 @@ def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
     from actors.webhook_views import webhook_deliveries
     from broker import ops
 
-    with opscli.operator_connection(Settings.from_env()) as conn:
+    with cliout.operator_connection(Settings.from_env()) as conn:
         deliveries = webhook_deliveries(conn, args.endpoint, limit=args.limit)
     if args.json:
         print(json.dumps([{**{k: getattr(d, k) for k in DELIVERY_KEYS}, "event_id": d.event_id,
                            "updated_at": ops.jsonable(d.updated_at)} for d in deliveries], indent=2))
         return 0
-    opscli.print_table(("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated"),
+    cliout.print_table(("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated"),
                        [(d.id, d.endpoint_id, d.event, d.state, d.attempts,
-                         "" if d.last_status is None else d.last_status, d.last_error or "", opscli.when(d.updated_at))
+                         "" if d.last_status is None else d.last_status, d.last_error or "", cliout.when(d.updated_at))
                         for d in deliveries])
     return 0
 

@@ -43,8 +43,7 @@ async def webhooks_page(request: Request) -> Response:
 
 async def delivery_page(request: Request) -> Response:
     from broker import ops
-    from broker.dashboard.app import config_of, render, with_conn
-    from broker.dashboard.pages import row_id
+    from broker.dashboard.app import config_of, render, row_id, with_conn
     from broker.dashboard.security import quoted
 
     config = config_of(request)
@@ -69,8 +68,7 @@ async def delivery_page(request: Request) -> Response:
 
 async def delivery_replay(request: Request) -> Response:
     from broker import ops
-    from broker.dashboard.app import Refused, action_form, actor_of, redirect, with_conn
-    from broker.dashboard.pages import row_id
+    from broker.dashboard.app import Refused, action_form, actor_of, redirect, row_id, with_conn
 
     await action_form(request)
     delivery_id = row_id("delivery id", request.path_params["id"])
@@ -92,8 +90,7 @@ async def delivery_replay(request: Request) -> Response:
 
 async def _endpoint_toggle(request: Request, enabled: bool) -> Response:
     from broker import ops
-    from broker.dashboard.app import Refused, action_form, actor_of, redirect, with_conn
-    from broker.dashboard.pages import row_id
+    from broker.dashboard.app import Refused, action_form, actor_of, redirect, row_id, with_conn
 
     await action_form(request)
     endpoint_id = row_id("endpoint id", request.path_params["id"])

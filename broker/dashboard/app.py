@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 import psycopg
+import psycopg.errors
 from psycopg.types.json import set_json_loads
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.requests import Request
@@ -194,6 +195,14 @@ def json_response(data: Any, status_code: int = 200) -> JSONResponse:
 
 # -- query parameters: each has a range, and a value outside it a one-line 400 ------------
 
+def row_id(name: str, value: int) -> int:
+    """A path's row id within ``bigint``; 400 past it."""
+    if not 0 < value <= MAX_ROW_ID:
+        raise ops.OpsError(f"{name} must be a whole number from 1 to {MAX_ROW_ID}, not {value}")
+    return value
+
+
+
 def whole_number(name: str, raw: str, *, low: int, high: int) -> int:
     """``raw`` as a whole number from ``low`` to ``high``; an ``ops.OpsError`` (400)
     naming the parameter, the value and the range else."""
@@ -222,6 +231,28 @@ def since_filter(raw: str) -> datetime:
                            "give an age like 15m, 2h or 7d, or an ISO time") from None
     assert since is not None
     return since
+
+
+def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Refusals (CSRF, read-only, not found) and bad filters as plain answers."""
+
+    async def run(request: Request) -> Response:
+        try:
+            response: Response = await handler(request)
+            return response
+        except Refused as exc:
+            return refused_response(request, exc)
+        except ops.OpsError as exc:
+            return PlainTextResponse(f"{exc}\n", status_code=400)
+        except psycopg.errors.UndefinedTable as exc:
+            return PlainTextResponse(f"the schema is not up to date (run standmeet-jobs migrate): {exc}\n",
+                                     status_code=503)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
+
+    run.__name__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    return run
 
 
 # -- JSON as the pages show it -----------------------------------------------------------
