@@ -263,8 +263,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env()
     check_bind(args.host, settings.dashboard_password)  # before touching the database
-    load_modules(app_modules())  # the applications' pages (broker.app.page)
-    serve(settings, resolve_database_url(settings), host=args.host, port=args.port, read_only=args.read_only)
+    serve(settings, resolve_database_url(settings), host=args.host, port=args.port, read_only=args.read_only,
+          load_pages=lambda: load_modules(app_modules()))  # the applications' pages (broker.app.page)
     return 0
 
 
