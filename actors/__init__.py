@@ -35,7 +35,8 @@ from actors import (  # noqa: E402  (declared once the broker exists)
     mail,
     routes,
     suppliers,
+    webhook_pages,
     webhooks,
 )
 
-__all__ = ["cli", "corpus", "documents", "jobboards", "mail", "routes", "suppliers", "webhooks"]
+__all__ = ["cli", "corpus", "documents", "jobboards", "mail", "routes", "suppliers", "webhook_pages", "webhooks"]

@@ -16,8 +16,10 @@ import time
 
 from actors import settings as app_settings
 from actors.secretbox import DEFAULT_RESEAL_BATCH
-from broker import app
-from broker.cli import ops as opscli
+from actors.webhook_views import MAX_ROW_ID
+from broker import app, ops
+from broker.boot import bounded_int
+from broker.cli import output as cliout
 from broker.errors import StandmeetError
 from broker.services import current_broker
 from broker.settings import Settings
@@ -261,9 +263,44 @@ def _given_secret(args: argparse.Namespace) -> str | None:
 
 
 def cmd_webhooks_list(args: argparse.Namespace) -> int:
-    from broker.cli.ops import print_endpoints
+    """Each endpoint, enabled or not, and why it fails: tab-separated fields, each printable on one line."""
+    from actors.webhook_views import webhook_endpoints
+    from broker.cli.output import printable
 
-    print_endpoints(Settings.from_env())
+    with cliout.operator_connection(Settings.from_env()) as conn:
+        endpoints = webhook_endpoints(conn)
+    for e in endpoints:
+        state = "enabled" if e.enabled else f"disabled ({printable(e.disabled_reason)})"
+        why = printable(e.why_failing) if e.enabled and e.why_failing else None
+        counts = f"\t{e.pending} pending, {e.failed} failed" if e.pending or e.failed else ""
+        last = ""
+        if e.last_outcome and e.last_outcome != "ok" and not why:
+            last = f"\tlast attempt: {printable(e.last_outcome)}" + (f" HTTP {e.last_status}" if e.last_status else "") \
+                + (f": {printable(e.last_error)}" if e.last_error else "")
+        types = ",".join(printable(t) for t in e.event_types)
+        print(f"{e.id}\t{printable(e.url)}\t{types}\t{state}" + (f"\t{why}" if why else "") + last + counts)
+    return 0
+
+
+#: The keys of ``webhooks deliveries --json`` (a contract for outside checks).
+DELIVERY_KEYS = ("id", "endpoint_id", "event", "state", "attempts", "last_status", "last_error")
+
+
+def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
+    """Deliveries, newest first, with their event, state, attempts and last error."""
+    from actors.webhook_views import webhook_deliveries
+    from broker import ops
+
+    with cliout.operator_connection(Settings.from_env()) as conn:
+        deliveries = webhook_deliveries(conn, args.endpoint, limit=args.limit)
+    if args.json:
+        print(json.dumps([{**{k: getattr(d, k) for k in DELIVERY_KEYS}, "event_id": d.event_id,
+                           "updated_at": ops.jsonable(d.updated_at)} for d in deliveries], indent=2))
+        return 0
+    cliout.print_table(("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated"),
+                       [(d.id, d.endpoint_id, d.event, d.state, d.attempts,
+                         "" if d.last_status is None else d.last_status, d.last_error or "", cliout.when(d.updated_at))
+                        for d in deliveries])
     return 0
 
 
@@ -283,7 +320,7 @@ def cmd_webhooks_replay(args: argparse.Namespace) -> int:
     from actors.webhooks import replay, replay_failed
 
     if args.delivery is not None:
-        replay(args.delivery)
+        replay(args.delivery)  # a new delivery message (see actors.webhooks.replay_in)
         print(f"delivery {args.delivery} queued again")
     elif args.failed_since:
         try:
@@ -383,7 +420,12 @@ def _setup_webhooks(p: argparse.ArgumentParser) -> None:
     q.add_argument("id", type=int)
     q.add_argument("--count", type=int, default=1)
     q.set_defaults(func=cmd_webhooks_ping)
-    opscli.add_webhook_deliveries(wh)
+    q = wh.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
+    q.add_argument("endpoint", type=bounded_int(low=1, high=MAX_ROW_ID), nargs="?", help="only this endpoint's")
+    q.add_argument("--limit", type=bounded_int(low=1, high=ops.MAX_LIMIT), default=100,
+                   help=f"at most this many (1 to {ops.MAX_LIMIT}; default 100)")
+    q.add_argument("--json", action="store_true", help="a JSON list")
+    q.set_defaults(func=cmd_webhooks_deliveries)
 
 
 app.command("emit", "emit one event through the outbox, in its own transaction; print its id", setup=_setup_emit, run=_usage)

@@ -44,11 +44,10 @@ from actors.reasons import MAX_REASON
 from broker import app, deadline
 from broker.engine.enqueue import build_message, enqueue_messages, finish_queued
 from broker.errors import DeadlineExceeded, StandmeetError
-from broker.ops import record_delivery_messages
 from broker.outbox import check_payload, emit
 from broker.pg import db
 from middleware.keyed_lease import Lease, given_back, lease_of, read_without_lease
-from middleware.snooze import Snooze
+from middleware.snooze import LEASE_BUSY, Snooze
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -137,23 +136,30 @@ def add_endpoint(url: str, event_types: list[str], *, secret: str | None = None)
     return int(row[0]), secret
 
 
-def list_endpoints() -> list[dict[str, Any]]:
-    with db.connection() as conn:
-        rows = conn.execute(
-            "SELECT id, url, event_types, enabled, failing_since, disabled_reason, busy_until"
-            " FROM standmeet.webhook_endpoints ORDER BY id").fetchall()
-    keys = ("id", "url", "event_types", "enabled", "failing_since", "disabled_reason", "busy_until")
-    return [dict(zip(keys, r, strict=True)) for r in rows]
+#: Turn an endpoint on (its failure streak and disabled reason forgotten) or off (with the reason).
+SET_ENABLED = """
+UPDATE standmeet.webhook_endpoints
+SET enabled = %(enabled)s,
+    disabled_reason = CASE WHEN %(enabled)s THEN NULL ELSE %(reason)s END,
+    failing_since = CASE WHEN %(enabled)s THEN NULL ELSE failing_since END
+WHERE id = %(id)s
+RETURNING id
+"""
+
+
+def set_enabled_in(conn: psycopg.Connection[Any], endpoint_id: int, enabled: bool, *,
+                   reason: str | None = None) -> bool:
+    """Enable or disable an endpoint in the caller's connection; False when there is no such endpoint."""
+    row = conn.execute(SET_ENABLED, {"id": endpoint_id, "enabled": enabled,
+                                     "reason": reason or "disabled by an operator"}).fetchone()
+    return row is not None
 
 
 def set_enabled(endpoint_id: int, enabled: bool, reason: str | None = None) -> None:
+    """Enable or disable an endpoint; a WebhookError when there is no such endpoint."""
     with db.connection() as conn:
-        found = conn.execute(
-            "UPDATE standmeet.webhook_endpoints SET enabled = %s, disabled_reason = %s,"
-            " failing_since = CASE WHEN %s THEN NULL ELSE failing_since END WHERE id = %s RETURNING id",
-            (enabled, None if enabled else (reason or "disabled by an operator"), enabled, endpoint_id),
-        ).fetchone()
-    if found is None:
+        found = set_enabled_in(conn, endpoint_id, enabled, reason=reason)
+    if not found:
         raise WebhookError(f"no webhook endpoint {endpoint_id}")
 
 
@@ -194,16 +200,35 @@ def ping(endpoint_id: int, count: int = 1) -> list[int]:
         return [emit_event(conn, "webhook.ping", {"endpoint_id": endpoint_id, "n": n}) for n in range(1, count + 1)]
 
 
-def replay(delivery_id: int) -> None:
-    """Deliver again (a failed or skipped delivery, or any other)."""
+#: A delivery back to pending, due now (its retry schedule's next attempt forgotten).
+MAKE_PENDING = """
+UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()
+WHERE id = %s RETURNING id
+"""
+
+
+def replay_in(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
+    """Deliver ``delivery_id`` again, in the caller's transaction: what a replay means,
+    from the command line (``webhooks replay``) and the dashboard's button alike.
+
+    The delivery, whatever its state, goes back to *pending* and due now, and a **new**
+    ``webhook.deliver`` message is enqueued for it (recorded on the delivery); its
+    attempts so far are kept and counted on. A message of the delivery still queued or
+    running is left as it is: the endpoint's lease lets one job at a time deliver, and a
+    job that finds the delivery made ends without posting. Returns the new message's
+    id; None when there is no such delivery (nothing is written)."""
+    if conn.execute(MAKE_PENDING, (delivery_id,)).fetchone() is None:
+        return None
+    return enqueue_deliveries(conn, [delivery_id])[0]
+
+
+def replay(delivery_id: int) -> str:
+    """:func:`replay_in` in a transaction of its own; a WebhookError when there is no such delivery."""
     with db.connection() as conn, conn.transaction():
-        found = conn.execute(
-            "UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()"
-            " WHERE id = %s RETURNING id",
-            (delivery_id,)).fetchone()
-        if found is None:
-            raise WebhookError(f"no webhook delivery {delivery_id}")
-        enqueue_deliveries(conn, [delivery_id])
+        message_id = replay_in(conn, delivery_id)
+    if message_id is None:
+        raise WebhookError(f"no webhook delivery {delivery_id}")
+    return message_id
 
 
 def replay_failed(since: datetime) -> int:
@@ -216,13 +241,23 @@ def replay_failed(since: datetime) -> int:
     return len(ids)
 
 
-def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> None:
+#: Each delivery names the message that carries it: a job that makes the delivery as part
+#: of its endpoint's batch marks that message done while it is still queued.
+NAME_DELIVERY_MESSAGES = """
+UPDATE standmeet.webhook_deliveries d SET message_id = m.message_id
+FROM unnest(%(ids)s::bigint[], %(messages)b::uuid[]) AS m(id, message_id) WHERE d.id = m.id
+"""
+
+
+def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> list[str]:
     """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
-    recorded on its delivery."""
+    recorded on its delivery; their ids, in the same order."""
     if not delivery_ids:
-        return
+        return []
     messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids])
-    record_delivery_messages(conn, delivery_ids, [m.message_id for m in messages])
+    message_ids = [m.message_id for m in messages]
+    conn.execute(NAME_DELIVERY_MESSAGES, {"ids": list(delivery_ids), "messages": message_ids})
+    return message_ids
 
 
 # -- fan-out ------------------------------------------------------------------------------
@@ -566,7 +601,7 @@ def deliver(delivery_id: int) -> None:
         read = read_without_lease(message) if message is not None else ()
         if read and read[0] == "busy":
             raise Snooze(_busy_wait_s(read[8], read[1], settings),
-                         f"webhook.deliver: the endpoint of delivery {delivery_id} is busy")
+                         f"webhook.deliver: the endpoint of delivery {delivery_id} is busy", label=LEASE_BUSY)
         if read and read[0] is not None and read[0] != "pending":
             return  # made already (by a batch, or an earlier run): the lease statement read it
         # a short read, the connection returned at once

@@ -6,12 +6,14 @@ another) declares, at import, through these few calls:
     from broker import app
 
     app.queue("reports", max_workers=2, time_limit_s=120)          # limits, and whether
-    app.queue("index", max_workers=4, time_limit_s=30, awaited=True)  # requests wait on it
+    app.queue("thumbs", max_workers=4, time_limit_s=30, awaited=True)  # requests wait on it
     app.periodic("nightly-report", "reports.nightly", cron="0 3 * * *", timezone="Europe/Berlin")
     app.periodic("refresh", "reports.refresh", interval_s=900)
     app.command("report", "print the last report", setup=add_arguments, run=main)
     app.startup_check(refuse_bad_timings)                            # fn(settings) -> None
     app.settings(ReportSettings)   # its own settings, declared like broker.settings.Settings
+    app.page("/reports", reports_page, title="Reports", templates=("reports", "templates"))
+    app.gauges(read_report_gauges)  # fn(conn) -> metric families, read at each /metrics scrape
 
 and its actors with ``@dramatiq.actor``, its topics and routes with
 ``broker.outbox.route``. Every entry point (``standmeet-jobs run MODULE…``,
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -113,6 +115,25 @@ class Command:
 
 
 StartupCheck = Callable[[Any], None]
+#: An application's database-derived gauges: ``read(conn)`` returns Prometheus metric
+#: families (``prometheus_client.core.GaugeMetricFamily``…), read at each scrape.
+GaugeReader = Callable[[Any], Iterable[Any]]
+
+
+@dataclass(frozen=True)
+class Page:
+    """A dashboard route an application adds: ``handler(request)`` (a Starlette handler,
+    ``async``) answers ``path`` (a Starlette path: ``/reports/{id:int}``) for ``methods``.
+    A ``title`` lists it in the dashboard's navigation. ``templates`` is where its
+    templates are, ``(package, folder)``, looked up after the dashboard's own (so they
+    may extend ``base.html``). The dashboard answers its refusals and bad input as it
+    does its own pages' (``broker.dashboard.pages.guarded``)."""
+
+    path: str
+    handler: Callable[[Any], Awaitable[Any]]
+    title: str | None = None
+    methods: tuple[str, ...] = ("GET",)
+    templates: tuple[str, str] | None = None
 
 
 class Registry:
@@ -124,6 +145,12 @@ class Registry:
         self.periodic: dict[str, PeriodicJob] = {}
         self.commands: dict[str, Command] = {}
         self.startup_checks: list[StartupCheck] = []
+        #: the applications' dashboard routes, by "METHODS path"
+        self.pages: dict[str, Page] = {}
+        #: the applications' dashboard notices, by code (``?notice=CODE`` after an action)
+        self.notices: dict[str, str] = {}
+        #: the applications' gauge readers (see :func:`gauges`)
+        self.gauge_readers: list[GaugeReader] = []
         #: the applications' settings declarations (``broker.settings.Declared`` subclasses)
         self.settings: list[Any] = []
 
@@ -167,6 +194,37 @@ def startup_check(check: StartupCheck) -> StartupCheck:
         if check not in REGISTRY.startup_checks:
             REGISTRY.startup_checks.append(check)
     return check
+
+
+def page(path: str, handler: Callable[[Any], Awaitable[Any]], *, title: str | None = None,
+         methods: tuple[str, ...] = ("GET",), templates: tuple[str, str] | None = None) -> Page:
+    """Declare a dashboard route (a page, or with ``methods=("POST",)`` an action); see :class:`Page`."""
+    if not path.startswith("/"):
+        raise ConfigError(f"dashboard page {path!r}: a path starts with /")
+    methods = tuple(m.upper() for m in methods)
+    declared = Page(path, handler, title, methods, templates)
+    return REGISTRY._put(REGISTRY.pages, "dashboard page", f"{','.join(methods)} {path}", declared)
+
+
+def gauges(read: GaugeReader) -> GaugeReader:
+    """Declare database-derived gauges: the ``/metrics`` that ``run`` and the dashboard
+    serve call ``read(conn)`` at each scrape, after the runtime's own reads, in the same
+    read-only transaction (its statement timeout applies), and serve the families it
+    returns. A reader that fails is logged and left out of that scrape."""
+    with REGISTRY._lock:
+        if read not in REGISTRY.gauge_readers:
+            REGISTRY.gauge_readers.append(read)
+    return read
+
+
+def dashboard_notice(code: str, text: str) -> str:
+    """Declare what the dashboard says after an action that redirects with ``notice=code``."""
+    return REGISTRY._put(REGISTRY.notices, "dashboard notice", code, text)
+
+
+def dashboard_pages() -> list[Page]:
+    """The dashboard routes the loaded applications declared, in the order declared."""
+    return list(REGISTRY.pages.values())
 
 
 def settings(declaration: Any) -> Any:

@@ -50,7 +50,7 @@ class ConfigError(StandmeetError):
 
 
 class StartupRefused(ConfigError, MiddlewareError):
-    """A start-up check failed (the budget, the webhook timings).
+    """A start-up check failed (the connection budget, an application's declared check).
 
     Also a :class:`dramatiq.middleware.MiddlewareError`, so that Dramatiq lets it
     escape from ``before_worker_boot`` and the worker process refuses to start.

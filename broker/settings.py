@@ -327,14 +327,15 @@ class Settings(Declared):
         "text", description="`text`, or `json`: one object a line for log shippers (`--log-format` says the same)")
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="where `run` serves `/metrics` for all its processes; "
-        "unset: no metrics endpoint")
-    metrics_host: str = Field("127.0.0.1", description="the address of the metrics endpoint")
+        "unset: no metrics are served")
+    metrics_host: str = Field("127.0.0.1", description="the address `/metrics` is served on")
     dashboard_user: str = Field("admin", description="HTTP basic-auth user of the dashboard")
     dashboard_password: str | None = Field(
         None, repr=False, description="HTTP basic auth for every dashboard request; "
         "required to listen beyond loopback")
     dashboard_hide_args: bool = Field(
-        False, description="`1`: the dashboard never shows job arguments or webhook payloads, nor searches them")
+        False, description="`1`: the dashboard never shows job arguments, nor the payloads an application's "
+        "pages show, nor searches them")
     dashboard_allowed_hosts: str = Field(
         "", description="host names the dashboard answers to besides the address it is bound to "
         "(comma-separated, e.g. a reverse proxy's public name); any other `Host` is refused")

@@ -18,7 +18,7 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
 9. ``GroupCallbacks``    (Dramatiq's) group completion callbacks, on the Postgres rate limiter
 10. ``SnoozePolicy``     run a job again later without counting a retry
 11. ``KeyedLease``       at most one message in flight per key (an actor's ``lease``), by a
-                         row lease; busy means snooze (the webhook endpoint lease is one)
+                         row lease; busy means snooze (counted as lease busy)
     ``UniqueJobs``       the ``unique`` actor option: a send whose key is live returns the
                          live message (the broker's write decides, by a unique index)
 12. ``GracefulShutdown`` stop the relay and claiming on SIGTERM

@@ -10,13 +10,13 @@ given back, only if the token is still ours. The lease outlives the job's time l
 so a crashed worker's lease expires by itself. No transaction is held across the
 actor's work: each statement commits alone.
 
-    @dramatiq.actor(lease=Lease(key=endpoint_of, take=TAKE, release=RELEASE,
+    @dramatiq.actor(lease=Lease(key=account_of, take=TAKE, release=RELEASE,
                                 lease_s=lambda: 20.0, busy_snooze_s=lambda: 2.0))
-    def deliver(delivery_id): ...
+    def sync(transfer_id): ...
 
 ``take`` receives ``%(key)s`` and ``%(lease_s)s`` and returns one row when the lease
 was free: the token first; then, optionally, the key it leased (when the statement
-resolves the message's key to another, e.g. a delivery to its endpoint: ``release``
+resolves the message's key to another, e.g. a transfer to its account: ``release``
 gets that one) and any columns the actor needs, read in the same statement
 (:attr:`Held.row`: no second round trip). A row whose token is NULL means the message
 needs no lease (the actor records why, from what the row's other columns read:
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from dramatiq import Middleware
 from dramatiq.broker import MessageProxy
 
-from middleware.snooze import snooze_before_start
+from middleware.snooze import LEASE_BUSY, snooze_before_start
 
 logger = logging.getLogger("standmeet.middleware")
 
@@ -137,7 +137,7 @@ class KeyedLease(Middleware):
         taken = self.store.take(lease, key)
         if taken is None:
             wait = lease.busy_snooze_s() * (1 + random.random() / 2)
-            snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy")
+            snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy", label=LEASE_BUSY)
         if taken[0] is None:
             message.standmeet_lease_read = tuple(taken[2:])  # type: ignore[attr-defined]
             return  # the statement found nothing to lease (the actor records why)

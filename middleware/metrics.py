@@ -1,6 +1,6 @@
 """Prometheus metrics per job, with Dramatiq's names and labels (``queue_name``,
-``actor_name``), so existing Dramatiq dashboards work; plus ours: snoozes, endpoint
-lease busy, claim-to-start latency (when the consumer stamps the claim time on the
+``actor_name``), so existing Dramatiq dashboards work; plus ours: snoozes (those
+labelled :data:`middleware.snooze.LEASE_BUSY` also as lease busy), claim-to-start latency (when the consumer stamps the claim time on the
 message as ``standmeet_claimed_at``, a ``time.time()`` value).
 
 The metric objects live in :mod:`broker.observability.metrics`. Under ``standmeet-jobs run`` every
@@ -17,10 +17,7 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker.observability import metrics
-from middleware.snooze import Snooze
-
-#: The webhook actor whose busy-endpoint snoozes count as ``standmeet_lease_busy_total``.
-DELIVER_ACTOR = "webhook.deliver"
+from middleware.snooze import LEASE_BUSY, Snooze
 
 
 class Metrics(Middleware):
@@ -59,7 +56,7 @@ class Metrics(Middleware):
         snooze = getattr(message, "_exception", None)
         if isinstance(snooze, Snooze) and not getattr(message, "failed", False):
             metrics.child(metrics.SNOOZES, *labels).inc()
-            if message.actor_name == DELIVER_ACTOR and snooze.reason.endswith("is busy"):
+            if snooze.label == LEASE_BUSY:
                 metrics.child(metrics.LEASE_BUSY, *labels).inc()
 
     def after_nack(self, broker: Any, message: Any) -> None:

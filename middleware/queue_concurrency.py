@@ -6,8 +6,8 @@ queue, keyed by the claim (message id and claim number: the same message can be
 claimed again before its previous run is settled). What ``before_process_message``
 acquires is released on every path (returned, raised, skipped). It also raises the
 process's worker threads to the sum of the limits of the queues it serves, so that one
-queue at its limit never keeps another from a free thread: a slow webhook endpoint
-fills only the webhook queue.
+queue at its limit never keeps another from a free thread: a slow remote server fills
+only the queue of the jobs that call it.
 """
 
 from __future__ import annotations

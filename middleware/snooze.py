@@ -23,26 +23,31 @@ logger = logging.getLogger(f"standmeet.{__name__}")
 
 #: A message snoozed more often than this fails (endless snoozes are a bug).
 DEFAULT_MAX_SNOOZES = 1000
+#: The label of a snooze because the key of a lease was busy (``standmeet_lease_busy_total``).
+LEASE_BUSY = "lease_busy"
 
 
 class Snooze(Deferred):
-    """Raise to run the job again after ``seconds``; it does not count as a retry."""
+    """Raise to run the job again after ``seconds``; it does not count as a retry.
+    ``label`` says what kind of wait it is, for the metrics (e.g. :data:`LEASE_BUSY`)."""
 
-    def __init__(self, seconds: float, reason: str = "") -> None:
+    def __init__(self, seconds: float, reason: str = "", *, label: str | None = None) -> None:
         if seconds < 0:
             raise ValueError(f"cannot snooze for a negative time ({seconds} s)")
         self.seconds = float(seconds)
         self.reason = reason
+        self.label = label
         super().__init__(reason or f"snoozed for {seconds:g} s", delay_ms=int(seconds * 1000))
 
 
-def snooze_before_start(message: MessageProxy, seconds: float, reason: str = "") -> NoReturn:
+def snooze_before_start(message: MessageProxy, seconds: float, reason: str = "", *,
+                        label: str | None = None) -> NoReturn:
     """Snooze ``message`` from a middleware's ``before_process_message``.
 
     Dramatiq only lets a :class:`SkipMessage` escape a ``before_*`` hook, so the
     :class:`Snooze` is attached to the message and a ``SkipMessage`` is raised.
     """
-    snooze = Snooze(seconds, reason)
+    snooze = Snooze(seconds, reason, label=label)
     message.stuff_exception(snooze)
     raise SkipMessage(str(snooze))
 

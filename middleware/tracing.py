@@ -6,7 +6,7 @@ named and attributed as the OpenTelemetry messaging conventions say (``send <que
 message's options (``trace_context``); a message that already carries one (a retry,
 a snooze, a relayed event's message) keeps it. ``before_process_message`` starts the
 run's consumer span, linked to and parented by that context, and makes it current, so
-what the job enqueues or emits, and the webhook POST's ``traceparent``, continue the
+what the job enqueues or emits, and the ``traceparent`` of what it sends, continue the
 same trace. Placed first after the connection budget, so its span covers the other
 middleware.
 """

@@ -1,4 +1,4 @@
-"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, the outbox, webhook deliveries.
+"""The operators' commands of ``standmeet-jobs``: status, jobs, queues, the outbox.
 
     standmeet-jobs status [--json] [--check [--max-age-s N] [--queues Q …]]
     standmeet-jobs jobs list [--state S] [--queue Q] [--actor A] [--since T] [--search TEXT] [--error TEXT] [--limit N] [--json]
@@ -8,15 +8,15 @@
     standmeet-jobs queues list | pause Q | resume Q
     standmeet-jobs outbox list [--failed] [--topic T] [--limit N] [--json]
     standmeet-jobs outbox retry ID … | outbox retry --failed [--topic T]
-    standmeet-jobs webhooks deliveries [ENDPOINT_ID] [--limit N] [--json]
 
 A table by default (rich), ``--json`` for scripts. They read the database only (the
 queries of :mod:`broker.ops`): they import neither the broker's consumers nor the
-application (``actors``). Every action is recorded in ``standmeet.operator_actions``.
+application. Every action is recorded in ``standmeet.operator_actions``. An
+application's commands that show rows the same way use :mod:`broker.cli.output`.
 
-What they print of a job, a queue, an actor, an event or an endpoint is printed as text:
+What they print of a job, a queue, an actor or an event is printed as text:
 never read as rich markup, control characters and direction overrides shown as escapes
-(:func:`printable`). Wherever a job id is taken, a unique prefix of at least
+(:func:`broker.cli.output.printable`). Wherever a job id is taken, a unique prefix of at least
 :data:`broker.ops.MIN_ID_PREFIX_HEX` hex digits will do (``status`` prints 8). Every
 number and age has a finite range, refused in one line naming the option (exit 2). Cancel
 is final: a retry by filter leaves cancelled jobs alone unless ``--include-cancelled``.
@@ -26,26 +26,33 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import getpass
 import json
-import re
-import socket
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from datetime import datetime, timedelta
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 
 from broker import app, ops
 from broker.boot import bounded_float, bounded_int
-from broker.errors import DatabaseUnavailable, StandmeetError
+from broker.cli.output import (
+    _age,
+    _connect,
+    _console,
+    _error_text,
+    _line,
+    _row,
+    _since,
+    _table,
+    _text,
+    _when,
+    operator_name,
+)
+from broker.errors import StandmeetError
 from broker.ops import history
 from broker.ops.redact import hidden_options
-from broker.pg import pool as pgpool
-from broker.pg.embedded import resolve_database_url
-from broker.settings import MONTH_S, Settings, masked_url
+from broker.settings import MONTH_S, Settings
 
 #: ``status --check`` fails when a queue's oldest due job has waited longer than this.
 DEFAULT_MAX_AGE_S = 300.0
@@ -144,15 +151,6 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--failed", action="store_true", help="retry every failed event …")
     q.add_argument("--topic", help="… of this topic")
     q.set_defaults(func=cmd_outbox_retry)
-
-
-def add_webhook_deliveries(webhooks: Any) -> None:
-    """``webhooks deliveries``, for an application that has webhooks to add to its command."""
-    q = webhooks.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
-    q.add_argument("endpoint", type=bounded_int(low=1, high=ops.MAX_BIGINT), nargs="?", help="only this endpoint's")
-    q.add_argument("--limit", type=LIMIT, default=100, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 100)")
-    q.add_argument("--json", action="store_true", help="a JSON list")
-    q.set_defaults(func=cmd_webhooks_deliveries)
 
 
 # -- status ------------------------------------------------------------------------------
@@ -539,162 +537,3 @@ def cmd_outbox_retry(args: argparse.Namespace) -> int:
     for line in unchanged:
         print(line, file=sys.stderr)
     return 1 if unchanged else 0
-
-
-# -- webhooks ----------------------------------------------------------------------------
-
-#: The keys of ``webhooks deliveries --json`` (a contract for outside checks).
-DELIVERY_KEYS = ("id", "endpoint_id", "event", "state", "attempts", "last_status", "last_error")
-
-
-def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
-    with _connect(settings) as conn:
-        deliveries = ops.webhook_deliveries(conn, args.endpoint, limit=args.limit)
-    if args.json:
-        print(json.dumps([{**{k: getattr(d, k) for k in DELIVERY_KEYS}, "event_id": d.event_id,
-                           "updated_at": ops.jsonable(d.updated_at)} for d in deliveries], indent=2))
-        return 0
-    t = _table("id", "endpoint", "event", "state", "attempts", "last status", "last error", "updated")
-    for d in deliveries:
-        _row(t, d.id, d.endpoint_id, d.event, d.state, d.attempts,
-             "" if d.last_status is None else d.last_status, d.last_error or "", _when(d.updated_at))
-    _console().print(t)
-    return 0
-
-
-def print_endpoints(settings: Settings) -> None:
-    """``webhooks list``: each endpoint, enabled or not, and why it fails."""
-    with _connect(settings) as conn:
-        endpoints = ops.webhook_endpoints(conn)
-    for e in endpoints:  # tab-separated fields, each printable on one line
-        state = "enabled" if e.enabled else f"disabled ({printable(e.disabled_reason)})"
-        why = printable(e.why_failing) if e.enabled and e.why_failing else None
-        counts = f"\t{e.pending} pending, {e.failed} failed" if e.pending or e.failed else ""
-        last = ""
-        if e.last_outcome and e.last_outcome != "ok" and not why:
-            last = f"\tlast attempt: {printable(e.last_outcome)}" + (f" HTTP {e.last_status}" if e.last_status else "") \
-                + (f": {printable(e.last_error)}" if e.last_error else "")
-        types = ",".join(printable(t) for t in e.event_types)
-        print(f"{e.id}\t{printable(e.url)}\t{types}\t{state}" + (f"\t{why}" if why else "") + last + counts)
-
-
-# -- helpers -----------------------------------------------------------------------------
-
-def operator_name() -> str:
-    """Who runs this command: user@host."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
-@contextmanager
-def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
-    url = resolve_database_url(settings)
-    try:
-        conn = pgpool.connect(url, application_name="standmeet-cli")
-    except psycopg.OperationalError as exc:
-        from broker.pg.preflight import first_line, server_of
-
-        raise DatabaseUnavailable(
-            f"cannot reach the database at {server_of(url)} ({masked_url(url)}): {first_line(exc)}") from exc
-    with conn:
-        try:
-            yield conn
-        except psycopg.errors.UndefinedTable as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise StandmeetError(f"the schema is not up to date: run `standmeet-jobs migrate` ({first})") from exc
-
-
-
-
-#: What a terminal would act on rather than show: control characters (escape sequences
-#: start with one) and the marks that reorder text; newlines and tabs are kept in multi-line text.
-_UNPRINTABLE_IN_A_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_UNPRINTABLE_IN_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(value: object, *, lines: bool = False) -> str:
-    """``value`` as text a terminal shows exactly: each control character or direction
-    mark written as its escape (``\\x1b``, ``\\u202e``); newlines and tabs kept only with
-    ``lines``. Rich markup is another matter: print the result as :class:`rich.text.Text`."""
-    pattern = _UNPRINTABLE_IN_LINES if lines else _UNPRINTABLE_IN_A_LINE
-    return pattern.sub(_escaped, str(value))
-
-
-def _escaped(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def _text(value: object, *, lines: bool = False) -> Any:
-    """``value`` as rich text that is never read as markup."""
-    from rich.text import Text
-
-    return Text(printable(value, lines=lines))
-
-
-def _row(table: Any, *values: object) -> None:
-    """A table row of plain text (each value printable; rich text as it is)."""
-    from rich.text import Text
-
-    table.add_row(*(v if isinstance(v, Text) else _text(v) for v in values))
-
-
-def _line(console: Any, line: str) -> None:
-    console.print(_text(line))
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    # markup and emoji codes off as well: no string this prints is read as anything but text
-    return Console(width=None if sys.stdout.isatty() else 200, highlight=False, markup=False, emoji=False)
-
-
-def _table(*columns: str, title: str | None = None) -> Any:
-    from rich import box
-    from rich.table import Table
-
-    t = Table(*columns, title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    return t
-
-
-def _error_text(value: str) -> str:
-    """An argparse ``type``: the text to search errors for, within its length (exit 2 past it)."""
-    try:
-        ops.job_filters(error=value)
-    except ops.OpsError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _since(value: str) -> str:
-    """An argparse ``type``: an ISO time or an age within range (checked, given on as typed)."""
-    try:
-        ops.parse_since(value)
-    except ops.OpsError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 86400:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
-
-
-def _when(value: datetime | str | None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    return value.isoformat(timespec="seconds")

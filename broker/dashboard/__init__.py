@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import Callable
 
 from broker.app import PeriodicJob
 from broker.dashboard.app import DashboardConfig
@@ -68,19 +69,25 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, url: str, *, host: str, port: int, read_only: bool = False) -> None:
+def serve(settings: Settings, url: str, *, host: str, port: int, read_only: bool = False,
+          load_pages: Callable[[], None] | None = None) -> None:
     """Serve the dashboard until Ctrl-C / SIGTERM; refuses a non-loopback host without a
-    password, and a port it cannot listen on (before saying where it serves)."""
+    password, a malformed setting, and a port it cannot listen on (before loading
+    anything or saying where it serves). ``load_pages`` then loads the modules that
+    declare the applications' pages (``broker.app.page``)."""
     check_bind(host, settings.dashboard_password)
-    config = config_from_settings(settings, url, host=host, read_only=read_only)
+    parse_allowed_hosts(settings.dashboard_allowed_hosts)  # a malformed one refused before anything is loaded
     sock = listen(host, port)
-    import uvicorn
-
-    app = create_app(config)
-    auth = "HTTP basic auth" if settings.dashboard_password else "no auth (loopback)"
-    logger.info("dashboard on http://%s:%d/ (%s%s)", host if ":" not in host else f"[{host}]", port, auth,
-                ", read-only" if read_only else "")
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                          server_header=False))
     with sock:
+        if load_pages is not None:
+            load_pages()
+        config = config_from_settings(settings, url, host=host, read_only=read_only)
+        import uvicorn
+
+        app = create_app(config)
+        auth = "HTTP basic auth" if settings.dashboard_password else "no auth (loopback)"
+        logger.info("dashboard on http://%s:%d/ (%s%s)", host if ":" not in host else f"[{host}]", port, auth,
+                    ", read-only" if read_only else "")
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                              server_header=False))
         server.run(sockets=[sock])

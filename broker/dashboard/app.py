@@ -1,7 +1,9 @@
 """The dashboard's web application (Starlette, server-rendered Jinja2 pages).
 
 Every page is read from the database through :mod:`broker.ops` (the queries the
-command line uses too) or, for webhooks, :mod:`broker.dashboard.webhooks`. Pages carry
+command line uses too); an application adds its own pages (``broker.app.page``), which
+use the helpers here (:func:`render`, :func:`with_conn`, :func:`action_form`,
+:func:`actor_of`, :func:`redirect`, :class:`Refused`) as the runtime's do. Pages carry
 ``data-live`` regions that ``static/dashboard.js`` refreshes in place every few
 seconds; forms sit outside them, so nothing the user typed is reloaded. Actions are
 POSTs with a CSRF token, refused in read-only mode, and recorded with
@@ -20,15 +22,16 @@ from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 import psycopg
+import psycopg.errors
 from psycopg.types.json import set_json_loads
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 
 from broker import ops
-from broker.app import PeriodicJob
+from broker.app import REGISTRY, PeriodicJob
 from broker.dashboard.security import CSRF_FIELD, Csrf, cookie_is_secure, quoted
 from broker.settings import SecureCookieMode
 
@@ -53,15 +56,17 @@ CUT_MARKER = f"(cut: nested deeper than {MAX_SHOWN_DEPTH} levels)"
 #: The states the jobs list filters by (as ``broker.ops`` names them).
 JOB_STATES = ("queued", "delayed", "running", "done", "rejected", "cancelled")
 
-#: Messages shown after an action, by code (the redirect carries the code, not the text).
+#: The runtime's pages in the navigation, (path, title); the applications' follow.
+NAV = (("/", "Overview"), ("/jobs", "Jobs"), ("/history", "History"), ("/workers", "Workers"),
+       ("/periodic", "Periodic"), ("/outbox", "Outbox"))
+
+#: Messages shown after an action, by code (the redirect carries the code, not the text);
+#: an application's are declared with ``broker.app.dashboard_notice``.
 NOTICES = {
     "retried": "Retry queued.",
     "cancelled": "Cancelled.",
     "paused": "Queue paused: no process claims from it until it is resumed.",
     "resumed": "Queue resumed.",
-    "enabled": "Endpoint enabled.",
-    "disabled": "Endpoint disabled.",
-    "replayed": "Delivery queued again.",
     "relayed": "Given back to the relays: a process that routes the topic relays it again.",
     "bulk": "Bulk action done.",
     "bulk_cancel_final": ("Bulk action done. Cancelled jobs that matched were left alone: cancel is final "
@@ -126,7 +131,8 @@ def render(request: Request, template: str, context: dict[str, Any], *, status_c
     config = config_of(request)
     csrf: Csrf = request.app.state.csrf
     nonce, new = csrf.nonce(request)
-    notice = NOTICES.get(request.query_params.get("notice", ""))
+    code = request.query_params.get("notice", "")
+    notice = NOTICES.get(code) or REGISTRY.notices.get(code)
     base = {
         "read_only": config.read_only,
         "hide_args": config.hide_args,
@@ -136,6 +142,7 @@ def render(request: Request, template: str, context: dict[str, Any], *, status_c
         "refresh_ms": int(config.refresh_s * 1000),
         "now": datetime.now(timezone.utc),
         "path": request.url.path,
+        "nav": request.app.state.nav,
     }
     response = request.app.state.templates.TemplateResponse(
         request, template, {**base, **context}, status_code=status_code
@@ -188,6 +195,14 @@ def json_response(data: Any, status_code: int = 200) -> JSONResponse:
 
 # -- query parameters: each has a range, and a value outside it a one-line 400 ------------
 
+def row_id(name: str, value: int) -> int:
+    """A path's row id within ``bigint``; 400 past it."""
+    if not 0 < value <= MAX_ROW_ID:
+        raise ops.OpsError(f"{name} must be a whole number from 1 to {MAX_ROW_ID}, not {value}")
+    return value
+
+
+
 def whole_number(name: str, raw: str, *, low: int, high: int) -> int:
     """``raw`` as a whole number from ``low`` to ``high``; an ``ops.OpsError`` (400)
     naming the parameter, the value and the range else."""
@@ -216,6 +231,28 @@ def since_filter(raw: str) -> datetime:
                            "give an age like 15m, 2h or 7d, or an ISO time") from None
     assert since is not None
     return since
+
+
+def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Refusals (CSRF, read-only, not found) and bad filters as plain answers."""
+
+    async def run(request: Request) -> Response:
+        try:
+            response: Response = await handler(request)
+            return response
+        except Refused as exc:
+            return refused_response(request, exc)
+        except ops.OpsError as exc:
+            return PlainTextResponse(f"{exc}\n", status_code=400)
+        except psycopg.errors.UndefinedTable as exc:
+            return PlainTextResponse(f"the schema is not up to date (run standmeet-jobs migrate): {exc}\n",
+                                     status_code=503)
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
+
+    run.__name__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    return run
 
 
 # -- JSON as the pages show it -----------------------------------------------------------

@@ -1,55 +1,48 @@
-"""The dashboard's pages and actions: one function per route."""
+"""The dashboard's pages and actions: one function per route (the job pages in
+:mod:`.job_pages`); :func:`routes` adds those the applications declared (``broker.app.page``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlencode
 
 import psycopg
 import psycopg.errors
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from psycopg_pool import PoolTimeout
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from broker import ops
-from broker.dashboard import charts, webhooks
+from broker.app import dashboard_pages
+from broker.dashboard import charts
 from broker.dashboard.app import (
-    BULK_LIMIT,
-    JOB_STATES,
-    MAX_PAGE,
-    MAX_ROW_ID,
-    PAGE_SIZE,
     Refused,
     action_form,
     actor_of,
     config_of,
+    guarded,
     json_response,
     redirect,
-    refused_response,
     render,
-    since_filter,
+    row_id,
     text_filter,
-    whole_number,
     with_conn,
+)
+from broker.dashboard.job_pages import (
+    job_cancel,
+    job_page,
+    job_retry,
+    jobs_bulk,
+    jobs_bulk_confirm,
+    jobs_list,
+    jobs_selected,
 )
 from broker.dashboard.security import quoted
 from broker.observability.metrics import DatabaseCollector
 from broker.ops import history
-from broker.ops.redact import hidden_options
-
-#: The list filters, as query parameters (``id``: a job id or its start; ``q``: text
-#: in the arguments; ``error``: text in the error or the last traceback; ``since``: an
-#: ISO time or an age like 15m).
-FILTER_PARAMS = ("state", "queue", "actor", "id", "q", "error", "since")
-#: States a bulk action applies to: retry takes rejected (and cancelled) jobs, cancel
-#: takes jobs not finished.
-RETRYABLE = ("rejected", "cancelled")
-CANCELLABLE = ("queued", "delayed", "running")
 
 
 def routes() -> list[BaseRoute]:
@@ -69,36 +62,11 @@ def routes() -> list[BaseRoute]:
         Route("/periodic", periodic_page, name="periodic"),
         Route("/outbox", outbox_page, name="outbox"),
         Route("/outbox/retry", outbox_retry, methods=["POST"]),
-        Route("/webhooks", webhooks_page, name="webhooks"),
-        Route("/webhooks/deliveries/{id:int}", delivery_page, name="delivery"),
-        Route("/webhooks/deliveries/{id:int}/replay", delivery_replay, methods=["POST"]),
-        Route("/webhooks/endpoints/{id:int}/enable", endpoint_enable, methods=["POST"]),
-        Route("/webhooks/endpoints/{id:int}/disable", endpoint_disable, methods=["POST"]),
         Route("/healthz", healthz, name="healthz"),
         Route("/metrics", metrics, name="metrics"),
+        # the applications' pages and actions (broker.app.page), answered as these are
+        *(Route(p.path, guarded(p.handler), methods=list(p.methods)) for p in dashboard_pages()),
     ]
-
-
-def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-    """Refusals (CSRF, read-only, not found) and bad filters as plain answers."""
-
-    async def run(request: Request) -> Response:
-        try:
-            response: Response = await handler(request)
-            return response
-        except Refused as exc:
-            return refused_response(request, exc)
-        except ops.OpsError as exc:
-            return PlainTextResponse(f"{exc}\n", status_code=400)
-        except psycopg.errors.UndefinedTable as exc:
-            return PlainTextResponse(f"the schema is not up to date (run standmeet-jobs migrate): {exc}\n",
-                                     status_code=503)
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
-
-    run.__name__ = handler.__name__
-    run.__doc__ = handler.__doc__
-    return run
 
 
 # -- overview and queues ---------------------------------------------------------------
@@ -171,289 +139,6 @@ async def queue_pause(request: Request) -> Response:
 @guarded
 async def queue_resume(request: Request) -> Response:
     return await _queue_action(request, "resume")
-
-
-# -- jobs ------------------------------------------------------------------------------
-
-def filters_of(request: Request, *, hide_args: bool) -> dict[str, str]:
-    """The filters in the query string, blanks dropped (and the search in the arguments
-    when they are hidden: ignored, and neither echoed nor carried into a bulk action)."""
-    return visible_filters({k: request.query_params.get(k, "") for k in FILTER_PARAMS}, hide_args=hide_args)
-
-
-def visible_filters(raw: dict[str, str], *, hide_args: bool) -> dict[str, str]:
-    return {k: v.strip() for k, v in raw.items() if v.strip() and not (hide_args and k == "q")}
-
-
-def ops_filters(filters: dict[str, str], *, hide_args: bool) -> dict[str, Any]:
-    """The filters as ``broker.ops`` keywords, each checked (``ops.OpsError`` naming the
-    one out of range); no search in arguments when they are hidden."""
-    for name, value in filters.items():
-        text_filter(name, value)
-    if hide_args and filters.get("q"):
-        raise ops.OpsError("q: searching the arguments is off on this dashboard (STANDMEET_DASHBOARD_HIDE_ARGS=1)")
-    since = filters.get("since")
-    return {
-        "state": filters.get("state"), "queue": filters.get("queue"), "actor": filters.get("actor"),
-        "message_id": filters.get("id"), "since": since_filter(since) if since else None,
-        "search": None if hide_args else filters.get("q"), "error": filters.get("error"),
-    }
-
-
-def page_of(request: Request) -> int:
-    raw = request.query_params.get("page", "").strip()
-    return whole_number("page", raw, low=1, high=MAX_PAGE) if raw else 1
-
-
-def row_id(name: str, value: int) -> int:
-    """A path's row id within ``bigint``; 400 past it."""
-    if not 0 < value <= MAX_ROW_ID:
-        raise ops.OpsError(f"{name} must be a whole number from 1 to {MAX_ROW_ID}, not {value}")
-    return value
-
-
-@guarded
-async def jobs_list(request: Request) -> Response:
-    config = config_of(request)
-    filters = filters_of(request, hide_args=config.hide_args)
-    page = page_of(request)
-    try:
-        kwargs: dict[str, Any] | None = ops_filters(filters, hide_args=config.hide_args)
-        filter_error = None
-    except ops.OpsError as exc:  # said above the form, which keeps what was typed
-        kwargs, filter_error = None, str(exc)
-
-    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        queues = sorted({q.name for q in ops.queue_overview(conn, rescue_after_s=config.rescue_after_s)}
-                        | set(config.queues))
-        if kwargs is None:
-            return {"total": 0, "jobs": [], "queue_names": queues, "filter_error": filter_error}
-        try:
-            total = ops.count_jobs(conn, **kwargs)
-            jobs = ops.list_jobs(conn, **kwargs, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
-        except ops.OpsError as exc:  # a bad filter: said above the form, which keeps what was typed
-            return {"total": 0, "jobs": [], "queue_names": queues, "filter_error": str(exc)}
-        return {"total": total, "jobs": jobs, "queue_names": queues, "filter_error": None}
-
-    data = await with_conn(request, read)
-    pages = max(1, -(-data["total"] // PAGE_SIZE))
-    return render(request, "jobs.html", status_code=400 if data["filter_error"] else 200, context={
-        **data, "filters": filters, "states": JOB_STATES, "page": page, "pages": pages,
-        "page_url": lambda n: "/jobs?" + urlencode({**filters, "page": n}),
-        "bulk_url": lambda action: "/jobs/bulk?" + urlencode({**filters, "action": action}),
-        "can_retry": filters.get("state") in (None, *RETRYABLE),
-        "can_cancel": filters.get("state") in (None, *CANCELLABLE),
-    })
-
-
-def _bulk_plan(conn: psycopg.Connection[Any], action: str, kwargs: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
-    """How many jobs the bulk action would change, and the ops calls that count them."""
-    state = kwargs.get("state")
-    if action == "retry":
-        states = [state] if state in RETRYABLE else (["rejected"] if state is None else [])
-    elif action == "cancel":
-        states = [state] if state in CANCELLABLE else (list(CANCELLABLE) if state is None else [])
-    else:
-        raise Refused(404, f"no bulk action {action!r}: retry or cancel")
-    plans = [{**kwargs, "state": s} for s in states]
-    count = sum(ops.count_jobs(conn, **p) for p in plans)
-    if action == "retry" and "rejected" in states:  # cancel is final: a bulk retry leaves them
-        count -= ops.count_jobs(conn, **{**kwargs, "state": "cancelled"})
-    return count, plans
-
-
-@guarded
-async def jobs_bulk_confirm(request: Request) -> Response:
-    """The confirmation page: what the filter matches, and how many jobs would change."""
-    config = config_of(request)
-    if config.read_only:
-        raise Refused(403, "the dashboard is read-only (--read-only)")
-    filters = filters_of(request, hide_args=config.hide_args)
-    action = request.query_params.get("action", "")
-    kwargs = ops_filters(filters, hide_args=config.hide_args)
-    count, _ = await with_conn(request, lambda conn: _bulk_plan(conn, action, kwargs))
-    return render(request, "bulk_confirm.html", {
-        "action": action, "filters": filters, "count": count, "limit": BULK_LIMIT,
-        "back_url": "/jobs?" + urlencode(filters),
-    })
-
-
-@guarded
-async def jobs_bulk(request: Request) -> Response:
-    form = await action_form(request)
-    config = config_of(request)
-    filters = visible_filters({k: str(form.get(k) or "") for k in FILTER_PARAMS}, hide_args=config.hide_args)
-    action = str(form.get("action") or "")
-    kwargs = ops_filters(filters, hide_args=config.hide_args)
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> tuple[int, int]:
-        with conn.transaction():
-            count, plans = _bulk_plan(conn, action, kwargs)
-            if count > BULK_LIMIT:
-                raise Refused(400, f"{count} jobs match: narrow the filter to at most {BULK_LIMIT}")
-            changed, skipped, acted_on = 0, 0, []
-            for plan in plans:
-                ids = _matching_ids(conn, plan)
-                if ids:
-                    done, left = _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
-                    changed, skipped = changed + done, skipped + left
-                    acted_on += ids
-            ops.record_action(conn, action=f"jobs.{action}", target={"filter": filters, "message_ids": acted_on},
-                              by=by, source=source, affected=changed)
-        return changed, skipped
-
-    changed, skipped = await with_conn(request, act)
-    notice = "bulk_cancel_final" if skipped else "bulk" if changed else "nothing"
-    return redirect("/jobs", notice, **filters)
-
-
-#: At most this many jobs are acted on by one "Retry selected" / "Cancel selected".
-MAX_SELECTED = ops.MAX_LIMIT
-
-
-@guarded
-async def jobs_selected(request: Request) -> Response:
-    """Retry or cancel the jobs ticked on the list (``selected``, repeated): the calls of the bulk
-    actions. Cancel is final here too: a retry leaves the cancelled ones alone, and says so."""
-    form = await action_form(request)
-    config = config_of(request)
-    filters = visible_filters({k: str(form.get(k) or "") for k in FILTER_PARAMS}, hide_args=config.hide_args)
-    action = str(form.get("action") or "")
-    if action not in ("retry", "cancel"):
-        raise ops.OpsError(f"action must be retry or cancel, not {quoted(action)}")
-    raw = [str(v) for v in form.getlist("selected")]
-    if len(raw) > MAX_SELECTED:
-        raise ops.OpsError(f"at most {MAX_SELECTED} jobs can be selected at once, not {len(raw)}")
-    ids = list(dict.fromkeys(ops.parse_message_id(v) for v in raw))
-    page = str(form.get("page") or "").strip()
-    back = {**filters, **({"page": page} if page.isascii() and page.isdigit() else {})}
-    if not ids:
-        return redirect("/jobs", "none_selected", **back)
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> tuple[int, int]:
-        with conn.transaction():
-            if action == "retry":
-                outcome = ops.retry_jobs_outcome(conn, message_ids=ids, include_cancelled=False, by=by)
-                changed, skipped = outcome.retried, outcome.skipped_cancelled
-            else:
-                changed, skipped = ops.cancel_jobs(conn, message_ids=ids, by=by), 0
-            ops.record_action(conn, action=f"jobs.{action}", target={"selected": True, "message_ids": ids},
-                              by=by, source=source, affected=changed)
-        return changed, skipped
-
-    changed, skipped = await with_conn(request, act)
-    notice = "selected_cancel_final" if skipped else f"selected_{action}" if changed else "nothing"
-    return redirect("/jobs", notice, **back)
-
-
-def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[str]:
-    """Every job id the list filters ``plan`` match (at most BULK_LIMIT), page by page."""
-    ids: list[str] = []
-    while len(ids) < BULK_LIMIT:
-        page = ops.list_jobs(conn, **plan, limit=ops.MAX_LIMIT, offset=len(ids))
-        ids += [job.id for job in page]
-        if len(page) < ops.MAX_LIMIT:
-            break
-    return ids[:BULK_LIMIT]
-
-
-def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_ids: list[str],
-           by: str) -> tuple[int, int]:
-    """Retry or cancel exactly these jobs (those still in ``state``): how many changed, and
-    how many cancelled ones a retry left alone (cancel is final for a bulk action)."""
-    if action == "retry":
-        outcome = ops.retry_jobs_outcome(conn, message_ids=message_ids, state=state, by=by)
-        return outcome.retried, outcome.skipped_cancelled
-    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by), 0
-
-
-@guarded
-async def job_page(request: Request) -> Response:
-    config = config_of(request)
-    message_id = ops.parse_message_id(request.path_params["id"])
-    show = request.query_params.get("show", "")
-    if show not in ("", "args"):
-        raise ops.OpsError(f"show must be args or absent, not {quoted(show)}")
-
-    def read(conn: psycopg.Connection[Any]) -> tuple[ops.JobDetail | None, list[history.Attempt], datetime]:
-        return ops.show_job(conn, message_id), history.attempts(conn, message_id), ops.db_now(conn)
-
-    job, attempts, now = await with_conn(request, read)
-    if job is None:
-        return render(request, "not_found.html", {"what": f"job {message_id}"}, status_code=404)
-    show_args = show == "args" and not config.hide_args
-    # hidden means hidden: the next step of a pipeline, a group's callbacks and any other
-    # message carried in the options lose their arguments too
-    options = hidden_options(job.options) if config.hide_args else job.options
-    return render(request, "job.html", {"job": job, "options": options, "show_args": show_args,
-                                        "attempts": attempts, "durations": job_durations(job, attempts, now),
-                                        "duration": duration_text})
-
-
-def duration_text(ms: float | None) -> str:
-    """A duration as a person reads it: 840 µs, 12.4 ms, 3.21 s, 4.5 min, 2.1 h; '–' for none."""
-    if ms is None:
-        return "–"
-    if ms < 1:
-        return f"{ms * 1000:.0f} µs"
-    if ms < 1000:
-        return f"{ms:.3g} ms"
-    if ms < 120_000:
-        return f"{ms / 1000:.3g} s"
-    if ms < 7_200_000:
-        return f"{ms / 60_000:.1f} min"
-    return f"{ms / 3_600_000:.1f} h"
-
-
-def job_durations(job: ops.JobDetail, attempts: list[history.Attempt], now: datetime) -> dict[str, Any]:
-    """How long a job took: its last run (start to end; so far, while it runs) and in all
-    (from its enqueue to its end; so far, while it is not finished), by the database's clock."""
-    running = job.state == "running" and job.started_at is not None
-    last = next((a for a in reversed(attempts) if a.started_at is not None), None)
-    if running:
-        assert job.started_at is not None
-        last_run_ms: float | None = (now - job.started_at).total_seconds() * 1000
-    else:
-        last_run_ms = last.run_ms if last is not None else None
-    end = job.finished_at if job.state in ("done", "rejected") and job.finished_at else None
-    total_ms = ((end or now) - job.enqueued_at).total_seconds() * 1000
-    return {"last_run_ms": last_run_ms, "last_run_so_far": running, "total_ms": max(total_ms, 0.0),
-            "total_so_far": end is None}
-
-
-async def _job_action(request: Request, action: str) -> Response:
-    await action_form(request)
-    message_id = ops.parse_message_id(request.path_params["id"])
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> tuple[int, bool]:
-        was_cancelled = False
-        with conn.transaction():
-            if action == "retry":  # named by its page: retried even if it was cancelled, and said
-                outcome = ops.retry_jobs_outcome(conn, message_ids=[message_id], by=by)
-                changed, was_cancelled = outcome.retried, bool(outcome.retried_cancelled)
-            else:
-                changed = ops.cancel_jobs(conn, message_ids=[message_id], by=by)
-            ops.record_action(conn, action=f"jobs.{action}", target={"message_ids": [message_id]}, by=by,
-                              source=source, affected=changed)
-        return changed, was_cancelled
-
-    changed, was_cancelled = await with_conn(request, act)
-    notice = ("retried_cancelled" if was_cancelled else "retried" if action == "retry" else "cancelled") \
-        if changed else "nothing"
-    return redirect(f"/jobs/{message_id}", notice)
-
-
-@guarded
-async def job_retry(request: Request) -> Response:
-    return await _job_action(request, "retry")
-
-
-@guarded
-async def job_cancel(request: Request) -> Response:
-    return await _job_action(request, "cancel")
 
 
 # -- history ---------------------------------------------------------------------------
@@ -572,90 +257,6 @@ async def outbox_retry(request: Request) -> Response:
 
     changed = await with_conn(request, act)
     return redirect("/outbox", "relayed" if changed else "nothing")
-
-
-# -- webhooks --------------------------------------------------------------------------
-
-@guarded
-async def webhooks_page(request: Request) -> Response:
-    raw = request.query_params.get("endpoint", "").strip()
-    endpoint_id = whole_number("endpoint", raw, low=1, high=MAX_ROW_ID) if raw else None
-
-    def read(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        return {"endpoints": webhooks.endpoints(conn),
-                "deliveries": ops.webhook_deliveries(conn, endpoint_id, limit=100)}
-
-    return render(request, "webhooks.html", {**await with_conn(request, read), "endpoint_id": endpoint_id})
-
-
-@guarded
-async def delivery_page(request: Request) -> Response:
-    config = config_of(request)
-    delivery_id = row_id("delivery id", request.path_params["id"])
-    show = request.query_params.get("show", "")
-    if show not in ("", "payload"):
-        raise ops.OpsError(f"show must be payload or absent, not {quoted(show)}")
-    show_payload = show == "payload" and not config.hide_args
-
-    def read(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
-        found = webhooks.deliveries(conn, delivery_id=delivery_id, limit=1)
-        if not found:
-            return None
-        return {"delivery": found[0], "attempts": webhooks.attempts(conn, delivery_id),
-                "payload": webhooks.payload(conn, delivery_id) if show_payload else None}
-
-    data = await with_conn(request, read)
-    if data is None:
-        return render(request, "not_found.html", {"what": f"webhook delivery {delivery_id}"}, status_code=404)
-    return render(request, "delivery.html", {**data, "show_payload": show_payload})
-
-
-@guarded
-async def delivery_replay(request: Request) -> Response:
-    await action_form(request)
-    delivery_id = row_id("delivery id", request.path_params["id"])
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> str | None:
-        with conn.transaction():
-            message_id = webhooks.replay(conn, delivery_id)
-            if message_id is not None:
-                ops.record_action(conn, action="webhooks.replay",
-                                  target={"delivery_id": delivery_id, "message_ids": [message_id]},
-                                  by=by, source=source, affected=1)
-        return message_id
-
-    if await with_conn(request, act) is None:
-        raise Refused(404, f"no webhook delivery {delivery_id}")
-    return redirect(f"/webhooks/deliveries/{delivery_id}", "replayed")
-
-
-async def _endpoint_toggle(request: Request, enabled: bool) -> Response:
-    await action_form(request)
-    endpoint_id = row_id("endpoint id", request.path_params["id"])
-    by, source = actor_of(request)
-
-    def act(conn: psycopg.Connection[Any]) -> bool:
-        with conn.transaction():
-            found = webhooks.set_enabled(conn, endpoint_id, enabled, reason=f"disabled by {by} ({source})")
-            if found:
-                ops.record_action(conn, action="webhooks.enable" if enabled else "webhooks.disable",
-                                  target={"endpoint_id": endpoint_id}, by=by, source=source, affected=1)
-        return found
-
-    if not await with_conn(request, act):
-        raise Refused(404, f"no webhook endpoint {endpoint_id}")
-    return redirect("/webhooks", "enabled" if enabled else "disabled")
-
-
-@guarded
-async def endpoint_enable(request: Request) -> Response:
-    return await _endpoint_toggle(request, True)
-
-
-@guarded
-async def endpoint_disable(request: Request) -> Response:
-    return await _endpoint_toggle(request, False)
 
 
 # -- probes ----------------------------------------------------------------------------

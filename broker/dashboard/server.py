@@ -1,4 +1,5 @@
-"""The dashboard's ASGI application: its routes (``pages``), security and connection pool."""
+"""The dashboard's ASGI application: its routes (``pages``, and the applications'
+declared with ``broker.app.page``), security and connection pool."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from broker.app import dashboard_pages
 from broker.dashboard import pages
 from broker.dashboard.app import (
+    NAV,
     STATEMENT_TIMEOUT_MS,
     DashboardConfig,
     format_age,
@@ -44,8 +47,13 @@ def create_app(config: DashboardConfig) -> Starlette:
         finally:
             pool.close()
 
+    declared = dashboard_pages()
+    # the runtime's templates first (an application's extend base.html), then each application's
+    loaders: list[jinja2.BaseLoader] = [jinja2.PackageLoader("broker.dashboard", "templates")]
+    for package, folder in dict.fromkeys(p.templates for p in declared if p.templates is not None):
+        loaders.append(jinja2.PackageLoader(package, folder))
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("broker.dashboard", "templates"),
+        loader=jinja2.ChoiceLoader(loaders),
         autoescape=True,  # every template, whatever its name
         undefined=jinja2.StrictUndefined,
     )
@@ -68,4 +76,5 @@ def create_app(config: DashboardConfig) -> Starlette:
     app.state.config = config
     app.state.templates = templates
     app.state.csrf = Csrf.new()
+    app.state.nav = [*NAV, *((p.path, p.title) for p in declared if p.title is not None)]
     return app

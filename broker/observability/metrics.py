@@ -4,7 +4,8 @@ Counted in worker processes (by ``middleware/metrics.py`` and the broker): with
 ``PROMETHEUS_MULTIPROC_DIR`` set (``standmeet-jobs run`` sets it for its children)
 prometheus_client writes them to files there, and the ``run`` process serves them all
 on one ``/metrics`` (:func:`serve`), with the database-derived gauges of
-:class:`DatabaseCollector` computed there once per scrape, not once per process.
+:class:`DatabaseCollector` (the runtime's, and those the applications declared with
+``broker.app.gauges``) computed there once per scrape, not once per process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import detach, ops
+from broker import app, detach, ops
 from broker.engine import broker as pgbroker
 from broker.ops import history
 from broker.pg import pool as pgpool
@@ -59,7 +60,7 @@ DURATION = Histogram(
 # -- ours ---------------------------------------------------------------------------------
 SNOOZES = Counter("standmeet_snoozes_total", "Jobs that asked to run later (not a retry).", LABELS)
 LEASE_BUSY = Counter("standmeet_lease_busy_total",
-                     "Webhook deliveries snoozed because their endpoint was busy.", LABELS)
+                     "Jobs snoozed because the key of their lease was busy.", LABELS)
 RESCUES = Counter("standmeet_rescues_total", "Messages of dead worker processes, requeued or rejected.",
                   ("queue_name", "outcome"))
 RECEIPT_WAITERS = Gauge("standmeet_receipt_waiters", "Requests waiting for a job's receipt.", ("channel",),
@@ -150,6 +151,7 @@ class DatabaseCollector(Collector):
                 workers = ops.worker_overview(conn, rescue_after_s=self.rescue_after_s)
                 outbox = ops.outbox_overview(conn, rescue_after_s=self.rescue_after_s)
                 last_hour = history.summary(conn, since=ops.db_now(conn) - HISTORY_WINDOW)
+                declared = declared_gauges(conn)
         except psycopg.Error as exc:
             logger.warning("metrics: could not read the database: %s", str(exc).strip().splitlines()[0])
             up.add_metric([], 0)
@@ -181,6 +183,23 @@ class DatabaseCollector(Collector):
         up.add_metric([], 1)
         yield from (depth, prefetched, oldest, unserved, alive, lag, unrouted, unrouted_age, failed, relays,
                     throughput, failures, wait, run, up)
+        yield from declared
+
+
+def declared_gauges(conn: psycopg.Connection[Any]) -> list[Any]:
+    """The families of the gauges the loaded applications declared (``broker.app.gauges``),
+    each reader in a savepoint of ``conn``'s transaction: one that fails is logged and
+    left out, the others and the runtime's gauges are served."""
+    families: list[Any] = []
+    for read in list(app.REGISTRY.gauge_readers):
+        try:
+            with conn.transaction():
+                families.extend(read(conn))
+        except Exception as exc:  # an application's reader never takes the runtime's gauges down
+            name = getattr(read, "__qualname__", repr(read))
+            logger.warning("metrics: the gauges of %s could not be read: %s", name,
+                           str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    return families
 
 
 def registry_for(url: str, *, multiprocess_dir: str | None, rescue_after_s: float) -> CollectorRegistry:

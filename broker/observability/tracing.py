@@ -10,8 +10,9 @@ per run (the destination is the queue, or the outbox topic), with ``messaging.sy
 failure ``error.type`` (the exception's qualified type) and an error status.
 
 The W3C trace context travels in the message's options (``trace_context``:
-``traceparent`` and ``tracestate``) through outbox → relay → fan-out → delivery, and is
-sent on the webhook POST as ``traceparent``. A run's span has a link to the span of the
+``traceparent`` and ``tracestate``) through outbox → relay → the jobs it makes, and on
+to what those jobs send (an application's outgoing HTTP request may carry it as
+``traceparent``). A run's span has a link to the span of the
 send that produced its message (what the conventions require of a consumer span), and
 is also that span's child: a run processes one message, for which the conventions allow
 the producer's context as parent, so the trace reads as one tree from the request that

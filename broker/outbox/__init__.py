@@ -3,8 +3,8 @@
 An application writes its domain rows and the events they cause in one transaction:
 
     with psycopg.connect(url) as conn, conn.transaction():
-        doc_id = conn.execute("INSERT INTO standmeet.documents …").fetchone()[0]
-        emit(conn, "document.written", {"document_id": doc_id})
+        order_id = conn.execute("INSERT INTO orders …").fetchone()[0]
+        emit(conn, "order.placed", {"order_id": order_id})
 
 ``emit`` checks the topic and the payload *before* writing anything, so a refused
 event leaves the caller's transaction usable. At commit, a NOTIFY wakes the relay.
@@ -94,7 +94,7 @@ ROUTES: dict[str, list[Route]] = {}
 
 
 def route(topic: str, actor: str, args: ArgsBuilder | None = None) -> Route:
-    """Declare that events of ``topic`` are delivered to ``actor``."""
+    """Declare that events of ``topic`` are relayed to ``actor``."""
     r = Route(topic, actor, args) if args is not None else Route(topic, actor)
     existing = ROUTES.setdefault(topic, [])
     if not any(x.actor == actor for x in existing):

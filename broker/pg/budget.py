@@ -164,7 +164,7 @@ class Fleet:
     processes: int
     worker: Connections
     scheduler: Connections | None
-    #: ``run``'s own (the metrics endpoint reads the database on each scrape)
+    #: ``run``'s own (its ``/metrics`` reads the database on each scrape)
     supervisor: int = 0
 
     @property

@@ -307,28 +307,28 @@ def test_the_runtimes_operator_commands_do_not_import_the_application(broker, su
     assert result.stdout.strip().endswith("imported actors: False")
 
 
-def test_an_endpoint_is_disabled_enabled_and_its_delivery_replayed_without_the_application(
-        broker, database_url, start_worker):
+def test_an_endpoint_is_disabled_enabled_and_its_skipped_delivery_replayed(broker, database_url, start_worker):
     import psycopg
 
-    from actors import webhooks
-    from broker import ops
+    from actors import webhook_views, webhooks
 
     with app_settings.overridden(allowed_networks=("127.0.0.0/8",)), http_server() as (url, server), \
             psycopg.connect(database_url, autocommit=True) as conn:
         endpoint, _ = webhooks.add_endpoint(url, ["order.shipped"])
-        assert ops.set_endpoint_enabled(conn, endpoint, False, reason="maintenance window")
-        (status,) = [e for e in ops.webhook_endpoints(conn) if e.id == endpoint]
+        assert webhooks.set_enabled_in(conn, endpoint, False, reason="maintenance window")
+        (status,) = [e for e in webhook_views.webhook_endpoints(conn) if e.id == endpoint]
         assert status.why_failing == "disabled: maintenance window"
         start_worker(queues=["webhook"], threads=4)
         with conn.transaction():
             event = webhooks.emit_event(conn, "order.shipped", {"order": 8})
         wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE event_id = %s",
                                 (event,)) == "skipped", timeout_s=15, what="a skipped delivery")
-        assert ops.set_endpoint_enabled(conn, endpoint, True)
-        assert not ops.set_endpoint_enabled(conn, 999_999, True)
+        assert webhooks.set_enabled_in(conn, endpoint, True)
+        assert not webhooks.set_enabled_in(conn, 999_999, True)
         delivery = scalar(database_url, "SELECT id FROM standmeet.webhook_deliveries WHERE event_id = %s", (event,))
-        assert ops.replay_deliveries(conn, [delivery, 999_999]) == 1
+        with conn.transaction():
+            assert webhooks.replay_in(conn, delivery) is not None
+            assert webhooks.replay_in(conn, 999_999) is None
         wait_for(lambda: server.received, timeout_s=15, what="the replayed delivery")
         wait_for(lambda: scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE id = %s",
                                 (delivery,)) == "succeeded", timeout_s=15, what="the delivery to succeed")

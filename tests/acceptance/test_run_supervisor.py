@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from broker.backoff import Backoff
-from broker.cli import CHILD_EXIT_GRACE_S, Signals, Supervisor
+from broker.cli.supervisor import CHILD_EXIT_GRACE_S, Signals, Supervisor
 from broker.exits import CONFIG_REFUSED_EXIT
 from broker.pg.migrate import MIGRATION_LOCK_KEY
 from tests.support.db import query, scalar, wait_for
@@ -319,7 +319,7 @@ def test_an_exception_in_the_supervisor_stops_its_children(monkeypatch):
         started.append(real_popen(*args, **kwargs))  # type: ignore[call-overload]
         return started[-1]
 
-    monkeypatch.setattr("broker.cli.subprocess.Popen", popen)
+    monkeypatch.setattr("broker.cli.supervisor.subprocess.Popen", popen)
     try:
         with Signals() as signals:
             supervisor = Supervisor([sleeper, crasher], env=dict(os.environ), shutdown_s=10, signals=signals)

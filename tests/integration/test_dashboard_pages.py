@@ -362,20 +362,24 @@ def test_webhooks_show_why_an_endpoint_fails_and_are_disabled_enabled_and_replay
         assert query(database_url, "SELECT enabled, failing_since FROM standmeet.webhook_endpoints WHERE id = %s",
                      (endpoint,)) == [(True, None)]
 
-        # replay: no message exists for this delivery yet, so one is written; a second
-        # replay, while that message is still queued, only makes it due (no duplicate)
-        assert post(client, f"/webhooks/deliveries/{delivery}/replay", page="/webhooks").status_code == 303
+        # replay: as `webhooks replay` does, the delivery back to pending and a delivery
+        # message written for it, recorded on the delivery and in the operator's action
         assert post(client, f"/webhooks/deliveries/{delivery}/replay", page="/webhooks").status_code == 303
     assert query(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE id = %s",
                  (delivery,)) == [("pending",)]
-    messages = query(database_url, "SELECT queue_name, \"state\"::text, message->>'actor_name', message->'args'"
-                                   " FROM dramatiq.queue WHERE message->>'actor_name' = 'webhook.deliver'"
-                                   " AND message->'args'->>0 = %s", (str(delivery),))
-    assert messages == [("webhook", "queued", "webhook.deliver", [delivery])]
-    assert [a[0] for a in actions(database_url, "webhooks.replay")][-1]["delivery_id"] == delivery
+    messages = query(database_url, "SELECT message_id::text, queue_name, \"state\"::text, message->>'actor_name',"
+                                   " message->'args' FROM dramatiq.queue"
+                                   " WHERE message->>'actor_name' = 'webhook.deliver' AND message->'args'->>0 = %s",
+                     (str(delivery),))
+    assert [m[1:] for m in messages] == [("webhook", "queued", "webhook.deliver", [delivery])]
+    (action,) = [a[0] for a in actions(database_url, "webhooks.replay")][-1:]
+    assert action == {"delivery_id": delivery, "message_ids": [messages[0][0]]}
+    assert query(database_url, "SELECT message_id::text FROM standmeet.webhook_deliveries WHERE id = %s",
+                 (delivery,)) == [(messages[0][0],)]
 
 
-def test_replay_of_a_finished_delivery_requeues_its_own_message_with_retries_reset(broker, database_url, dashboard):
+def test_replay_of_a_finished_delivery_writes_a_new_message_and_leaves_the_old_one_finished(
+        broker, database_url, dashboard):
     ((_, delivery),) = query(database_url, WEBHOOK_ROWS)
     message = Message(queue_name="webhook", actor_name="webhook.deliver", args=(delivery,), kwargs={},
                       options={"retries": 7, "traceback": "old"})
@@ -385,12 +389,13 @@ def test_replay_of_a_finished_delivery_requeues_its_own_message_with_retries_res
     with dashboard() as client:
         assert post(client, f"/webhooks/deliveries/{delivery}/replay", page="/webhooks").status_code == 303
     rows = query(database_url, "SELECT message_id::text, \"state\"::text, message->'options' FROM dramatiq.queue"
-                               " WHERE message->>'actor_name' = 'webhook.deliver' AND message->'args'->>0 = %s",
-                 (str(delivery),))
-    assert len(rows) == 1
-    message_id, state, options = rows[0]
-    assert (message_id, state) == (message.message_id, "queued")
-    assert "retries" not in options and "traceback" not in options
+                               " WHERE message->>'actor_name' = 'webhook.deliver' AND message->'args'->>0 = %s"
+                               " ORDER BY enqueued_at", (str(delivery),))
+    assert [(m, state) for m, state, _ in rows][0] == (message.message_id, "rejected")
+    ((new_id, new_state, new_options),) = rows[1:]
+    assert new_state == "queued" and "retries" not in new_options and "traceback" not in new_options
+    assert query(database_url, "SELECT message_id::text FROM standmeet.webhook_deliveries WHERE id = %s",
+                 (delivery,)) == [(new_id,)]
 
 
 def test_every_state_changing_request_is_a_post_refused_without_a_csrf_token(broker, database_url, dashboard):

@@ -1,11 +1,10 @@
-"""Webhook endpoints, deliveries and attempts, read and steered from the tables.
+"""What operators see of webhooks: endpoints with their health, deliveries with their
+last attempt, a delivery's attempts and its event's payload.
 
-The runtime must not import the application (``actors``), so replay does not call
-``actors.webhooks.replay``: it puts the delivery back to *pending* and re-queues the
-delivery's own ``webhook.deliver`` message (same message id, retries reset), or, when
-that message is gone (pruned, or never made for a skipped delivery), writes a new one
-with the broker's own enqueue statement. A delivery whose message is still queued or
-running is only made due now: it is never delivered twice at once.
+Two views of the same tables: the command line's (``webhooks list``, ``webhooks
+deliveries --json``: :class:`EndpointStatus`, :class:`DeliveryStatus`) and the
+dashboard's pages (:class:`Endpoint`, :class:`Delivery`, :class:`Attempt`). Each
+function takes a psycopg 3 connection and only reads.
 """
 
 from __future__ import annotations
@@ -16,16 +15,118 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from dramatiq.message import Message
 from psycopg.rows import class_row
 
-from broker import ops
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.ops import MAX_LIMIT, OpsError
 
-DELIVER_ACTOR = "webhook.deliver"
-DELIVER_QUEUE = "webhook"
+#: Largest id of an endpoint or a delivery (Postgres bigint).
+MAX_ROW_ID = 2 ** 63 - 1
 
+
+class _Row:
+    def asdict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+# -- the command line's ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryStatus(_Row):
+    id: int
+    endpoint_id: int
+    event: str                          # the event's type
+    state: str                          # pending | succeeded | failed | skipped
+    attempts: int
+    last_status: int | None             # the last attempt's HTTP status
+    last_error: str | None              # the last attempt's error (or its outcome)
+    event_id: int
+    last_outcome: str | None
+    updated_at: datetime
+    next_attempt_at: datetime | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointStatus(_Row):
+    id: int
+    url: str
+    event_types: list[str]
+    enabled: bool
+    disabled_reason: str | None
+    failing_since: datetime | None
+    last_attempt_at: datetime | None
+    last_outcome: str | None
+    last_status: int | None
+    last_error: str | None
+    pending: int
+    failed: int
+
+    @property
+    def why_failing(self) -> str | None:
+        """One line on why it fails, or None while it is healthy."""
+        if not self.enabled:
+            return f"disabled: {self.disabled_reason or 'by an operator'}"
+        if self.failing_since is None:
+            return None
+        last = self.last_error or self.last_outcome or "unknown"
+        if self.last_status is not None:
+            last = f"HTTP {self.last_status}" + ("" if self.last_error is None else f": {self.last_error}")
+        return f"failing since {self.failing_since.isoformat(timespec='seconds')}: {last}"
+
+
+WEBHOOK_DELIVERIES = """
+SELECT d.id, d.endpoint_id, ev.type, d.state, d.attempts, a.status_code,
+       coalesce(a.error, CASE WHEN a.outcome <> 'ok' THEN a.outcome END),
+       d.event_id, coalesce(a.outcome, d.last_outcome), d.updated_at, d.next_attempt_at
+FROM standmeet.webhook_deliveries d
+JOIN standmeet.webhook_events ev ON ev.id = d.event_id
+LEFT JOIN LATERAL (
+    SELECT status_code, outcome, error FROM standmeet.webhook_attempts
+    WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
+) a ON true
+WHERE (%(endpoint_id)s::bigint IS NULL OR d.endpoint_id = %(endpoint_id)s)
+ORDER BY d.id DESC
+LIMIT %(limit)s
+"""
+
+WEBHOOK_ENDPOINTS = """
+SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason, e.failing_since,
+       a.started_at, a.outcome, a.status_code, a.error,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'pending'),
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')
+FROM standmeet.webhook_endpoints e
+LEFT JOIN LATERAL (
+    SELECT last.started_at, last.outcome, last.status_code, last.error
+    FROM standmeet.webhook_deliveries d
+    CROSS JOIN LATERAL (
+        SELECT started_at, outcome, status_code, error FROM standmeet.webhook_attempts
+        WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
+    ) last
+    WHERE d.endpoint_id = e.id AND d.attempts > 0
+    ORDER BY d.updated_at DESC, d.id DESC
+    LIMIT 1
+) a ON true
+ORDER BY e.id
+"""
+
+
+def webhook_deliveries(conn: psycopg.Connection[Any], endpoint_id: int | None = None, *,
+                       limit: int = 100) -> list[DeliveryStatus]:
+    """Deliveries, newest first, with their last attempt's HTTP status and error."""
+    if not 0 < limit <= MAX_LIMIT:
+        raise OpsError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
+    rows = conn.execute(WEBHOOK_DELIVERIES, {"endpoint_id": endpoint_id, "limit": limit}).fetchall()
+    return [DeliveryStatus(int(r[0]), int(r[1]), r[2], r[3], int(r[4]), r[5], r[6], int(r[7]), r[8], r[9], r[10])
+            for r in rows]
+
+
+def webhook_endpoints(conn: psycopg.Connection[Any]) -> list[EndpointStatus]:
+    """Endpoints with their health: the last attempt, and deliveries pending or failed."""
+    return [EndpointStatus(int(r[0]), r[1], list(r[2]), bool(r[3]), r[4], r[5], r[6], r[7], r[8], r[9],
+                           int(r[10]), int(r[11]))
+            for r in conn.execute(WEBHOOK_ENDPOINTS).fetchall()]
+
+
+# -- the dashboard's ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -144,44 +245,6 @@ SELECT ev.payload FROM standmeet.webhook_deliveries d
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id WHERE d.id = %(delivery_id)s
 """
 
-MAKE_PENDING = """
-UPDATE standmeet.webhook_deliveries SET state = 'pending', updated_at = now()
-WHERE id = %(delivery_id)s RETURNING id
-"""
-
-#: The delivery's newest ``webhook.deliver`` message, locked against a concurrent replay.
-DELIVER_MESSAGE = """
-SELECT message_id::text, "state"::text, message::text
-FROM dramatiq.queue
-WHERE message->>'actor_name' = %(actor)s AND message->'args'->>0 = %(delivery_id)s::text
-ORDER BY enqueued_at DESC
-LIMIT 1
-FOR UPDATE
-"""
-
-#: A queued (perhaps delayed) message made due now, and its queue woken.
-#: A finished delivery message is run again by the operator's choice: the same message,
-#: back to its queue, due now, its retries and blame cleared.
-RUN_AGAIN = """
-WITH again AS (
-    UPDATE dramatiq.queue
-    SET "state" = 'queued', eta = now(), mtime = now(), message = %(message)s::jsonb, error = NULL,
-        worker_id = NULL, started_at = NULL, suspect_of = NULL, crashes = 0, cancelled_at = NULL
-    WHERE message_id = %(message_id)s::uuid AND "state" IN ('done', 'rejected')
-    RETURNING queue_name
-)
-SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM again
-"""
-
-MAKE_DUE = """
-WITH due AS (
-    UPDATE dramatiq.queue SET eta = now(), mtime = now()
-    WHERE message_id = %(message_id)s::uuid AND "state" = 'queued'
-    RETURNING queue_name
-)
-SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM due
-"""
-
 
 def endpoints(conn: psycopg.Connection[Any]) -> list[Endpoint]:
     with conn.cursor(row_factory=class_row(Endpoint)) as cur:
@@ -204,34 +267,3 @@ def attempts(conn: psycopg.Connection[Any], delivery_id: int) -> list[Attempt]:
 def payload(conn: psycopg.Connection[Any], delivery_id: int) -> Any:
     row = conn.execute(EVENT_PAYLOAD, {"delivery_id": delivery_id}).fetchone()
     return None if row is None else row[0]
-
-
-def set_enabled(conn: psycopg.Connection[Any], endpoint_id: int, enabled: bool, *, reason: str) -> bool:
-    """Turn an endpoint on (its failure streak forgotten) or off (with ``reason``)."""
-    return ops.set_endpoint_enabled(conn, endpoint_id, enabled, reason=reason)
-
-
-def replay(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
-    """Deliver ``delivery_id`` again; returns its message id (None: no such delivery)."""
-    with conn.transaction():
-        if conn.execute(MAKE_PENDING, {"delivery_id": delivery_id}).fetchone() is None:
-            return None
-        row = conn.execute(DELIVER_MESSAGE, {"actor": DELIVER_ACTOR, "delivery_id": delivery_id}).fetchone()
-        if row is not None and row[1] == "consumed":
-            return str(row[0])  # running now: it reads the delivery as pending when it settles
-        if row is not None and row[1] == "queued":
-            conn.execute(MAKE_DUE, {"message_id": row[0]})
-            return str(row[0])
-        if row is not None:
-            message = Message.decode(row[2].encode())
-            options = {k: v for k, v in message.options.items() if k not in ("retries", "traceback")}
-            message = dataclasses.replace(message, options=options)  # copy() would merge them
-            # enqueue never resurrects a message that ran; an operator's replay does, on purpose
-            conn.execute(RUN_AGAIN, {"message_id": message.message_id, "message": message.encode().decode("utf-8")})
-            return message.message_id
-        else:
-            message = Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(delivery_id,),
-                              kwargs={}, options={})
-        conn.execute(sql.ENQUEUE, enqueue_params([message]))
-        ops.record_delivery_messages(conn, [delivery_id], [message.message_id])
-        return message.message_id
