@@ -28,7 +28,7 @@ from typing import Any
 
 from dramatiq.middleware import Middleware
 
-from broker.engine.broker import UniqueBy, unique_of
+from broker.engine.unique import UniqueBy, unique_of
 from broker.errors import ConfigError, StartupRefused
 
 __all__ = ["UniqueBy", "UniqueJobs"]

@@ -20,8 +20,8 @@ from dramatiq.message import Message
 from psycopg.rows import class_row
 
 from broker import ops
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.engine import sql_enqueue
+from broker.engine.codec import enqueue_params
 
 DELIVER_ACTOR = "webhook.deliver"
 DELIVER_QUEUE = "webhook"
@@ -232,6 +232,6 @@ def replay(conn: psycopg.Connection[Any], delivery_id: int) -> str | None:
         else:
             message = Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(delivery_id,),
                               kwargs={}, options={})
-        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
         ops.record_delivery_messages(conn, [delivery_id], [message.message_id])
         return message.message_id

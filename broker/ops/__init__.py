@@ -993,8 +993,8 @@ def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]
     enqueued in the same transaction; returns how many exist. Needs no actor import."""
     from dramatiq.message import Message
 
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     with conn.transaction():
         found = [int(r[0]) for r in conn.execute(REPLAY_DELIVERIES, {"ids": list(delivery_ids)}).fetchall()]
@@ -1003,7 +1003,7 @@ def replay_deliveries(conn: psycopg.Connection[Any], delivery_ids: Sequence[int]
                 Message(queue_name=DELIVER_QUEUE, actor_name=DELIVER_ACTOR, args=(i,), kwargs={}, options={})
                 for i in found
             ]
-            conn.execute(sql.ENQUEUE, enqueue_params(messages))
+            conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
             record_delivery_messages(conn, found, [m.message_id for m in messages])
     return len(found)
 
