@@ -37,6 +37,7 @@ rows (``enqueue.py``). See ``broker/engine/__init__.py`` for where everything el
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -151,9 +152,9 @@ class StandmeetBroker(dramatiq.Broker):
             served=self.served, queue_states=self.queue_states, pending_claims=self._pending_claims,
             job_threads=self._job_threads, claiming=lambda: self.claiming, on_proven=self._start_wakeups)
         self.settler = Settler(
-            worker_id=self.worker_id, connect=lambda: self.liveness.connect_proven("standmeet-settler"),
+            worker_id=self.worker_id, connect=functools.partial(self.liveness.connect_proven, "standmeet-settler"),
             outage=self.outage, max_runs_without_outcome=settings.max_runs_without_outcome,
-            on_settled=self._settled)
+            on_settled=functools.partial(_settled, self.queue_states))
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners = self.liveness.rescue_listeners
         self._hooks_of: tuple[int, int] = (0, -1)
@@ -505,11 +506,6 @@ class StandmeetBroker(dramatiq.Broker):
     def _pending_claims(self) -> list[tuple[tuple[str, int], str]]:
         return self.settler.pending_claims()
 
-    def _settled(self, queue_name: str, count: int) -> None:
-        state = self.queue_states.get(queue_name)
-        if state is not None:
-            state.settled(count)
-
     def _start_wakeups(self) -> None:
         with self._lock:
             if self._wakeups is not None:
@@ -582,3 +578,10 @@ class StandmeetBroker(dramatiq.Broker):
             self._pool.close(timeout=1.0)
         for state in self.queue_states.values():
             state.wake()
+
+
+def _settled(queue_states: dict[str, QueueState], queue_name: str, count: int) -> None:
+    """The settler wrote ``count`` outcomes of ``queue_name``: room to claim again."""
+    state = queue_states.get(queue_name)
+    if state is not None:
+        state.settled(count)

@@ -30,6 +30,7 @@ logger = logging.getLogger("standmeet.broker")
 #: Longest text of a message's call (actor and arguments) in a log line.
 MAX_LOGGED_CALL_CHARS = 300
 
+
 def as_message(message: Message | MessageProxy) -> Message:
     return message._message if isinstance(message, MessageProxy) else message  # type: ignore[attr-defined]
 
@@ -312,6 +313,7 @@ def logged_call(message: Message) -> str:
     if len(call) > MAX_LOGGED_CALL_CHARS:
         call = f"{call[:MAX_LOGGED_CALL_CHARS]}… ({len(message.args)} args, {len(message.kwargs)} kwargs)"
     return call
+
 
 def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None, *,
                    max_bytes: int | None = None) -> dict[str, Any]:

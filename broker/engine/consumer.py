@@ -34,6 +34,7 @@ MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
 SHUTDOWN_POLL_S = 0.05
 
+
 class ClaimedMessage(MessageProxy):
     """A claimed message as the worker sees it. The message's fields and this run's
     bookkeeping are plain attributes: Dramatiq's proxy forwards each read through
@@ -72,6 +73,7 @@ class ClaimedMessage(MessageProxy):
 
     def __repr__(self) -> str:
         return f"<ClaimedMessage {self.message_id} {logged_call(self._message)}>"
+
 
 class StandmeetConsumer(Consumer):
     """Claims due messages of one queue, never more than its limit running plus prefetch."""

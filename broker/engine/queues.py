@@ -18,6 +18,7 @@ from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings
 #: Weight of the latest run in a queue's mean run time.
 RUN_TIME_WEIGHT = 0.1
 
+
 @dataclass
 class Claim:
     """One claim of a message by this process: (message id, claim number)."""

@@ -32,6 +32,7 @@ logger = logging.getLogger("standmeet.broker")
 #: Longest text of an error kept on a rejected message.
 MAX_ERROR_CHARS = 4000
 
+
 @dataclass
 class Outcome:
     """How one run ended, as the settler writes it."""
@@ -252,6 +253,7 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str], *, now: f
         **followup_params([(o.message_id, m, delay) for o in outcomes for m, delay in o.followups]),
         "awaited": list(awaited),
     }
+
 
 def rejection_reason(message: MessageProxy) -> str:
     """Why a message is rejected, kept on its row: never the bare word 'failed'."""

@@ -48,7 +48,6 @@ logger = logging.getLogger("standmeet.broker.outbox")
 MESSAGE_NAMESPACE = uuid.UUID("6f1d3a52-7d2e-4f0e-9c41-5b8e0d3c9a10")
 
 
-
 @dataclass(frozen=True)
 class RelayResult:
     """What one relay pass did."""
