@@ -89,14 +89,14 @@ def _ours_broker(admin_url: str, threads: int):  # type: ignore[no-untyped-def]
 
 def ours(admin_url: str, n: int, threads: int, fn_name: str, *, locks: bool = False) -> tuple[float, int]:
     """Seconds for our broker to run ``n`` queued messages of ``fn_name`` (and max locks)."""
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     url, b = _ours_broker(admin_url, threads)
     fn = noop if fn_name == "noop" else sleeper
     actor = declare(b, fn, f"bench.{fn_name}", "index")
     with psycopg.connect(url) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([actor.message(i) for i in range(n)]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([actor.message(i) for i in range(n)]))
     return timed_drain(admin_url, url, b, "index", n, threads, locks=locks, timeout_s=max(120, n * SLEEP_S * 2))
 
 

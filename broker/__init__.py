@@ -18,10 +18,11 @@ if TYPE_CHECKING:  # imported on first use (below): `standmeet-jobs --help` load
 
     from broker.backends.rate_limits import PostgresRateLimiterBackend
     from broker.backends.results import PostgresResultBackend
-    from broker.engine.broker import StandmeetBroker, UniqueBy
+    from broker.engine.broker import StandmeetBroker
     from broker.engine.enqueue import enqueue, enqueue_async
+    from broker.engine.unique import UniqueBy
     from broker.errors import BudgetError, ConfigError, StandmeetError
-    from broker.outbox import emit, emit_async
+    from broker.outbox.routes import emit, emit_async
     from broker.services import current_broker
     from broker.settings import Settings
 
@@ -30,8 +31,8 @@ if TYPE_CHECKING:  # imported on first use (below): `standmeet-jobs --help` load
 _PUBLIC = {
     "BudgetError": "broker.errors", "ConfigError": "broker.errors", "StandmeetError": "broker.errors",
     "PostgresRateLimiterBackend": "broker.backends.rate_limits", "PostgresResultBackend": "broker.backends.results",
-    "Settings": "broker.settings", "StandmeetBroker": "broker.engine.broker", "UniqueBy": "broker.engine.broker",
-    "current_broker": "broker.services", "emit": "broker.outbox", "emit_async": "broker.outbox",
+    "Settings": "broker.settings", "StandmeetBroker": "broker.engine.broker", "UniqueBy": "broker.engine.unique",
+    "current_broker": "broker.services", "emit": "broker.outbox.routes", "emit_async": "broker.outbox.routes",
     "enqueue": "broker.engine.enqueue", "enqueue_async": "broker.engine.enqueue",
 }
 

@@ -1,6 +1,6 @@
 """One INFO line per finished job: actor, message id, queue, duration, outcome, attempt.
 
-    job done: index corpus.index 0b5a… in 12.4 ms (attempt 1)
+    job done: orders orders.confirm 0b5a… in 12.4 ms (attempt 1)
 
 Outcomes: ``done``; ``retry`` (failed, will run again); ``rejected`` (failed for
 good); ``snoozed`` (asked to run later: no attempt counted); ``skipped``. The same

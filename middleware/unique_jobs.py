@@ -35,14 +35,14 @@ from dramatiq.middleware import Middleware
 from broker.errors import ConfigError, StartupRefused
 
 if TYPE_CHECKING:
-    from broker.engine.broker import UniqueBy
+    from broker.engine.unique import UniqueBy
 
 __all__ = ["UniqueBy", "UniqueJobs"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "UniqueBy":  # the engine's, named here too
-        from broker.engine.broker import UniqueBy
+        from broker.engine.unique import UniqueBy
 
         return UniqueBy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -59,7 +59,7 @@ class UniqueJobs(Middleware):
         option = actor.options.get("unique")
         if option is None or option is True or option is False:
             return  # nothing to check (what ``unique_of`` would accept at once)
-        from broker.engine.broker import unique_of
+        from broker.engine.unique import unique_of
 
         try:
             unique_of(actor)

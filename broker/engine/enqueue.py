@@ -1,17 +1,44 @@
-"""Transactional enqueue: the message is written in the caller's transaction.
+"""The one writer of message rows: every INSERT into ``dramatiq.queue`` is executed here.
 
-    with psycopg.connect(url) as conn, conn.transaction():
-        conn.execute("INSERT INTO documents …")
-        enqueue(conn, "corpus.index", doc_id)
+Every way a message is written goes through this module, with one hook policy:
 
-    async with await psycopg.AsyncConnection.connect(url) as aconn, aconn.transaction():
-        await aconn.execute("INSERT INTO documents …")
-        await enqueue_async(aconn, "corpus.index", doc_id)
+* **The hooks.** ``before_enqueue`` runs for each message before it is checked and
+  written; it is skipped only where it would leave the message as it is: every hook is
+  declared carrier-only (``broker.observability.tracing.carrier_only``) and there is no
+  trace to carry, or the message carries one already (:func:`runs_before_hooks`).
+  ``after_enqueue`` runs for each message once it is written: after the commit where
+  this module commits, after the statement where the caller owns the transaction.
+  A message with a unique key whose key is live is not written: the live message is
+  returned, and is the one ``after_enqueue`` sees.
+* **A send** (``actor.send()``, :meth:`StandmeetBroker.enqueue`, :func:`send`): hooks as
+  above; one autocommit statement on the broker's pool.
+* **A batch** (``broker.enqueue_many``, :func:`send_many`): hooks as above, for each
+  message; one statement (``ENQUEUE_NEW`` on the pool, falling back to ``ENQUEUE`` when
+  an id exists; ``ENQUEUE`` in the caller's transaction when given a connection).
+* **The caller's transaction** (:func:`enqueue`, :func:`enqueue_async`,
+  :func:`enqueue_message`, :func:`enqueue_messages`): hooks as above; the message row
+  and its NOTIFY are part of the caller's transaction (consumers are woken at commit, a
+  rollback leaves nothing behind):
 
-The message row and its NOTIFY are part of the caller's transaction: consumers are
-woken at commit, and a rollback leaves nothing behind. Middleware that Dramatiq runs
-on enqueue (``before_enqueue`` / ``after_enqueue``) still runs. ``actor.send()``, by
-contrast, commits on its own, outside any transaction of yours.
+      with psycopg.connect(url) as conn, conn.transaction():
+          conn.execute("INSERT INTO shop.orders …")
+          enqueue(conn, "orders.confirm", order_id)
+
+      async with await psycopg.AsyncConnection.connect(url) as aconn, aconn.transaction():
+          await aconn.execute("INSERT INTO shop.orders …")
+          await enqueue_async(aconn, "orders.confirm", order_id)
+
+  ``actor.send()``, by contrast, commits on its own, outside any transaction of yours.
+* **A run's after-hooks** (a retry, a snooze, a pipeline's next step, a callback:
+  :func:`send_from_run`): hooks as above, at once; the message is checked now and written
+  by the run's settle, in the settle's statement and transaction, only if the run is
+  settled (``sql_enqueue.FOLLOWUPS_OF_SETTLED``, with :func:`followup_params`). A retry or
+  snooze of the run's own message is its settle's outcome, not a new row.
+* **The relay** (:func:`relay_write`, :func:`relay_written`): a routed event's messages
+  take the hooks as above, the event's trace counting as the message's own; those that
+  need no hook are written as JSON text straight from the route. Written in the relay
+  pass's transaction; ``after_enqueue`` runs once the pass has committed.
+* :func:`finish_queued` writes no message (it marks queued ones done): no hook runs.
 
 A message is checked before any statement runs, as ``emit`` checks an event, so a
 refused one leaves the caller's transaction usable: its arguments must be JSON Postgres
@@ -19,9 +46,9 @@ stores (no NaN or infinity, ``\\u0000`` or lone surrogate: ``check_json_value``)
 options values its run can use, and its encoded size at most STANDMEET_MESSAGE_MAX_BYTES
 (:class:`broker.errors.InvalidMessage`, :class:`broker.errors.MessageTooLarge`).
 
-A message with a unique key (an actor's ``unique=``, a message's ``unique_key``) is not
-written while a message of its key is live: the live one is returned instead. The sync
-and the async forms prepare and finish a send with the same functions
+A message with a unique key (an actor's ``unique=``, a message's ``unique_key``) is
+written by :func:`unique_write`'s statements, in one transaction with the others of its
+batch. The sync and the async forms prepare and finish a send with the same functions
 (:func:`prepare_send`, :func:`send_steps`, :func:`finish_send`); only the driver that
 runs the statements differs.
 """
@@ -29,34 +56,296 @@ runs the statements differs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dramatiq
 import psycopg
+from dramatiq.errors import BrokerConnectionError, QueueNotFound
 from dramatiq.message import Message
 
 from broker import app
-from broker.engine import sql
-from broker.engine.broker import (
-    StandmeetBroker,
-    Step,
-    UniqueItem,
-    UniqueOutcome,
-    count_skips,
+from broker.engine import sql, sql_enqueue
+from broker.engine.codec import (
+    as_message,
+    batch_params,
     delay_seconds,
     enqueue_one_params,
     enqueue_params,
+    message_json,
+    message_priority,
+)
+from broker.engine.unique import (
+    Step,
+    UniqueItem,
+    UniqueKey,
+    UniqueOutcome,
+    count_skips,
     live_messages,
-    run_steps,
     split_unique,
     unique_item,
     unique_key_of,
-    unique_write,
 )
+from broker.errors import DatabaseError
+from broker.observability import tracing
+from broker.pg.pool import DISCONNECTS
 from broker.services import current_broker
 
+if TYPE_CHECKING:
+    from broker.engine.broker import StandmeetBroker
+    from broker.engine.settler import SettleContext
+
+
+# -- the hook policy ---------------------------------------------------------------------
+
+def runs_before_hooks(broker: StandmeetBroker, *, carried: bool = False) -> bool:
+    """Whether a message goes through the ``before_enqueue`` hooks: there are some, and
+    one of them may change it (not every hook is carrier-only, or there is a trace to
+    carry and the message does not carry one already: ``carried``)."""
+    if not broker._hooks("before_enqueue"):
+        return False
+    return not (broker.before_enqueue_only_carries_traces() and (carried or tracing.nothing_to_carry()))
+
+
+def before_enqueue(broker: StandmeetBroker, messages: Sequence[Message], delay_ms: int | None) -> None:
+    """Refuse a message to an undeclared queue, then run the ``before_enqueue`` hooks of
+    each message, as the policy says (:func:`runs_before_hooks`)."""
+    for message in messages:
+        if message.queue_name not in broker.queues:
+            raise QueueNotFound(message.queue_name)
+    if runs_before_hooks(broker):
+        for message in messages:
+            broker.emit_before("enqueue", message, delay_ms)
+
+
+def after_enqueue(broker: StandmeetBroker, messages: Sequence[Message], delay_ms: int | None) -> None:
+    """The ``after_enqueue`` hooks of each message written (none registered: no loop)."""
+    if broker._hooks("after_enqueue"):
+        for message in messages:
+            broker.emit_after("enqueue", message, delay_ms)
+
+
+# -- the statements ----------------------------------------------------------------------
+
+#: How many times a send looks again for a key whose holder finished between its insert
+#: and its look-up (each time, a holder finished and the key was free again).
+UNIQUE_ATTEMPTS = 10
+
+
+def unique_write(items: Sequence[UniqueItem], delay_s: float = 0.0) -> Generator[Step, list[Any], UniqueOutcome]:
+    """The statements that write ``items``, one at a time (a generator: the sync and the
+    async drivers, :func:`run_steps` and :func:`run_steps_async`, send each
+    one's rows back). INSERT … ON CONFLICT DO NOTHING (:data:`broker.engine.sql_enqueue.ENQUEUE_UNIQUE`),
+    then, in a new statement that sees what concurrent senders committed, the holder of
+    each key not written (:data:`broker.engine.sql_enqueue.UNIQUE_LIVE`); a key whose holder finished in
+    between is written again, at most UNIQUE_ATTEMPTS times."""
+    live: list[str | None] = [None] * len(items)
+    skipped: dict[tuple[str, str], int] = {}
+    todo = list(range(len(items)))
+    for _ in range(UNIQUE_ATTEMPTS):
+        batch = [items[i] for i in todo]
+        rows = yield sql_enqueue.ENQUEUE_UNIQUE, {
+            **batch_params([it.text for it in batch], [it.priority for it in batch], delay_s=delay_s),
+            **_unique_arrays(batch)}
+        written = {row[0] for row in rows}
+        rest = [i for i in todo if items[i].message_id not in written]
+        if not rest:
+            break
+        looked = [items[i] for i in rest]
+        rows = yield sql_enqueue.UNIQUE_LIVE, {"ids": [it.message_id for it in looked], **_unique_arrays(looked)}
+        todo = []
+        for n, live_id, live_text, own_exists in rows:
+            i = rest[n - 1]
+            if live_id == items[i].message_id:
+                continue  # it holds its own key: sent again with its own id
+            if live_id is not None:
+                live[i] = live_text
+                where = (items[i].queue_name, items[i].actor_name)
+                skipped[where] = skipped.get(where, 0) + 1
+            elif not own_exists:
+                todo.append(i)  # its key's holder finished in between: the key is free
+            # else: its id exists, finished: left as it was, as ENQUEUE leaves one
+        if not todo:
+            break
+    else:
+        raise DatabaseError(f"could not write {len(todo)} unique message(s): their keys' holders kept "
+                            f"finishing between {UNIQUE_ATTEMPTS} inserts and look-ups")
+    return UniqueOutcome(live, skipped)
+
+
+def _unique_arrays(items: Sequence[UniqueItem]) -> dict[str, Any]:
+    return {"unique_keys": [it.key.digest for it in items],
+            "unique_periods": [it.key.period_s for it in items],
+            "unique_states": [it.key.states for it in items]}
+
+
+def run_steps(conn: psycopg.Connection[Any], steps: Generator[Step, list[Any], UniqueOutcome]) -> UniqueOutcome:
+    """Run a unique write's statements on ``conn`` (in its transaction, if one is open)."""
+    try:
+        step = next(steps)
+        while True:
+            cur = conn.execute(*step)
+            step = steps.send(cur.fetchall())
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def followup_params(followups: Sequence[tuple[str, Message, float]]) -> dict[str, Any]:
+    """The parameters of ``sql_enqueue.FOLLOWUPS_OF_SETTLED`` (in the settle statement) for
+    ``followups``: (the id of the run that sent it, the message, its delay in seconds)."""
+    return {
+        "f_parents": [parent for parent, _, _ in followups],
+        "f_queues": [m.queue_name for _, m, _ in followups],
+        "f_ids": [m.message_id for _, m, _ in followups],
+        "f_messages": [message_json(m) for _, m, _ in followups],
+        "f_delays": [delay for _, _, delay in followups],
+        "f_priorities": [message_priority(m) for _, m, _ in followups],
+    }
+
+
+def _write_batch(conn: psycopg.Connection[Any], broker: StandmeetBroker, messages: Sequence[Message],
+                 delay_ms: int | None) -> tuple[list[Message], dict[tuple[str, str], int]]:
+    """Write ``messages`` on ``conn`` (in its transaction): the plain ones in one statement,
+    those with a unique key in the statements of :func:`unique_write`; each skipped one is
+    replaced by the live message of its key. Returns them, and the skips to count."""
+    keyed, keys = split_unique(messages, broker)
+    limit = broker.settings.message_max_bytes
+    items = [unique_item(messages[i], keys[i], max_bytes=limit) for i in keyed]  # type: ignore[arg-type]
+    plain = [m for m, k in zip(messages, keys, strict=True) if k is None]
+    params = enqueue_params(plain, delay_ms, max_bytes=limit) if plain else None
+    if params is not None:
+        conn.execute(sql_enqueue.ENQUEUE, params)
+    written = list(messages)
+    if not items:
+        return written, {}
+    outcome = run_steps(conn, unique_write(items, delay_seconds(delay_ms)))
+    for i, live in zip(keyed, live_messages([as_message(messages[i]) for i in keyed], outcome), strict=True):
+        written[i] = live
+    return written, outcome.skipped
+
+
+# -- the broker's sends ------------------------------------------------------------------
+
+def send(broker: StandmeetBroker, message: Message, *, delay_ms: int | None = None) -> Message:
+    """``actor.send()``: write ``message`` (due after ``delay_ms``) on the broker's pool and
+    wake its queue's consumers; the message written, or the live one of its unique key."""
+    before_enqueue(broker, [message], delay_ms)
+    key = unique_key_of(message, broker)
+    try:
+        if key is None:
+            broker.execute(sql_enqueue.ENQUEUE_ONE, enqueue_one_params(
+                message, delay_ms, max_bytes=broker.settings.message_max_bytes))
+        else:  # written unless its key is live: then the live message is returned
+            item = unique_item(message, key, max_bytes=broker.settings.message_max_bytes)
+            with broker.pool.connection() as conn:
+                outcome = run_steps(conn, unique_write([item], delay_seconds(delay_ms)))
+            count_skips(outcome.skipped, broker)
+            message = live_messages([as_message(message)], outcome)[0]
+    except DISCONNECTS as exc:
+        raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
+    after_enqueue(broker, [message], delay_ms)
+    return message
+
+
+def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None,
+              delay_ms: int | None = None) -> list[Message]:
+    """``broker.enqueue_many``: write many messages in one statement (on ``conn``, in its
+    transaction, if given; else on the broker's pool)."""
+    batch = list(messages)
+    if not batch:
+        return batch
+    for message in batch:
+        message.options.pop("eta", None)
+    before_enqueue(broker, batch, delay_ms)
+    skipped: dict[tuple[str, str], int] = {}
+    try:
+        if conn is not None:
+            batch, skipped = _write_batch(conn, broker, batch, delay_ms)
+        elif any(key is not None for key in split_unique(batch, broker)[1]):
+            with broker.pool.connection() as own, own.transaction():
+                batch, skipped = _write_batch(own, broker, batch, delay_ms)
+        else:  # the fast path: a plain insert of ids that are new, as fresh messages' are
+            params = enqueue_params(batch, delay_ms, max_bytes=broker.settings.message_max_bytes)
+            try:
+                broker.execute(sql_enqueue.ENQUEUE_NEW, params)
+            except psycopg.errors.UniqueViolation:  # an id exists: nothing was written
+                broker.execute(sql_enqueue.ENQUEUE, params)
+    except DISCONNECTS as exc:
+        raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
+    count_skips(skipped, broker)
+    after_enqueue(broker, batch, delay_ms)
+    return batch
+
+
+def send_from_run(broker: StandmeetBroker, context: SettleContext, message: Message, delay_ms: int | None) -> Message:
+    """A message sent from the after-hooks of a run on this thread: checked now (a bad
+    message must not hold up the settle of others), written with that run's settle (in
+    the same transaction, and only if the run is settled). The run's own message sent
+    again (a retry, a snooze) is its settle's outcome: queued again after ``delay_ms``."""
+    before_enqueue(broker, [message], delay_ms)
+    if message.message_id == context.proxy.message_id:
+        context.requeue_delay_ms = int(delay_seconds(delay_ms) * 1000)
+    else:
+        enqueue_one_params(message, delay_ms, max_bytes=broker.settings.message_max_bytes)
+        context.followups.append((as_message(message), delay_seconds(delay_ms)))
+    after_enqueue(broker, [message], delay_ms)
+    return message
+
+
+# -- the relay -----------------------------------------------------------------------------
+
+def relay_hooks(broker: StandmeetBroker) -> tuple[bool, bool]:
+    """For a relay pass: whether every message goes through the hooks (an ``after_enqueue``
+    hook, or a ``before_enqueue`` one that is not carrier-only), and whether a message
+    whose event carried no trace does (the policy: :func:`runs_before_hooks`)."""
+    every = bool(broker._hooks("after_enqueue")) or runs_before_hooks(broker, carried=True)
+    return every, every or runs_before_hooks(broker)
+
+
+def relay_write(conn: psycopg.Connection[Any], broker: StandmeetBroker,
+                pending: Sequence[tuple[str, str] | Message | UniqueItem]) -> dict[tuple[str, str], int]:
+    """Write the messages of a relay pass on ``conn`` (in the pass's transaction), in event
+    order: each a (JSON text, priority) built by the route, a ``Message`` that goes
+    through the hooks (their ``before_enqueue`` runs here), or a message with its unique
+    key. Returns the sends skipped because their key was live, per (queue, actor): one live
+    message per key (a re-relayed one is its own)."""
+    for message in pending:  # a Message is one the policy sends through the hooks (relay_hooks)
+        if isinstance(message, Message):
+            if message.queue_name not in broker.queues:
+                raise QueueNotFound(message.queue_name)
+            broker.emit_before("enqueue", message, None)
+    texts: list[str] = []
+    priorities: list[str] = []
+    keyed: list[UniqueItem] = []
+    for m in pending:
+        if isinstance(m, UniqueItem):
+            keyed.append(m)
+        elif isinstance(m, Message):
+            key: UniqueKey | None = unique_key_of(m, broker)
+            if key is not None:
+                keyed.append(UniqueItem(m.message_id, m.queue_name, m.actor_name, message_json(m),
+                                        str(message_priority(m)), key))
+            else:
+                texts.append(message_json(m))
+                priorities.append(str(message_priority(m)))
+        else:
+            texts.append(m[0])
+            priorities.append(m[1])
+    if texts:
+        conn.execute(sql_enqueue.ENQUEUE, batch_params(texts, priorities))
+    if keyed:
+        return run_steps(conn, unique_write(keyed)).skipped
+    return {}
+
+
+def relay_written(broker: StandmeetBroker, hooked: Sequence[Message], skipped: dict[tuple[str, str], int]) -> None:
+    """A relay pass committed: the ``after_enqueue`` hooks of its hooked messages, and its skips counted."""
+    after_enqueue(broker, hooked, None)
+    count_skips(skipped, broker)
+
+
+# -- the caller's transaction --------------------------------------------------------------
 
 def build_message(actor: dramatiq.Actor | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                   options: dict[str, Any] | None = None) -> Message:
@@ -80,9 +369,7 @@ class PreparedSend:
 def prepare_send(message: Message, *, delay_ms: int | None = None) -> PreparedSend:
     """Check ``message`` and run its ``before_enqueue`` hooks; nothing is written yet."""
     broker = current_broker()
-    if message.queue_name not in broker.queues:
-        raise dramatiq.errors.QueueNotFound(message.queue_name)
-    broker.emit_before("enqueue", message, delay_ms)
+    before_enqueue(broker, [message], delay_ms)
     limit = broker.settings.message_max_bytes
     key = unique_key_of(message, broker)
     if key is None:
@@ -94,7 +381,7 @@ def send_steps(prepared: PreparedSend) -> Generator[Step, list[Any], UniqueOutco
     """The statements of a prepared send (one, unless its unique key is taken)."""
     if prepared.item is None:
         assert prepared.params is not None
-        yield sql.ENQUEUE_ONE, prepared.params
+        yield sql_enqueue.ENQUEUE_ONE, prepared.params
         return UniqueOutcome([None], {})
     return (yield from unique_write([prepared.item], delay_seconds(prepared.delay_ms)))
 
@@ -102,7 +389,7 @@ def send_steps(prepared: PreparedSend) -> Generator[Step, list[Any], UniqueOutco
 def finish_send(prepared: PreparedSend, outcome: UniqueOutcome) -> Message:
     """The message written, or the live one its key returned; ``after_enqueue`` hooks run."""
     message = live_messages([prepared.message], outcome)[0]
-    prepared.broker.emit_after("enqueue", message, prepared.delay_ms)
+    after_enqueue(prepared.broker, [message], prepared.delay_ms)
     return message
 
 
@@ -121,25 +408,10 @@ def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message]) -> 
     if not messages:
         return messages
     broker = current_broker()
-    for message in messages:
-        if message.queue_name not in broker.queues:
-            raise dramatiq.errors.QueueNotFound(message.queue_name)
-        broker.emit_before("enqueue", message, None)
-    keyed, keys = split_unique(messages, broker)
-    limit = broker.settings.message_max_bytes
-    items = [unique_item(messages[i], keys[i], max_bytes=limit) for i in keyed]  # type: ignore[arg-type]
-    plain = [m for m, k in zip(messages, keys, strict=True) if k is None]
-    params = enqueue_params(plain, max_bytes=limit) if plain else None
-    if params is not None:
-        conn.execute(sql.ENQUEUE, params)
-    written = list(messages)
-    if items:
-        outcome = run_steps(conn, unique_write(items))
-        count_skips(outcome.skipped, broker)
-        for i, live in zip(keyed, live_messages([messages[i] for i in keyed], outcome), strict=True):
-            written[i] = live
-    for message in written:
-        broker.emit_after("enqueue", message, None)
+    before_enqueue(broker, messages, None)
+    written, skipped = _write_batch(conn, broker, messages, None)
+    count_skips(skipped, broker)
+    after_enqueue(broker, written, None)
     return written
 
 
@@ -153,7 +425,7 @@ def enqueue(conn: psycopg.Connection[Any], actor: dramatiq.Actor | str, *args: A
 
 async def run_steps_async(aconn: psycopg.AsyncConnection[Any],
                           steps: Generator[Step, list[Any], UniqueOutcome]) -> UniqueOutcome:
-    """:func:`broker.engine.broker.run_steps` on an ``AsyncConnection``."""
+    """:func:`run_steps` on an ``AsyncConnection``."""
     try:
         step = next(steps)
         while True:

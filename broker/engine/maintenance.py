@@ -15,7 +15,7 @@ import dramatiq
 from broker import deadline
 from broker.backends.rate_limits import PRUNE_EXPIRED_RATE_LIMITS
 from broker.backends.results import PRUNE_EXPIRED_RESULTS
-from broker.engine import sql
+from broker.engine import sql, sql_history
 from broker.outbox import PRUNE_RELAYS
 from broker.pg import db
 from broker.services import current_broker
@@ -45,8 +45,8 @@ def prune_messages() -> None:
     theirs (STANDMEET_HISTORY_RETENTION_DAYS), and the rows of long-gone workers."""
     settings = current_broker().settings
     prune_in_batches(sql.PRUNE_FINISHED, retention_s=settings.retention_days * 86400, what="finished message(s)")
-    prune_in_batches(sql.PRUNE_ATTEMPTS, retention_s=settings.history_retention_days * 86400, what="attempt(s)")
-    prune_in_batches(sql.PRUNE_HISTORY, retention_s=settings.history_retention_days * 86400,
+    prune_in_batches(sql_history.PRUNE_ATTEMPTS, retention_s=settings.history_retention_days * 86400, what="attempt(s)")
+    prune_in_batches(sql_history.PRUNE_HISTORY, retention_s=settings.history_retention_days * 86400,
                      what="minute(s) of history")
     with db.connection() as conn:
         conn.execute(sql.PRUNE_WORKERS)

@@ -1,4 +1,7 @@
-"""SQL of the broker, as module-level constants (never built from values).
+"""SQL of the broker's claims, settles, give-backs, liveness and rescue, as module-level
+constants (never built from values); the statements that write message rows are in
+:mod:`broker.engine.sql_enqueue`, those of the runs' history in
+:mod:`broker.engine.sql_history`.
 
 Placeholders are ``%(name)s`` (psycopg 3); arrays of strings are sent in binary,
 ``%(name)b``: psycopg escapes every element of a text array literal in Python (a regular
@@ -12,66 +15,13 @@ which a test binds to the constants below.
 
 from __future__ import annotations
 
+from broker.engine.sql_enqueue import FOLLOWUPS_OF_SETTLED
+from broker.engine.sql_history import RAN_OF_SETTLED, RECORD_RAN
+
 #: Channel a consumer of queue Q listens on; a NOTIFY on it means "look again".
 ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
 #: Channel a final settle on an awaited queue notifies, with '<message id>:<state>'.
 RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
-
-#: What ENQUEUE does with an id that exists: a queued message takes the new text; one
-#: that is running or has finished is never resurrected (a re-relayed event cannot run
-#: its job twice).
-_ON_CONFLICT_KEEP_STARTED = """    ON CONFLICT (message_id) DO UPDATE SET
-        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
-    WHERE q."state" = 'queued'"""
-
-_ENQUEUE_ROWS = """
-WITH enqueued AS (
-    INSERT INTO dramatiq.queue AS q
-        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
-    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
-           now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority
-    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[])) AS m(body, priority)
-"""
-
-_ENQUEUE_WAKE = """
-    RETURNING q.queue_name
-)
-SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
-FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
-"""
-
-#: Insert messages, all due after ``delay_s``, and wake each queue once (NOTIFYs with the
-#: same channel and payload in one transaction are sent once, at commit). ``messages`` is
-#: one JSON array of the messages' bodies, ``priorities`` one int array (lower runs first),
-#: each sent as a single text: arrays of many strings cost more to send than the rest of
-#: building them. The row's queue and id are the body's own; an existing id is kept as
-#: ``_ON_CONFLICT_KEEP_STARTED`` says.
-ENQUEUE = _ENQUEUE_ROWS + _ON_CONFLICT_KEEP_STARTED + _ENQUEUE_WAKE
-
-#: ENQUEUE for a batch whose ids are all new, as fresh Dramatiq messages' are: a plain
-#: insert, without the speculative insertion ON CONFLICT makes of every row (about a
-#: tenth of a batch's time). One id that exists fails the whole statement with a unique
-#: violation, and ENQUEUE then writes the batch: a clash costs the server an error line
-#: in its log and the rows written before it (dead until vacuumed), so a caller that
-#: re-sends ids on purpose is better served by ENQUEUE. Only on the broker's own
-#: autocommit connection: in a caller's transaction the error would abort it.
-ENQUEUE_NEW = _ENQUEUE_ROWS + _ENQUEUE_WAKE
-
-#: ENQUEUE for one message, with plain parameters: a single send dumps no arrays and
-#: unnests nothing (the same rules: an existing id is never resurrected).
-ENQUEUE_ONE = """
-WITH enqueued AS (
-    INSERT INTO dramatiq.queue AS q
-        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
-    VALUES (%(queue)s, %(message_id)s::uuid, 'queued', %(message)s::jsonb,
-            now() + make_interval(secs => %(delay_s)s::float8), now(), now(), %(priority)s::int)
-    ON CONFLICT (message_id) DO UPDATE SET
-        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
-    WHERE q."state" = 'queued'
-    RETURNING q.queue_name
-)
-SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
-"""
 
 #: Claims commit asynchronously (no WAL flush wait): the claim statement turns
 #: ``synchronous_commit`` off for its own transaction (``set_config(…, true)``), never for
@@ -193,118 +143,6 @@ FROM (SELECT queue_name, message_id, state,
 GROUP BY queue_name, chunk
 """
 
-#: The bounds (milliseconds) of the wait and run histograms of ``standmeet.queue_history``:
-#: element i (1-based) of a histogram counts the values in [bound i, bound i+1); the last
-#: one everything from the last bound up. Never change them in place: a migration would
-#: have to rewrite every row.
-HISTORY_BOUNDS_MS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000,
-                     300_000, 900_000, 3_600_000)
-#: How many rows of one minute, queue and actor the writers spread over: a process writes
-#: the shard of its id, so processes settling the same actor do not wait on one row's lock.
-HISTORY_SHARDS = 8
-#: Longest error text kept on an attempt.
-ATTEMPT_ERROR_CHARS = 4000
-
-_BOUNDS = "'{" + ",".join(str(b) for b in HISTORY_BOUNDS_MS) + "}'::float8[]"
-_SHARD = "(hashtext(%(worker_id)s::text) & " + str(HISTORY_SHARDS - 1) + ")::smallint"
-
-
-def _histogram(bucket: str) -> str:
-    """The histogram of a group's ``bucket`` column (width_bucket over _BOUNDS), as an array."""
-    return "ARRAY[" + ", ".join(f"count(*) FILTER (WHERE r.{bucket} = {i})"
-                                for i in range(1, len(HISTORY_BOUNDS_MS) + 1)) + "]"
-
-
-def _added(column: str) -> str:
-    """Two histograms added element by element (an upsert's stored row and its new one)."""
-    return "ARRAY[" + ", ".join(f"h.{column}[{i}] + EXCLUDED.{column}[{i}]"
-                                for i in range(1, len(HISTORY_BOUNDS_MS) + 1)) + "]"
-
-
-_COUNTED = ("done", "failed", "rejected", "cancelled", "snoozed", "timed_out", "crashed", "given_back",
-            "wait_count", "wait_sum_ms", "run_count", "run_sum_ms")
-
-#: The tail of every statement that ends runs: from its CTE ``ran`` (message_id, attempt,
-#: queue_name, actor_name, worker_id, outcome, state, started_at, ended_at, error, wait_ms,
-#: run_ms: one row per run ended, ``state`` the message's state after it, ``wait_ms`` and
-#: ``run_ms`` NULL when not measured), one row per run into ``standmeet.job_attempts`` and
-#: one upsert of the runs' per-minute counts and histograms into
-#: ``standmeet.queue_history`` (this process's shard), in the statement (and transaction)
-#: that ends them: a run is counted exactly when its outcome is written. The groups are
-#: written in key order, so two writers of a shard never lock its rows in opposite orders.
-RECORD_RAN = """, attempted AS (
-    INSERT INTO standmeet.job_attempts
-        (message_id, attempt, queue_name, actor_name, worker_id, started_at, ended_at, outcome, error)
-    SELECT message_id, attempt, queue_name, actor_name, worker_id, started_at, ended_at, outcome,
-           left(error, """ + str(ATTEMPT_ERROR_CHARS) + """)
-    FROM ran
-), rolled_up AS (
-    INSERT INTO standmeet.queue_history AS h
-        (minute, queue_name, actor_name, shard, """ + ", ".join(_COUNTED[:8]) + """,
-         wait_count, wait_sum_ms, wait_hist, run_count, run_sum_ms, run_hist)
-    SELECT date_trunc('minute', r.ended_at), r.queue_name, r.actor_name, """ + _SHARD + """,
-           count(*) FILTER (WHERE r.outcome = 'done'),
-           count(*) FILTER (WHERE r.state = 'queued' AND r.outcome IN ('failed', 'timeout')),
-           count(*) FILTER (WHERE r.state = 'rejected' AND r.outcome IN ('rejected', 'timeout')),
-           count(*) FILTER (WHERE r.outcome = 'cancelled'),
-           count(*) FILTER (WHERE r.outcome = 'snoozed'),
-           count(*) FILTER (WHERE r.outcome = 'timeout'),
-           count(*) FILTER (WHERE r.outcome = 'crashed'),
-           count(*) FILTER (WHERE r.outcome IN ('cut_at_shutdown', 'interrupted')),
-           count(r.wait_ms), coalesce(sum(r.wait_ms), 0), """ + _histogram("wait_b") + """,
-           count(r.run_ms), coalesce(sum(r.run_ms), 0), """ + _histogram("run_b") + """
-    FROM (SELECT ran.*, width_bucket(ran.wait_ms, """ + _BOUNDS + """) AS wait_b,
-                 width_bucket(ran.run_ms, """ + _BOUNDS + """) AS run_b
-          FROM ran) AS r
-    GROUP BY 1, 2, 3
-    ORDER BY 1, 2, 3
-    ON CONFLICT (minute, queue_name, actor_name, shard) DO UPDATE SET
-        """ + ", ".join(f"{c} = h.{c} + EXCLUDED.{c}" for c in _COUNTED) + """,
-        wait_hist = """ + _added("wait_hist") + """,
-        run_hist = """ + _added("run_hist") + """
-)
-"""
-
-#: Delete one batch of attempts that ended before the history's retention.
-PRUNE_ATTEMPTS = """
-DELETE FROM standmeet.job_attempts
-WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM standmeet.job_attempts
-    WHERE ended_at < now() - make_interval(secs => %(retention_s)s)
-    LIMIT %(batch)s
-))
-"""
-
-#: Delete one batch of per-minute history older than its retention.
-PRUNE_HISTORY = """
-DELETE FROM standmeet.queue_history
-WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM standmeet.queue_history
-    WHERE minute < now() - make_interval(secs => %(retention_s)s)
-    LIMIT %(batch)s
-))
-"""
-
-#: How a settled run's ``ran`` row is computed from a ``settled`` CTE that returns, beside
-#: the message's new state, ``cancelled``, ``claims``, ``due_at`` (when the message became
-#: due for this run), ``actor_name``, ``started_ago`` and ``ended_ago`` (seconds before
-#: this statement the run started and ended, measured by the worker's monotonic clock and
-#: placed on the database's), ``hint`` (the run's outcome as its worker saw it) and
-#: ``run_error``: every timestamp is the database's.
-_RAN_OF_SETTLED = """, ran AS (
-    SELECT message_id, claims AS attempt, queue_name, actor_name, %(worker_id)s::uuid AS worker_id,
-           CASE WHEN cancelled THEN 'cancelled'
-                WHEN hint = 'rerun' AND state = 'rejected' THEN 'rejected'
-                WHEN hint = 'rerun' THEN 'failed'
-                ELSE hint END AS outcome,
-           state,
-           now() - make_interval(secs => started_ago) AS started_at,
-           now() - make_interval(secs => ended_ago) AS ended_at,
-           run_error AS error,
-           greatest((EXTRACT(EPOCH FROM now() - due_at)::float8 - started_ago) * 1000, 0) AS wait_ms,
-           greatest((started_ago - ended_ago) * 1000, 0) AS run_ms
-    FROM settled
-)"""
 
 #: Settle finished claims, many at once, each only if it is still the claim it names
 #: (a message rescued and claimed again elsewhere is left alone). A claim is named by its
@@ -368,18 +206,7 @@ WITH outcome AS MATERIALIZED (
               q.claims, was.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, o.hint,
               CASE WHEN q.cancelled_at IS NOT NULL OR (o.outcome = 'rerun' AND q."state" = 'rejected') THEN q.error
                    ELSE o.error END AS run_error
-), followed AS (
-    INSERT INTO dramatiq.queue AS q
-        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
-    SELECT f.queue_name, f.message_id, 'queued', f.message,
-           now() + make_interval(secs => f.delay_s), now(), now(), f.priority
-    FROM unnest(%(f_parents)b::uuid[], %(f_queues)b::text[], %(f_ids)b::uuid[], %(f_messages)b::jsonb[],
-                %(f_delays)s::float8[], %(f_priorities)s::int[])
-         AS f(parent_id, queue_name, message_id, message, delay_s, priority)
-    WHERE f.parent_id IN (SELECT message_id FROM settled)
-    ON CONFLICT (message_id) DO NOTHING
-    RETURNING q.queue_name
-)""" + _RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED + """UNION ALL
+)""" + FOLLOWUPS_OF_SETTLED + RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED + """UNION ALL
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
 FROM (SELECT queue_name FROM settled WHERE state = 'queued'
       UNION SELECT queue_name FROM followed) AS woken
@@ -416,7 +243,7 @@ WITH ran_here AS MATERIALIZED (
       AND q.worker_id IS NOT DISTINCT FROM %(worker_id)s::uuid
     RETURNING q.queue_name, q.message_id, q."state"::text AS state, q.cancelled_at IS NOT NULL AS cancelled,
               q.claims, q.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, 'done' AS hint, q.error AS run_error
-)""" + _RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED
+)""" + RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED
 
 #: Record that prefetched claims have started running (they can now be blamed for a
 #: crash of their process).
@@ -473,7 +300,6 @@ VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL,
     queues = ARRAY(SELECT DISTINCT q FROM unnest(w.queues || EXCLUDED.queues) AS q ORDER BY q)
 """
-REGISTER_WORKER = HEARTBEAT
 
 #: Which of some claims this process still holds (after it was cut off, to say which it lost).
 STILL_HELD = """
@@ -669,7 +495,7 @@ WHERE id IN (
 )
 """
 
-#: Queued messages whose work another job did (a webhook batch made their deliveries):
+#: Queued messages whose work another job did (a batch that did theirs too):
 #: done without running, only while still queued and not cancelled (one a consumer
 #: claimed runs, and finds its work made); receipts as in SETTLE.
 FINISH_QUEUED = """
@@ -679,53 +505,3 @@ WITH settled AS (
     RETURNING queue_name, message_id, 'done' AS state
 )""" + RECEIPTS_OF_SETTLED
 
-#: Write messages that carry a unique key (migration 0021), in one statement: each is
-#: inserted unless its id exists or a message holds its key in a covered state (the
-#: partial unique index ``queue_unique_key_idx`` decides, atomically, whatever other
-#: transactions send at once; a duplicate inside the batch loses to the first). Returns
-#: the ids written and wakes their queues (one NOTIFY per queue at commit). Who holds a
-#: key that was not written is read by UNIQUE_LIVE, in a statement of its own: only a
-#: new statement sees what a concurrent sender committed.
-ENQUEUE_UNIQUE = """
-WITH enqueued AS (
-    INSERT INTO dramatiq.queue AS q
-        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority, unique_key, unique_states)
-    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
-           now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority,
-           standmeet.unique_key_at(m.unique_key, m.period_s), m.states
-    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[]),
-                    unnest(%(unique_keys)b::bytea[]), unnest(%(unique_periods)s::float8[]),
-                    unnest(%(unique_states)s::int2[])) AS m(body, priority, unique_key, period_s, states)
-    ON CONFLICT DO NOTHING
-    RETURNING q.queue_name, q.message_id
-)
-SELECT message_id::text, pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
-"""
-
-#: For each message ENQUEUE_UNIQUE did not write (``n``: its place in the arrays, from
-#: 1): the message that holds its key now (id and text; NULL if none: it finished in
-#: between) and whether a row with its own id exists.
-UNIQUE_LIVE = """
-SELECT k.n::int, live.message_id::text, live.message::text,
-       EXISTS (SELECT 1 FROM dramatiq.queue o WHERE o.message_id = k.message_id)
-FROM unnest(%(ids)b::uuid[], %(unique_keys)b::bytea[], %(unique_periods)s::float8[])
-     WITH ORDINALITY AS k(message_id, key, period_s, n)
-LEFT JOIN LATERAL (
-    SELECT q.message_id, q.message FROM dramatiq.queue q
-    WHERE q.unique_key = standmeet.unique_key_at(k.key, k.period_s)
-      AND standmeet.unique_live(q.unique_states, q."state")
-    LIMIT 1
-) AS live ON true
-"""
-
-#: Count sends skipped because their key was live, per queue and actor, with the time of
-#: the last. Written on the sender's own autocommit connection, never in a caller's
-#: transaction (which would hold the row's lock until it ends); rows in a fixed order.
-UNIQUE_SKIPPED = """
-INSERT INTO standmeet.unique_skips AS s (queue_name, actor_name, skipped, last_skipped_at)
-SELECT c.queue_name, c.actor_name, c.n, now()
-FROM unnest(%(queues)b::text[], %(actors)b::text[], %(counts)s::int8[]) AS c(queue_name, actor_name, n)
-ORDER BY c.queue_name, c.actor_name
-ON CONFLICT (queue_name, actor_name) DO UPDATE
-SET skipped = s.skipped + EXCLUDED.skipped, last_skipped_at = now()
-"""

@@ -1,9 +1,9 @@
 """What an operator view reads of the past: per-minute history and every job's attempts.
 
-The workers write both as they settle (``broker.engine.sql.RECORD_RAN``: ``standmeet.queue_history``
+The workers write both as they settle (``broker.engine.sql_history.RECORD_RAN``: ``standmeet.queue_history``
 and ``standmeet.job_attempts``, migration 0022); nothing here reads ``dramatiq.queue``, so
 no view of the past costs the queue anything. Percentiles are estimated from the fixed
-histograms (``broker.engine.sql.HISTORY_BOUNDS_MS``), interpolated linearly inside the bucket
+histograms (``broker.engine.sql_history.HISTORY_BOUNDS_MS``), interpolated linearly inside the bucket
 they fall in: an estimate is never outside the bucket that holds the true value.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from broker.engine.sql import HISTORY_BOUNDS_MS
+from broker.engine.sql_history import HISTORY_BOUNDS_MS
 
 _BUCKETS = len(HISTORY_BOUNDS_MS)
 _COUNTS = ("done", "failed", "rejected", "cancelled", "snoozed", "timed_out", "crashed", "given_back")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import psycopg
 
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.engine import sql_enqueue
+from broker.engine.codec import enqueue_params
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import mark
 from tests.support.procs import running, worker_cmd
@@ -36,7 +36,7 @@ def test_every_backend_terminated_three_times_and_all_jobs_still_complete(
     total = 1_000
     messages = [mark.message("fault") for _ in range(total)]
     with psycopg.connect(database_url) as conn, conn.cursor() as cur:
-        cur.execute(sql.ENQUEUE, enqueue_params(messages))
+        cur.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
     log = tmp_path / "worker.log"
     with running(worker_cmd("--queues", "index"), subprocess_env, log=log) as worker:
         # When every backend of the worker is terminated three times during the drain
@@ -65,7 +65,7 @@ def test_a_message_whose_worker_died_too_often_is_rejected_with_the_reason(broke
     # Given a message held by a process that is gone, already rescued max_crashes times
     message = mark.message("poison")
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
         conn.execute(
             "UPDATE dramatiq.queue SET state = 'consumed', worker_id = gen_random_uuid(), started_at = now(), crashes = %s"
             " WHERE message_id = %s",
@@ -86,7 +86,7 @@ def test_a_message_of_a_live_worker_is_left_alone_by_rescue(broker, database_url
     message = mark.message("alive")
     broker.ensure_registered()
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
         conn.execute("UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s WHERE message_id = %s",
                      (broker.worker_id, message.message_id))
     broker.heartbeat_once()

@@ -63,8 +63,8 @@ def failover_run(n: int) -> None:
 
 # -- the test ---------------------------------------------------------------------------
 
-from broker.engine import sql  # noqa: E402
-from broker.engine.broker import enqueue_params  # noqa: E402
+from broker.engine import sql_enqueue  # noqa: E402
+from broker.engine.codec import enqueue_params  # noqa: E402
 from broker.pg.migrate import migrate  # noqa: E402
 from tests.conftest import TEST_OVERRIDES  # noqa: E402
 from tests.support.db import wait_for  # noqa: E402
@@ -113,7 +113,7 @@ class Producer:
                 if conn is None or conn.closed:
                     conn = psycopg.connect(self.url, autocommit=True, connect_timeout=2)
                 with conn.transaction():
-                    conn.execute(sql.ENQUEUE, enqueue_params([message]))
+                    conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
                 row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
                 assert row is not None
                 self.returned.append((message.message_id, int(conn.info.port), str(row[0])))
@@ -187,7 +187,7 @@ def test_a_failover_mid_drain_loses_no_replicated_job_reruns_only_what_was_in_fl
     # And 3,000 jobs enqueued on it and replicated
     bulk = [failover_run.message(n) for n in range(JOBS)]
     with psycopg.connect(primary_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(bulk))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(bulk))
     pair.wait_replayed()
     bulk_ids = [m.message_id for m in bulk]
     runs_dir = tmp_path / "runs"

@@ -251,12 +251,12 @@ def describe(run: Run, origin: float) -> str:
 
 
 def enqueue(url: str, messages: list[dramatiq.Message[Any]]) -> list[str]:
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     with psycopg.connect(url, autocommit=True) as conn:
         for i in range(0, len(messages), 1000):
-            conn.execute(sql.ENQUEUE.encode(), enqueue_params(messages[i:i + 1000]))
+            conn.execute(sql_enqueue.ENQUEUE.encode(), enqueue_params(messages[i:i + 1000]))
     return [m.message_id for m in messages]
 
 

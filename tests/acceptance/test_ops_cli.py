@@ -338,8 +338,8 @@ def test_status_says_which_queue_has_no_worker_and_which_topic_no_process_routes
         broker, database_url, subprocess_env, tmp_path):
     from dramatiq.message import Message
 
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql, sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     env = {**subprocess_env, "STANDMEET_QUEUE_UNSERVED_MAX_AGE_S": "30", "STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S": "30"}
     with running(worker_cmd(), subprocess_env, log=tmp_path / "worker.log") as worker:
@@ -348,7 +348,7 @@ def test_status_says_which_queue_has_no_worker_and_which_topic_no_process_routes
                  timeout_s=20, what="the worker process and its relay to register")
         # Given due jobs of a queue no live worker serves (a module no process loads), and an
         # event of a topic no live process routes, both fresh
-        query(database_url, sql.ENQUEUE, enqueue_params(
+        query(database_url, sql_enqueue.ENQUEUE, enqueue_params(
             [Message(queue_name="reports_nobody", actor_name="reports.none", args=(i,), kwargs={}, options={})
              for i in range(3)]))
         query(database_url, sql.EMIT, {"topic": "nobody.routes", "payload": "{}"})

@@ -64,8 +64,8 @@ def deadline_probe(n: int, limit_ms: int, rounds: int = 4) -> None:
 
 # -- what the tests share -----------------------------------------------------------------
 
-from broker.engine import sql  # noqa: E402
-from broker.engine.broker import enqueue_params  # noqa: E402
+from broker.engine import sql_enqueue  # noqa: E402
+from broker.engine.codec import enqueue_params  # noqa: E402
 from broker.outbox import MESSAGE_NAMESPACE  # noqa: E402
 from tests.conftest import configured_broker, slow_polls  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
@@ -361,7 +361,7 @@ def _idle_start_latencies_ms(url: str, direct_url: str, label: str) -> list[floa
             message = noop.message(f"{label}-{i}")
             with psycopg.connect(url, autocommit=True) as conn:
                 with conn.transaction():
-                    conn.execute(sql.ENQUEUE, enqueue_params([message]))
+                    conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
                 row = conn.execute("SELECT clock_timestamp()").fetchone()
                 assert row is not None
                 committed = row[0]
@@ -470,7 +470,7 @@ def test_session_pooling_with_a_pool_for_every_connection_never_reruns_a_live_wo
     messages = [mark.message(f"session-{i}") for i in range(SESSION_JOBS)]
     ids = [m.message_id for m in messages]
     with psycopg.connect(direct_database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(messages))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
     log = tmp_path / "run.log"
     with pgbouncer(admin_url, mode="session", default_pool_size=SESSION_POOL) as bouncer:
         url = bouncer.url(direct_database_url)

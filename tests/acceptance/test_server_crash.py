@@ -17,8 +17,8 @@ import psycopg
 import pytest
 
 from broker import emit
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.engine import sql_enqueue
+from broker.engine.codec import enqueue_params
 from broker.outbox import MESSAGE_NAMESPACE
 from tests.conftest import TEST_OVERRIDES
 from tests.support import db as testdb
@@ -74,7 +74,7 @@ def test_a_server_crash_mid_drain_and_mid_relay_loses_nothing_and_every_job_comp
     jobs = [mark.message(f"crash-job-{i}") for i in range(JOBS)]
     job_ids = [m.message_id for m in jobs]
     with psycopg.connect(database_url) as conn, conn.transaction():
-        conn.execute(sql.ENQUEUE, enqueue_params(jobs))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(jobs))
         events = [emit(conn, "test.crash", {"label": f"crash-event-{i}"}) for i in range(EVENTS)]
     event_job_ids = [str(uuid.uuid5(MESSAGE_NAMESPACE, f"{event_id}/0")) for event_id in events]
     all_ids = job_ids + event_job_ids

@@ -29,8 +29,8 @@ import psycopg
 import pytest
 
 from broker import app
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.engine import sql_enqueue
+from broker.engine.codec import enqueue_params
 from periodic import PeriodicJob
 from tests.support import db as testdb
 from tests.support.db import query, scalar, wait_for
@@ -80,7 +80,7 @@ def restart(server) -> float:
 
 def enqueue(url: str, messages: list) -> list[str]:  # type: ignore[type-arg]
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(messages))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
     return [m.message_id for m in messages]
 
 

@@ -129,11 +129,11 @@ def test_a_backlog_drained_by_two_processes_runs_each_message_once_with_few_lock
     total = 20_000
     import psycopg
 
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     with psycopg.connect(database_url) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([mark.message("backlog") for _ in range(total)]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([mark.message("backlog") for _ in range(total)]))
     dbname = scalar(database_url, "SELECT current_database()")
     max_locks = 0
     # When two worker processes drain it

@@ -11,8 +11,8 @@ import dramatiq
 import psycopg
 
 from broker import ops
-from broker.engine import sql
-from broker.engine.broker import claim_size_params, enqueue_params
+from broker.engine import sql, sql_enqueue
+from broker.engine.codec import claim_size_params, enqueue_params
 from broker.settings import MIB
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import noop, record_finish, record_start
@@ -55,7 +55,7 @@ def _claimed(url: str, label: str, *, started: bool) -> tuple[str, str, int]:
     message = noop.message(label)
     worker = str(uuid.uuid4())
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
         conn.execute("UPDATE dramatiq.queue SET queue_name = 'cancel_holds' WHERE message_id = %s",
                      (message.message_id,))
         rows = conn.execute(sql.CLAIM, {"queue": "cancel_holds", "n": 1, "n_start": 1 if started else 0,
@@ -114,7 +114,7 @@ def test_a_cancelled_message_of_a_dead_worker_is_rejected_by_rescue_not_requeued
 def test_a_queued_row_marked_cancelled_is_rejected_by_the_claim_and_never_handed_out(broker, database_url):
     message = noop.message("queued-cancelled")
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([message]))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
         conn.execute("UPDATE dramatiq.queue SET queue_name = 'cancel_holds', cancelled_at = now(),"
                      " cancelled_by = 'ops@host' WHERE message_id = %s", (message.message_id,))
         rows = conn.execute(sql.CLAIM, {"queue": "cancel_holds", "n": 5, "n_start": 5,

@@ -8,8 +8,10 @@ import uuid
 import psycopg
 from dramatiq.broker import MessageProxy
 
-from broker.engine import sql
-from broker.engine.broker import QueueState, StandmeetConsumer, claim_size_params, enqueue_params
+from broker.engine import sql, sql_enqueue
+from broker.engine.codec import claim_size_params, enqueue_params
+from broker.engine.consumer import StandmeetConsumer
+from broker.engine.queues import QueueState
 from broker.settings import MIB
 from tests.support.db import query
 from tests.support.jobs import mark
@@ -326,7 +328,7 @@ def test_a_claim_reads_about_as_many_rows_as_it_claims_whatever_the_backlog(data
     messages = [mark.message(f"backlog-{i}") for i in range(3000)]
     queue = messages[0].queue_name
     with psycopg.connect(database_url) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(messages))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
         # When one claim of 6 runs (rolled back: nothing is taken)
         [(plan,)] = conn.execute(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.CLAIM,
@@ -375,8 +377,8 @@ def test_the_next_due_time_is_the_earliest_of_any_priority_and_reads_a_few_rows_
     queue = later[0].queue_name
     soon = mark.message_with_options(args=("soon",), priority=5)
     with psycopg.connect(database_url) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(later, delay=3_600_000))
-        conn.execute(sql.ENQUEUE, enqueue_params([soon], delay=60_000))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(later, delay=3_600_000))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([soon], delay=60_000))
         # When the consumer asks when to look again
         [(seconds,)] = conn.execute(sql.NEXT_DUE, {"queue": queue}).fetchall()
         [(plan,)] = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql.NEXT_DUE, {"queue": queue}).fetchall()
@@ -395,9 +397,9 @@ def test_the_queue_table_is_vacuumed_after_one_percent_of_it_changed_not_twenty(
 def test_a_consumer_looks_again_when_the_next_message_is_due_not_at_the_retry_floor(
         broker, database_url, monkeypatch):
     # Given a retry floor far longer than the wait (the floor is for due rows another claimer holds)
-    from broker.engine import broker as pgbroker
+    from broker.engine import consumer as pgconsumer
 
-    monkeypatch.setattr(pgbroker, "MIN_WAIT_S", 0.5)
+    monkeypatch.setattr(pgconsumer, "MIN_WAIT_S", 0.5)
     broker.claiming = True
     consumer = broker.consume("index", timeout=100)
     message = mark.send_with_options(args=("due-soon",), delay=150)

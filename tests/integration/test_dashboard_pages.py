@@ -104,15 +104,15 @@ def test_the_overview_shows_each_queue_by_state_with_throughput(broker, database
 
 def test_the_overview_and_workers_pages_say_how_many_running_jobs_are_not_yet_started(
         broker, database_url, dashboard):
-    from broker.engine import sql
-    from broker.engine.broker import claim_size_params, enqueue_params
+    from broker.engine import sql, sql_enqueue
+    from broker.engine.codec import claim_size_params, enqueue_params
     from broker.settings import MIB
 
     # Given three messages claimed by this worker process: one started, two claimed ahead
     broker.prove_alive()
     messages = [Message(queue_name="dash_prefetch", actor_name="dash.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
-    query(database_url, sql.ENQUEUE, enqueue_params(messages))
+    query(database_url, sql_enqueue.ENQUEUE, enqueue_params(messages))
     query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id,
                                     **claim_size_params(MIB)})
     try:
@@ -463,13 +463,13 @@ def test_hidden_arguments_are_never_shown_nor_searched(broker, database_url, das
 
 
 def test_a_queue_with_due_jobs_and_no_live_worker_says_no_worker_not_active(broker, database_url, dashboard):
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     # Given due jobs on a queue no live worker process serves
     messages = [Message(queue_name="dash_unserved", actor_name="dash.none", args=(i,), kwargs={}, options={})
                 for i in range(2)]
-    query(database_url, sql.ENQUEUE, enqueue_params(messages))
+    query(database_url, sql_enqueue.ENQUEUE, enqueue_params(messages))
     with dashboard() as client:
         page = client.get("/").text
         text = client.get("/metrics").text
@@ -486,7 +486,7 @@ def test_a_queue_with_due_jobs_and_no_live_worker_says_no_worker_not_active(brok
     broker.prove_alive()
     query(database_url, "UPDATE standmeet.worker_processes SET queues = queues || '{dash_served}'::text[]"
                         " WHERE id = %s", (broker.worker_id,))
-    query(database_url, sql.ENQUEUE, enqueue_params(
+    query(database_url, sql_enqueue.ENQUEUE, enqueue_params(
         [Message(queue_name="dash_served", actor_name="dash.none", args=(0,), kwargs={}, options={})]))
     with dashboard() as client:
         page = client.get("/").text

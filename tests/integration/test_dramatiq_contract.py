@@ -169,7 +169,7 @@ def test_middleware_added_replaced_or_removed_after_messages_were_sent_sees_exac
 
 
 def test_a_claimed_message_reads_as_the_message_it_carries(broker):
-    from broker.engine.broker import ClaimedMessage
+    from broker.engine.consumer import ClaimedMessage
 
     message = add.message(2, 3)
     claimed = ClaimedMessage(message, claim=1, claimed_at=0.0)

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from broker.engine import maintenance
-from broker.engine.sql import HISTORY_BOUNDS_MS
+from broker.engine.sql_history import HISTORY_BOUNDS_MS
 from broker.ops import history
 from broker.settings import replace
 from middleware import Snooze

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from broker import ops
-from broker.engine.broker import claim_size_params
+from broker.engine.codec import claim_size_params
 from broker.settings import MIB
 from middleware.cancellation import Cancellation
 from middleware.retries import Retries
@@ -210,13 +210,13 @@ def test_a_queue_with_due_work_and_no_live_worker_is_unserved_and_served_once_a_
         broker, database_url, conn):
     from dramatiq.message import Message
 
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     # Given due jobs on a queue no worker process serves, and a dead worker that served it
     messages = [Message(queue_name="ops_unserved", actor_name="ops.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
-    query(database_url, sql.ENQUEUE, enqueue_params(messages))
+    query(database_url, sql_enqueue.ENQUEUE, enqueue_params(messages))
     query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at)"
                         " VALUES (gen_random_uuid(), 'gone-host', 4243, '{ops_unserved}', now() - interval '1 minute')")
     (status,) = [q for q in ops.queue_overview(conn, rescue_after_s=20) if q.name == "ops_unserved"]
@@ -421,15 +421,15 @@ def test_operator_actions_are_recorded_with_who_what_and_from_where(broker, conn
 
 def test_the_overviews_say_how_many_of_the_running_jobs_are_claimed_and_not_yet_started(
         broker, database_url, conn):
-    from broker.engine import sql
-    from broker.engine.broker import enqueue_params
+    from broker.engine import sql, sql_enqueue
+    from broker.engine.codec import enqueue_params
 
     # Given three messages of a queue, claimed by this worker process: one started, two
     # claimed ahead of a free slot
     broker.prove_alive()
     messages = [dramatiq.Message(queue_name="ops_prefetch", actor_name="ops.none", args=(i,), kwargs={}, options={})
                 for i in range(3)]
-    conn.execute(sql.ENQUEUE, enqueue_params(messages))
+    conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
     conn.execute(sql.CLAIM, {"queue": "ops_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id,
                              **claim_size_params(MIB)})
     try:

@@ -15,10 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import emit, ops, outbox
+from broker import emit, ops
 from broker.engine import sql
 from broker.observability.metrics import DatabaseCollector
 from broker.outbox import MESSAGE_NAMESPACE, Relay, relay_once, route, routed_topics
+from broker.outbox import relay as outbox
 from broker.pg import pool as pgpool
 from tests.conftest import configured_broker
 from tests.support.db import query, scalar, wait_for

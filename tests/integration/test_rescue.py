@@ -13,8 +13,8 @@ from contextlib import nullcontext
 import psycopg
 import pytest
 
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.engine import sql, sql_enqueue
+from broker.engine.codec import enqueue_params
 from tests.support.db import query
 from tests.support.jobs import mark
 
@@ -39,7 +39,7 @@ def _held_by_dead_worker(url: str | psycopg.Connection, runs: list[tuple[bool, s
         conn.execute(DEAD_WORKER, (worker, None))
         if graceful:
             conn.execute("UPDATE standmeet.worker_processes SET stopped_at = now() WHERE id = %s", (worker,))
-        conn.execute(sql.ENQUEUE, enqueue_params(messages, delay=60_000))  # nobody else claims them
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages, delay=60_000))  # nobody else claims them
         for message, (started, suspect, crashes) in zip(messages, runs, strict=True):
             conn.execute(HOLD, (worker, started, suspect, crashes, message.message_id))
     return [m.message_id for m in messages]
@@ -104,7 +104,7 @@ def test_suspects_of_one_crash_run_one_at_a_time(broker, database_url):
     messages = [mark.message(f"suspect-{i}") for i in range(2)]
     ids = [m.message_id for m in messages]
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params(messages))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
         conn.execute("UPDATE dramatiq.queue SET suspect_of = %s WHERE message_id = ANY(%s::uuid[])", (crash, ids))
     # When a consumer with free slots claims
     broker.claiming = True
@@ -248,7 +248,7 @@ def test_a_process_never_rescues_its_own_claims_even_when_its_heartbeat_looks_ol
     broker.prove_alive()
     message = mark.message("held-by-a-slow-heartbeat")
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(sql.ENQUEUE, enqueue_params([message], delay=60_000))
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message], delay=60_000))
         conn.execute(HOLD, (broker.worker_id, True, None, 0, message.message_id))
         conn.execute("UPDATE standmeet.worker_processes SET heartbeat_at = now() - interval '1 hour' WHERE id = %s",
                      (broker.worker_id,))

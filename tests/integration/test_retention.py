@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import psycopg
 
-from broker.engine import maintenance, sql
-from broker.engine.broker import enqueue_params
+from broker.engine import maintenance, sql_enqueue
+from broker.engine.codec import enqueue_params
 from broker.settings import replace
 from tests.support.db import query, wait_for
 from tests.support.jobs import mark
@@ -16,7 +16,7 @@ def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, d
     messages = [mark.message(f"retention-{i}") for i in range(9)]
     with psycopg.connect(database_url, autocommit=True) as conn:
         for m in messages:
-            conn.execute(sql.ENQUEUE, enqueue_params([m]))
+            conn.execute(sql_enqueue.ENQUEUE, enqueue_params([m]))
         ids = [m.message_id for m in messages]
         conn.execute("UPDATE dramatiq.queue SET state = 'done', mtime = now() - interval '30 days' WHERE message_id = ANY(%s::uuid[])", (ids[:5],))
         conn.execute("UPDATE dramatiq.queue SET state = 'rejected', mtime = now() - interval '30 days' WHERE message_id = ANY(%s::uuid[])", (ids[5:7],))

@@ -96,7 +96,7 @@ def observed(fn: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> None:
-        from broker.engine.broker import claim_of
+        from broker.engine.queues import claim_of
         from broker.services import current_broker
 
         message = _current()
@@ -143,7 +143,7 @@ def short(ms: float = 5.0) -> None:
 def long_job(seconds: float, again_s: float) -> None:
     """``seconds`` on its first claim; ``again_s`` when it runs again (rescued, retried)."""
     message = _current()
-    from broker.engine.broker import claim_of
+    from broker.engine.queues import claim_of
 
     cooperative_sleep(seconds if message is None or claim_of(message) in (None, 1) else again_s)
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from dramatiq.message import Message
 
-from broker.engine import sql
-from broker.engine.broker import enqueue_params
+from broker.engine import sql_enqueue
+from broker.engine.codec import enqueue_params
 from tests.support.db import query
 
 #: Reject rows as the broker does: state, reason, when.
@@ -26,7 +26,7 @@ def put_jobs(url: str, queue: str, count: int = 1, *, actor: str = "job_rows.non
     ids = list(ids) or [str(uuid.uuid4()) for _ in range(count)]
     messages = [Message(queue_name=queue, actor_name=actor, args=tuple(args), kwargs={}, options=dict(options or {}),
                         message_id=i) for i in ids]
-    query(url, sql.ENQUEUE, enqueue_params(messages, delay=delay_ms))
+    query(url, sql_enqueue.ENQUEUE, enqueue_params(messages, delay=delay_ms))
     if rejected_with is not None:
         query(url, REJECT, (rejected_with, ids))
     return ids

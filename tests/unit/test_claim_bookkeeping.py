@@ -8,7 +8,7 @@ import dramatiq
 import pytest
 
 from broker.backoff import Backoff
-from broker.engine.broker import Claim, QueueState
+from broker.engine.queues import Claim, QueueState
 from broker.settings import PREFETCH_MOST, QueueSettings
 
 

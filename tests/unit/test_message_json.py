@@ -5,7 +5,7 @@ from __future__ import annotations
 import dramatiq
 from dramatiq.broker import MessageProxy
 
-from broker.engine.broker import message_json
+from broker.engine.codec import message_json
 
 
 def test_a_message_is_written_as_dramatiqs_own_json_text():
@@ -17,7 +17,7 @@ def test_a_message_is_written_as_dramatiqs_own_json_text():
 
 
 def test_a_batch_is_written_as_the_array_of_each_messages_own_json_text():
-    from broker.engine.broker import enqueue_params
+    from broker.engine.codec import enqueue_params
 
     messages = [dramatiq.Message(queue_name="q", actor_name="a", args=(n, 'é"x'), kwargs={"k": [n]},
                                  options={"priority": n, "x": "\u2603"}) for n in range(3)]

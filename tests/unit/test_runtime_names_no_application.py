@@ -10,8 +10,6 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ("broker", "middleware", "periodic")
 #: What a runtime file may be: code, SQL, templates.
@@ -167,13 +165,6 @@ def files_with_hits() -> str:
     return ", ".join(f"{where} ({n})" for where, n in counts.items()) or "none"
 
 
-# The files of other branches (operator queries and commands, the dashboard's webhook pages,
-# observability, errors, settings, comments and docstrings) still name the application: the
-# lead removes this mark once they merge.
-@pytest.mark.xfail(strict=False, reason=f"other branches still name the application: {files_with_hits()}; "
-                   "run it with -s to see each file:line")
 def test_no_runtime_file_names_an_application_table_actor_or_domain_word():
     hits = runtime_hits()
-    print(f"{len(hits)} line(s) of the runtime name the application:")
-    print("\n".join(hits))
     assert not hits, f"{len(hits)} line(s) of the runtime name the application:\n" + "\n".join(hits)

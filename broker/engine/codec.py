@@ -1,0 +1,383 @@
+"""A message as the broker stores it: its JSON text (as Dramatiq encodes it), its
+priority, and the checks that refuse, before anything is written, a message Postgres
+would refuse or its run could not use (:func:`check_message`, :func:`checked_json`); the
+same check of JSON values serves ``emit``'s events (:func:`check_json_value`); and the
+parameters of the statements that write messages, made from them (:func:`enqueue_params`,
+:func:`enqueue_one_params`, :func:`batch_params`), which only the writer,
+:mod:`broker.engine.enqueue`, executes."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import re
+import reprlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import dramatiq
+from dramatiq.broker import MessageProxy
+from dramatiq.message import Message
+
+from broker.errors import ConfigError, InvalidMessage, MessageTooLarge
+from broker.settings import MIB, Settings
+
+logger = logging.getLogger("standmeet.broker")
+
+#: Longest text of a message's call (actor and arguments) in a log line.
+MAX_LOGGED_CALL_CHARS = 300
+
+
+def as_message(message: Message | MessageProxy) -> Message:
+    return message._message if isinstance(message, MessageProxy) else message  # type: ignore[attr-defined]
+
+
+#: Dramatiq's JSONEncoder writes ``json.dumps(fields, separators=(",", ":"))``: the same
+#: encoder made once (json.dumps makes a new one per call with these separators).
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
+_MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
+
+
+def _encoded_as_dramatiq_would(message: Message) -> bool:
+    """Whether compact_json of :func:`_fields` is the text Dramatiq's encoder writes."""
+    return type(message) is Message and type(dramatiq.get_encoder()) is dramatiq.JSONEncoder
+
+
+def _fields(message: Message) -> dict[str, Any]:
+    return {name: getattr(message, name) for name in _MESSAGE_FIELDS}
+
+
+def message_json(message: Message | MessageProxy) -> str:
+    """The message as JSON text, as Dramatiq encodes it."""
+    plain = as_message(message)
+    if _encoded_as_dramatiq_would(plain):
+        return compact_json(_fields(plain))  # the same text as plain.encode().decode()
+    return plain.encode().decode("utf-8")
+
+
+def message_priority(message: Message | MessageProxy) -> int:
+    """Lower runs first: the message's ``priority`` option, else its actor's priority."""
+    value = message.options.get("priority")
+    if value is None:
+        broker = dramatiq.broker.global_broker
+        actor = broker.actors.get(message.actor_name) if broker is not None else None
+        value = actor.priority if actor is not None else 0
+    return int(value)
+
+
+#: Dramatiq's options whose values are numbers, with the least each may be: (minimum,
+#: whole numbers only). A value of another type, not finite, below its minimum or above
+#: MAX_OPTION_VALUE is refused at send: in a run it would make the retry logic raise.
+NUMERIC_OPTIONS: dict[str, tuple[float, bool]] = {
+    "max_retries": (0, True), "retries": (0, True), "min_backoff": (0, False), "max_backoff": (0, False),
+    "time_limit": (1, False), "max_age": (1, False), "delay": (0, False), "result_ttl": (1, False),
+    "priority": (-(2 ** 31), True), "max_snoozes": (0, True), "snoozes": (0, True),
+    "unique_period_s": (1, False),
+}
+#: Longest ``unique_key`` a message may name.
+MAX_UNIQUE_KEY_CHARS = 1000
+#: Options that are true or false.
+BOOLEAN_OPTIONS = frozenset({"store_results", "pipe_ignore", "notify_shutdown"})
+#: Largest number an option may hold: ten years of milliseconds, and below ``int4``'s
+#: ceiling for ``priority``.
+MAX_OPTION_VALUE = 10 * 366 * 86_400_000
+#: Deepest nesting of objects and lists a value may have (messages' arguments, events' payloads).
+MAX_JSON_DEPTH = 32
+#: In JSON text (ASCII, as Dramatiq's encoder writes it), what may be a value Postgres
+#: refuses: NaN or an infinity, a ``\u0000``, a surrogate. Only options whose text holds
+#: one of these are walked, to clear it (a string may hold those letters).
+_SUSPECT = re.compile(r"NaN|Infinity|\\u0000|\\ud[89a-f]")
+#: A surrogate code point in a Python text: a lone one (a pair is one character).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "a \\u0000 (NUL) character, which Postgres cannot store"
+    if not text.isascii() and any("\ud800" <= c <= "\udfff" for c in text):
+        return "a lone surrogate (not valid Unicode)"
+    return None
+
+
+def check_json_value(value: Any, *, what: str, error: type[Exception] = InvalidMessage) -> None:
+    """Refuse, with ``error`` naming ``what`` and where, a value Postgres' jsonb would
+    refuse (in a caller's transaction, aborting it) or JSON cannot express: NaN or an
+    infinity, a ``\\u0000``, a lone surrogate, a non-string key, an object that is not
+    JSON, or nesting deeper than MAX_JSON_DEPTH. The one check of everything written as
+    JSON: events (``emit``), messages (sends, ``enqueue``, ``enqueue_many``). Walks
+    iteratively: depth cannot blow the stack. A first walk only looks; the path of what it
+    found is spelt out by a second (a send pays no text per value)."""
+    if _storable_json(value):
+        return
+    stack: list[tuple[Any, int, str]] = [(value, 1, "$")]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            if depth > MAX_JSON_DEPTH:
+                raise error(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    if not isinstance(key, str):
+                        raise error(f"{what} has a non-string key at {path}")
+                    bad = _bad_text(key)
+                    if bad:
+                        raise error(f"a key of {what} at {path} holds {bad}")
+                    stack.append((inner, depth + 1, f"{path}.{key[:40]}"))
+            else:
+                stack.extend((inner, depth + 1, f"{path}[{n}]") for n, inner in enumerate(item))
+        elif isinstance(item, str):
+            bad = _bad_text(item)
+            if bad:
+                raise error(f"{what} holds {bad} at {path}")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise error(f"{what} holds {item!r} at {path}, which JSON cannot express")
+        elif item is not None and not isinstance(item, bool | int):
+            raise error(f"{what} holds a {type(item).__name__} at {path}, not JSON")
+
+
+def _storable_json(value: Any) -> bool:
+    """Whether :func:`check_json_value` would let ``value`` pass: the same rules, no paths."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        kind = type(item)
+        if kind is str:
+            if "\x00" in item or (not item.isascii() and _SURROGATE.search(item)):
+                return False
+        elif kind is int or kind is bool or item is None:
+            continue
+        elif kind is float:
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            if depth > MAX_JSON_DEPTH:
+                return False
+            for key, inner in item.items():
+                if type(key) is not str or "\x00" in key or (not key.isascii() and _SURROGATE.search(key)):
+                    return False
+                stack.append((inner, depth + 1))
+        elif isinstance(item, list | tuple):
+            if depth > MAX_JSON_DEPTH:
+                return False
+            stack.extend((inner, depth + 1) for inner in item)
+        else:
+            return False  # a str, int or float subclass, or not JSON: the careful walk decides
+    return True
+
+
+def check_options(message: Message | MessageProxy) -> None:
+    """Refuse a message whose Dramatiq options hold a value its run could not use
+    (``max_retries='3'``, a negative ``time_limit``…), naming the option and the value."""
+    options = message.options
+    for name in options.keys() & NUMERIC_OPTIONS.keys():
+        value = options[name]
+        if name in ("max_retries", "priority", "delay") and value is None:
+            continue  # no cap on retries; the actor's priority; no delay
+        minimum, whole = NUMERIC_OPTIONS[name]
+        kind = "a whole number" if whole else "a number"
+        if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
+                or not math.isfinite(value) or not minimum <= value <= MAX_OPTION_VALUE):
+            raise InvalidMessage(f"option {name}={value!r} of a message to {message.actor_name!r} is not "
+                                 f"{kind} from {minimum:g} to {MAX_OPTION_VALUE}")
+    for name in options.keys() & BOOLEAN_OPTIONS:
+        if not isinstance(options[name], bool):
+            raise InvalidMessage(f"option {name}={options[name]!r} of a message to {message.actor_name!r} "
+                                 "is not true or false")
+    key = options.get("unique_key")
+    if key is not None and not (isinstance(key, str) and 0 < len(key) <= MAX_UNIQUE_KEY_CHARS):
+        raise InvalidMessage(f"option unique_key={_short.repr(key)} of a message to {message.actor_name!r} is not "
+                             f"a text of 1 to {MAX_UNIQUE_KEY_CHARS} characters")
+
+
+def delay_seconds(delay: Any) -> float:
+    """A send's ``delay`` (milliseconds, or None) in seconds; a clear error if it is not one."""
+    if delay is None:
+        return 0.0
+    if (isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay)
+            or not 0 <= delay <= MAX_OPTION_VALUE):
+        raise InvalidMessage(f"delay={delay!r} is not a number of milliseconds from 0 to {MAX_OPTION_VALUE}")
+    return delay / 1000.0
+
+
+def check_message(message: Message) -> None:
+    """Refuse a message whose options its run cannot use (:func:`check_options`) or whose
+    arguments or options are not JSON Postgres stores (:func:`check_json_value`, as
+    ``emit`` checks an event), naming the value and where it is."""
+    check_options(message)
+    if _storable_json((message.args, message.kwargs, message.options)):
+        return
+    for part, value in (("arguments", message.args), ("keyword arguments", message.kwargs),
+                        ("options", message.options)):
+        check_json_value(value, what=f"the {part} of a message to {message.actor_name!r}")
+
+
+def check_encoded_size(size: int, actor_name: str, max_bytes: int) -> None:
+    """:class:`MessageTooLarge`, naming the size and the limit, for a message to
+    ``actor_name`` of ``size`` bytes encoded over ``max_bytes``."""
+    if size > max_bytes:
+        raise MessageTooLarge(
+            f"the message to {actor_name!r} is {size} bytes encoded, over the limit of {max_bytes} "
+            "(STANDMEET_MESSAGE_MAX_BYTES); store large data in a table and send its id")
+
+
+def _check_size(size: int, message: Message, max_bytes: int) -> None:
+    check_encoded_size(size, message.actor_name, max_bytes)
+
+
+def default_max_bytes() -> int:
+    """STANDMEET_MESSAGE_MAX_BYTES of the configured broker (1 MiB without one)."""
+    settings = getattr(dramatiq.broker.global_broker, "settings", None)
+    return settings.message_max_bytes if isinstance(settings, Settings) else MIB
+
+
+def checked_json(message: Message | MessageProxy, *, max_bytes: int | None = None) -> str:
+    """The message's JSON text, once it is known to be one Postgres stores and no larger
+    than ``max_bytes`` (default: :func:`default_max_bytes`); :class:`InvalidMessage` or
+    :class:`MessageTooLarge` otherwise, before anything is written."""
+    plain = as_message(message)
+    check_message(plain)
+    text = message_json(plain)
+    limit = default_max_bytes() if max_bytes is None else max_bytes
+    _check_size(len(text) if text.isascii() else len(text.encode("utf-8")), plain, limit)
+    return text
+
+
+def claim_size_params(max_bytes: int) -> dict[str, int]:
+    """What :data:`broker.engine.sql.CLAIM` refuses: a row whose text, as Postgres writes it (a
+    space after each ``,`` and ``:``, so up to 1.5 times the compact text a send measured),
+    is over 1.5 × ``max_bytes``: never one a send accepted. A row whose stored size is
+    below a sixth of that is not measured."""
+    claim_max = max_bytes * 3 // 2
+    return {"claim_max_bytes": claim_max, "claim_cheap_bytes": (claim_max - 64) // 6}
+
+
+#: Options as the settle writes them: what jsonb refuses raises (NaN, an infinity).
+_strict_json = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+def options_json(message: Message | MessageProxy) -> str | None:
+    """The message's options as JSON Postgres stores (a NUL or a lone surrogate in a text,
+    such as an exception's message in a traceback, replaced by U+FFFD); None when a
+    middleware left in them what JSON cannot hold."""
+    try:
+        text = _strict_json(message.options)
+    except (TypeError, ValueError, RecursionError):
+        logger.error("message %s: its options cannot be stored as JSON; they are kept as claimed",
+                     message.message_id)
+        return None
+    if _SUSPECT.search(text) is not None:
+        return _strict_json(_storable(json.loads(text)))
+    return text
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
+
+
+def storable_text(text: str) -> str:
+    """``text`` as Postgres stores it: a NUL or a lone surrogate becomes U+FFFD."""
+    text = text.replace("\x00", "\ufffd")
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+#: Dramatiq prints a message as its call; each value shown is cut while it is written, so
+#: a megabyte of arguments is never turned into text to be logged.
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 120
+_short.maxlist = _short.maxtuple = _short.maxdict = _short.maxset = 8
+_short.maxlevel = 3
+
+
+def logged_call(message: Message) -> str:
+    """``actor(args…)`` as Dramatiq prints a message, cut to MAX_LOGGED_CALL_CHARS."""
+    shown: list[str] = []
+    length = 0
+    values = itertools.chain(map(_short.repr, message.args),
+                             (f"{k}={_short.repr(v)}" for k, v in message.kwargs.items()))
+    for text in values:
+        shown.append(text)
+        length += len(text) + 2
+        if length > MAX_LOGGED_CALL_CHARS:
+            break
+    call = f"{message.actor_name}({', '.join(shown)})"
+    if len(call) > MAX_LOGGED_CALL_CHARS:
+        call = f"{call[:MAX_LOGGED_CALL_CHARS]}… ({len(message.args)} args, {len(message.kwargs)} kwargs)"
+    return call
+
+
+def enqueue_params(messages: Iterable[Message | MessageProxy], delay: int | None = None, *,
+                   max_bytes: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.engine.sql_enqueue.ENQUEUE` for ``messages``, due after ``delay`` ms;
+    :class:`InvalidMessage` or :class:`MessageTooLarge` (naming the message) for a batch
+    holding one Postgres would refuse or one over ``max_bytes`` (default:
+    :func:`default_max_bytes`), before anything is written."""
+    batch = [as_message(m) for m in messages]
+    delay_s = delay_seconds(delay)
+    for m in batch:
+        check_message(m)
+    limit = default_max_bytes() if max_bytes is None else max_bytes
+    priorities = [str(message_priority(m)) for m in batch]
+    if all(_encoded_as_dramatiq_would(m) for m in batch):
+        # one encoder call for the whole array: the same text as joining each message's
+        # (a third less time for a batch of thousands)
+        array = compact_json([_fields(m) for m in batch])
+        if len(array) > limit:  # one of them may be too large: each one's text ends at its id
+            _check_sizes(array, batch, limit)
+    else:
+        array = f"[{','.join(checked_json(m, max_bytes=limit) for m in batch)}]"
+    return _array_params(array, priorities, delay_s=delay_s)
+
+
+def _check_sizes(array: str, batch: Sequence[Message], max_bytes: int) -> None:
+    """Each message's size in the JSON ``array`` of ``batch`` (ASCII, in order): the distance
+    from the end of one message's id to the end of the next's (its last field but one)."""
+    start = 0
+    for m in batch:
+        marker = f'"message_id":"{m.message_id}"'
+        end = array.find(marker, start)
+        if end < 0:  # not where it should be: measure it alone
+            _check_size(len(message_json(m)), m, max_bytes)
+            continue
+        end += len(marker)
+        _check_size(end - start, m, max_bytes)
+        start = end
+
+
+def batch_params(texts: Sequence[str], priorities: Sequence[str], *, delay_s: float = 0.0) -> dict[str, Any]:
+    """Parameters of :data:`broker.engine.sql_enqueue.ENQUEUE` for messages already encoded: their JSON
+    texts and priorities (as decimal text), in order, all due after ``delay_s``."""
+    return _array_params(f"[{','.join(texts)}]", priorities, delay_s=delay_s)
+
+
+def _array_params(array: str, priorities: Sequence[str], *, delay_s: float) -> dict[str, Any]:
+    return {"messages": array, "priorities": f"{{{','.join(priorities)}}}", "delay_s": delay_s}
+
+
+def enqueue_one_params(message: Message | MessageProxy, delay: int | None = None, *,
+                       max_bytes: int | None = None) -> dict[str, Any]:
+    """Parameters of :data:`broker.engine.sql_enqueue.ENQUEUE_ONE` for ``message``, due after ``delay`` ms;
+    refused as :func:`checked_json` says, before anything is written."""
+    delay_s = delay_seconds(delay)
+    return {"queue": message.queue_name, "message_id": message.message_id,
+            "message": checked_json(message, max_bytes=max_bytes),
+            "delay_s": delay_s, "priority": message_priority(message)}
+
+
+def refuse_non_json_encoder() -> None:
+    """Messages live in a ``jsonb`` column: an encoder that does not write JSON is refused."""
+    encoder = dramatiq.get_encoder()
+    if not isinstance(encoder, dramatiq.JSONEncoder):
+        raise ConfigError(
+            f"the message encoder is {type(encoder).__name__}, but this broker stores messages as JSON "
+            "(dramatiq-pg's jsonb column): use dramatiq.JSONEncoder or a subclass of it"
+        )

@@ -1,0 +1,244 @@
+"""This process's liveness: it heartbeats by the database's clock, proves it is alive
+before it claims or settles after an outage, steps down (interrupting its running jobs)
+when it cannot prove it for ``step_down_after_s``, steps up when it can again, and rescues
+the messages of processes that died or fell silent.
+
+:class:`Liveness` knows nothing of the broker: it is given the worker id, the URL its own
+heartbeat connection opens, a way to run a statement on the pool, the process's outage,
+and what it must see or touch of the claims: the queues' states, the claims whose outcome
+waits to be written, the worker threads running jobs, and whether the process claims.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import psycopg
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware.threading import raise_thread_exception
+
+from broker import detach
+from broker.engine import sql
+from broker.engine.queues import QueueState
+from broker.errors import CutOff
+from broker.pg.pool import DISCONNECTS, Outage, close_quietly, connect
+from broker.settings import Settings
+
+logger = logging.getLogger("standmeet.broker")
+
+#: Runs one autocommit statement on the process's pool; returns its rows.
+Execute = Callable[[str, dict[str, Any]], list[tuple[Any, ...]]]
+
+
+class Liveness:
+    """Heartbeat, step down and up, rescue: what keeps this process's claims its own."""
+
+    def __init__(self, *, worker_id: str, url: str, settings: Settings, outage: Outage, execute: Execute,
+                 served: set[str], queue_states: Mapping[str, QueueState],
+                 pending_claims: Callable[[], list[tuple[tuple[str, int], str]]],
+                 job_threads: Mapping[int, MessageProxy], claiming: Callable[[], bool],
+                 on_proven: Callable[[], None]) -> None:
+        """``served``: the queues this process serves (it grows); ``queue_states``: what it
+        holds of each; ``pending_claims``: the settler's claims whose outcome waits to be
+        written; ``job_threads``: the worker threads running jobs (thread id -> message),
+        interrupted on a step-down; ``claiming``: whether the process still claims (not
+        shutting down); ``on_proven``: called each time it proved it lives."""
+        self.worker_id = worker_id
+        self.url = url
+        self.settings = settings
+        self.outage = outage
+        self.execute = execute
+        self.served = served
+        self.queue_states = queue_states
+        self.pending_claims = pending_claims
+        self.job_threads = job_threads
+        self.claiming = claiming
+        self.on_proven = on_proven
+        #: set while this process cannot prove it lives (see :meth:`guard_once`)
+        self.stepped_down = False
+        #: when a heartbeat was last confirmed (monotonic); None before the first
+        self.confirmed_at: float | None = None
+        #: set once the process closes: no heartbeat starts after it
+        self.closing = False
+        #: told what each rescue pass did: {queue: (requeued, rejected)}
+        self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
+        self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._heartbeat: detach.Detached | None = None
+        self._guard: detach.Detached | None = None
+        self._beat_conn: psycopg.Connection[Any] | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the heartbeat runs (it starts when the process first proves it lives)."""
+        return self._heartbeat is not None
+
+    def connect_proven(self, application_name: str) -> psycopg.Connection[Any]:
+        """A new connection on which this process has just proved it lives (closed if it could not)."""
+        conn = connect(self.url, application_name=application_name, at_first_use=True)
+        try:
+            self.prove_alive(conn)
+        except BaseException:
+            close_quietly(conn)
+            raise
+        return conn
+
+    def prove_alive(self, conn: psycopg.Connection[Any] | None = None) -> None:
+        """Record a heartbeat (registering this process if needed), on ``conn`` or the pool.
+
+        Called before the first claim, and again before claiming or settling after an
+        outage: rescue never takes back the claims of a process that proved it is alive.
+        """
+        params = {
+            "worker_id": self.worker_id,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "queues": sorted(self.served),
+        }
+        if conn is not None:
+            conn.execute(sql.HEARTBEAT, params)
+        else:
+            self.execute(sql.HEARTBEAT, params)
+        self.confirmed_at = time.monotonic()
+        self.outage.ok()
+        self._start_heartbeat()
+        if self.stepped_down:
+            self._step_up(conn)
+
+    def _start_heartbeat(self) -> None:
+        with self._lock:
+            if self._heartbeat is None and not self.closing:
+                self._heartbeat = detach.every(
+                    f"heartbeat-{self.worker_id[:8]}", self.settings.heartbeat_s, self.heartbeat_once
+                )
+                self._guard = detach.every(
+                    f"liveness-guard-{self.worker_id[:8]}", min(0.5, self.settings.heartbeat_s / 2), self.guard_once
+                )
+        self.on_proven()
+
+    # -- stepping down when cut off -------------------------------------------------
+
+    def guard_once(self) -> bool:
+        """Step down if no heartbeat was confirmed for ``step_down_after_s``: no I/O here, so
+        a thread stuck on a dead connection cannot stop it. True if it stepped down now."""
+        confirmed = self.confirmed_at
+        if (self.stepped_down or confirmed is None or self.closing or not self.claiming()
+                or time.monotonic() - confirmed < self.settings.step_down_after_s):
+            return False
+        self.step_down(time.monotonic() - confirmed)
+        return True
+
+    def step_down(self, silent_s: float) -> None:
+        """Stop claiming and starting claims, and interrupt the running jobs (retryable):
+        another process may rescue them once this one's heartbeat is older than the rescue
+        window, and a run must not go on here then. Prefetched claims are kept unstarted;
+        what this process still holds when it can prove it lives again is checked then."""
+        self.stepped_down = True
+        running = list(self.job_threads.items())
+        for thread_id, _proxy in running:
+            raise_thread_exception(thread_id, CutOff)
+        logger.warning(
+            "stepping down: no heartbeat confirmed for %.1f s (another process may rescue this one's jobs after "
+            "%g s): claiming stopped, %d running job(s) interrupted; they run again",
+            silent_s, self.settings.rescue_after_s, len(running))
+
+    def _step_up(self, conn: psycopg.Connection[Any] | None) -> None:
+        """This process proved it lives again: say which of its claims were taken back
+        meanwhile (their late outcomes are fenced off by the claim number), then claim again."""
+        with self._step_lock:  # several threads may prove it at once: one says it
+            if self.stepped_down:
+                self._step_up_once(conn)
+
+    def _step_up_once(self, conn: psycopg.Connection[Any] | None) -> None:
+        held = list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
+                                     for key in state.held()), *self.pending_claims()]))
+        lost: list[tuple[str, int, str]] = []
+        if held:
+            params = {"ids": [key[0] for key, _ in held], "claims": [key[1] for key, _ in held],
+                      "worker_id": self.worker_id}
+            try:  # on the connection that just proved it: the pool may still be reconnecting
+                rows = (conn.execute(sql.STILL_HELD, params).fetchall() if conn is not None
+                        else self.execute(sql.STILL_HELD, params))
+            except DISCONNECTS:
+                return  # not proven after all: the next heartbeat tries again
+            kept = {(row[0], int(row[1])) for row in rows}
+            lost = [(key[0], key[1], queue) for key, queue in held if key not in kept]
+        for message_id, number, queue_name in lost:
+            logger.warning("lost claim %d of message %s (queue %r): taken back while this process was cut off; "
+                           "its outcome here is not written", number, message_id, queue_name)
+        if lost:  # cut off, not crashed: the blame rescue laid on this process is taken back
+            params = {"ids": sorted({m for m, _, _ in lost}), "worker_id": self.worker_id}
+            try:
+                if conn is not None:
+                    conn.execute(sql.CLEAR_BLAME, params)
+                else:
+                    self.execute(sql.CLEAR_BLAME, params)
+            except DISCONNECTS:
+                return  # not proven after all: the next heartbeat tries again
+        for state in self.queue_states.values():
+            state.forget({(m, n) for m, n, q in lost if q == state.name})
+        self.stepped_down = False
+        logger.warning("stepping up: heartbeat confirmed again; %d claim(s) lost, claiming again", len(lost))
+        for state in self.queue_states.values():
+            state.wake()
+
+    def heartbeat_once(self) -> dict[str, tuple[int, int]]:
+        """Prove this process alive, and rescue the messages of dead ones.
+
+        The heartbeat has a connection of its own, kept for the process's life: behind a
+        session pooler whose server connections are all taken, a heartbeat waiting for one
+        would make this live process look dead to the others."""
+        try:
+            conn = self._beat_conn
+            if conn is None or conn.closed:
+                conn = self._beat_conn = connect(self.url, application_name="standmeet-heartbeat", at_first_use=True)
+            try:
+                self.prove_alive(conn)
+            except BaseException:
+                close_quietly(conn)
+                self._beat_conn = None
+                raise
+            return self.rescue_once()
+        except psycopg.Error as exc:
+            self.outage.failed("heartbeat", exc)  # one line per outage, not one per beat
+            return {}
+
+    def rescue_once(self) -> dict[str, tuple[int, int]]:
+        """Requeue messages whose process died; returns {queue: (requeued, rejected)}.
+
+        A process that was itself cut off from the database judges nobody until it has
+        been back for a whole rescue window: the others need that long to prove they live.
+        """
+        ended = self.outage.ended_at
+        if self.outage.down or (ended is not None and time.monotonic() - ended < self.settings.rescue_after_s):
+            return {}
+        rows = self.execute(
+            sql.RESCUE,
+            {"after_s": self.settings.rescue_after_s, "max_crashes": self.settings.max_crashes,
+             "worker_id": self.worker_id},
+        )
+        result = {row[0]: (int(row[1]), int(row[2])) for row in rows}
+        for listener in self.rescue_listeners:  # e.g. the metrics' rescue counter
+            listener(result)
+        for row in rows:
+            logger.warning(
+                "crash rescue: %d message(s) of queue %r requeued (%d suspect), %d rejected (too many crashes, "
+                "or cancelled)",
+                int(row[1]), row[0], int(row[3]), int(row[2]),
+            )
+        return result
+
+    def stop(self) -> None:
+        """Stop the heartbeat and the guard, and close the heartbeat's connection."""
+        self.closing = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop(timeout_s=2)
+        if self._guard is not None:
+            self._guard.stop(timeout_s=1)
+        close_quietly(self._beat_conn)

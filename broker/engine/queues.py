@@ -1,0 +1,292 @@
+"""What one process holds of each queue: its claims (running, prefetched, being given
+back) and the counts that bound them (see :class:`QueueState`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dramatiq.broker import MessageProxy
+from dramatiq.message import Message
+
+from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings
+
+#: Weight of the latest run in a queue's mean run time.
+RUN_TIME_WEIGHT = 0.1
+
+
+@dataclass
+class Claim:
+    """One claim of a message by this process: (message id, claim number)."""
+
+    message: Message
+    number: int
+    started: bool
+    #: when it was claimed (wall clock, for the claim-to-start metric)
+    claimed_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.message.message_id, self.number)
+
+
+class QueueState:
+    """What this process holds of one queue: shared by its successive consumers.
+
+    A claim is identified by (message id, claim number): the same message can be
+    claimed again (a snooze due at once) before the previous run is settled. At most
+    ``limit`` claims are *running* (handed to Dramatiq's worker); up to ``prefetch`` more
+    wait in :attr:`buffer`, claimed, and start the moment a running one finishes. A claim
+    is *in flight* while it runs or waits in the buffer.
+    """
+
+    def __init__(self, settings: QueueSettings) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.limit = settings.max_workers
+        self.prefetch = settings.prefetch
+        self.lock = threading.Lock()
+        self.in_flight: set[tuple[str, int]] = set()
+        self.running: set[tuple[str, int]] = set()
+        self.buffer: deque[Claim] = deque()
+        #: claims taken from the buffer to give back, until the give-back is written
+        self.returning: list[Claim] = []
+        #: the consumer sleeps on the wake pipe (set and read under ``lock``)
+        self.waiting = False
+        #: a running job ended (or outcomes were written) since the consumer last looked
+        self.freed = False
+        #: runs that ended whose outcome the settler has not written yet: their rows
+        #: are still ``consumed`` in the database, so they count against the claims
+        #: beyond a slack of one more ``limit``
+        self.unsettled = 0
+        #: when each running claim was handed to the worker, and the mean run time since
+        #: (exponentially weighted), which sizes the default prefetch
+        self._handed_at: dict[tuple[str, int], float] = {}
+        self.mean_run_s: float | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def _free(self) -> int:
+        return (self.limit + self.prefetch - len(self.in_flight)
+                - max(0, self.unsettled - self.limit))
+
+    def free(self) -> int:
+        """How many more messages this process may claim now: its rows ``consumed`` in the
+        database never exceed ``2 × limit`` + the prefetch's ceiling (finished ones
+        included), however far the settler is behind."""
+        with self.lock:
+            return self._free()
+
+    def should_claim(self) -> bool:
+        """Worth a claim now: a running slot would otherwise stay idle, or enough room for a
+        batch. Claiming one message each time one finishes costs a round trip per job;
+        waiting for a batch's worth of room costs nothing while the buffer still holds
+        messages to start."""
+        with self.lock:
+            free = self._free()
+            if free <= 0:
+                return False
+            return free >= self.claim_batch or len(self.running) + len(self.buffer) < self.limit
+
+    @property
+    def claim_batch(self) -> int:
+        """The room that makes a claim worth its round trip while nothing would idle."""
+        return max(1, (self.prefetch + 1) // 2)
+
+    def start_now(self) -> int:
+        """How many claimed messages would start at once (free running slots)."""
+        with self.lock:
+            return max(0, self.limit - len(self.running) - len(self.buffer))
+
+    def hold(self, claim: Claim) -> None:
+        with self.lock:
+            self.in_flight.add(claim.key)
+            self.buffer.append(claim)
+
+    def next_buffered(self) -> Claim | None:
+        """The next claimed message to start, if fewer than ``limit`` are running."""
+        with self.lock:
+            if not self.buffer or len(self.running) >= self.limit:
+                return None
+            return self._take_next()
+
+    def _take_next(self) -> Claim:
+        """The first buffered claim, now running (under ``lock``, with one in the buffer)."""
+        claim = self.buffer.popleft()
+        self.running.add(claim.key)
+        self._handed_at[claim.key] = time.monotonic()
+        return claim
+
+    def _ran(self, key: tuple[str, int]) -> None:
+        """A run ended: fold its time into the mean, and size the default prefetch to hold
+        what the running jobs finish within PREFETCH_HORIZON_S (under ``lock``)."""
+        handed = self._handed_at.pop(key, None)
+        if handed is None or not self.settings.adaptive_prefetch:
+            return
+        run_s = time.monotonic() - handed
+        mean = run_s if self.mean_run_s is None else self.mean_run_s + RUN_TIME_WEIGHT * (run_s - self.mean_run_s)
+        self.mean_run_s = mean
+        wanted = self.limit * PREFETCH_HORIZON_S / max(mean, 1e-6)
+        self.prefetch = int(min(self.settings.prefetch_ceiling, max(self.settings.prefetch_floor, wanted)))
+
+    def take_excess(self) -> list[Claim]:
+        """Claims to give back to the queue, for another process to start sooner: those a
+        queue with the default prefetch holds that would wait in its buffer longer than
+        PREFETCH_HOLD_S (by the mean run time; or because no slot has freed for that long),
+        with any whose give-back is not known to have been written. The last in line go,
+        down to half the limit; the prefetch shrinks to what stays, so they are not claimed
+        again at once.
+
+        A claim once offered is never started here (its give-back may have committed
+        unseen): it stays counted until :meth:`release` confirms it gone."""
+        with self.lock:
+            keep = self._keep(time.monotonic())
+            if keep < len(self.buffer):
+                self.prefetch = min(self.prefetch, keep)
+                while len(self.buffer) > keep:
+                    self.returning.append(self.buffer.pop())
+            return list(self.returning)
+
+    def _keep(self, now: float) -> int:
+        """How many buffered claims start within PREFETCH_HOLD_S (under ``lock``)."""
+        if not self.buffer or not self.settings.adaptive_prefetch:
+            return len(self.buffer)
+        per_claim_s = self.mean_run_s or 0.0
+        if len(self.running) >= self.limit and self._handed_at:
+            stuck_s = now - max(self._handed_at.values())  # since a slot last freed
+            if stuck_s >= PREFETCH_HOLD_S:
+                per_claim_s = max(per_claim_s, stuck_s)
+        if len(self.buffer) * per_claim_s <= PREFETCH_HOLD_S * self.limit:
+            return len(self.buffer)
+        return max(self.settings.prefetch_floor, int(self.limit * PREFETCH_HOLD_S / per_claim_s))
+
+    def give_back_later(self, claims: Iterable[Claim]) -> None:
+        """Claims whose give-back failed: offered again by :meth:`take_excess`, never started."""
+        with self.lock:
+            self.returning.extend(claims)
+
+    def held(self) -> list[tuple[str, int]]:
+        """Every claim this process holds of the queue: running, buffered or being given back."""
+        with self.lock:
+            return [*self.in_flight, *(c.key for c in self.returning if c.key not in self.in_flight)]
+
+    def forget(self, keys: set[tuple[str, int]]) -> None:
+        """Claims taken back by another process: never started here. A running one ends as
+        usual, and its outcome is fenced off by its claim number."""
+        if not keys:
+            return
+        with self.lock:
+            self.buffer = deque(c for c in self.buffer if c.key not in keys)
+            self.returning = [c for c in self.returning if c.key not in keys]
+            for key in keys:
+                if key not in self.running:
+                    self.in_flight.discard(key)
+
+    def take_buffer(self) -> list[Claim]:
+        """Every claim not started here (the buffer, and those being given back)."""
+        with self.lock:
+            taken = [*self.buffer, *self.returning]
+            self.buffer.clear()
+            self.returning.clear()
+            return taken
+
+    def finished(self, key: tuple[str, int], *, hand_off: bool = False) -> Claim | None:
+        """A running job has ended: its slot is free, and another may be claimed at once
+        (its settle is on its way; until written, the row stays ``consumed``).
+
+        With ``hand_off``, the next buffered claim takes the slot and is returned, for the
+        thread that ran the job to start it: no consumer wake-up between two jobs. The
+        consumer is then woken only for what it alone does: claiming, when there is room
+        for a batch or a slot would idle."""
+        with self.lock:
+            self.running.discard(key)
+            self.in_flight.discard(key)
+            self._ran(key)
+            self.unsettled += 1
+            claim = None
+            if hand_off and self.buffer and len(self.running) < self.limit:
+                claim = self._take_next()
+                free = self._free()
+                if free <= 0 or (free < self.claim_batch and len(self.running) + len(self.buffer) >= self.limit):
+                    return claim  # nothing for the consumer to do yet
+            self.freed = True
+            sleeping = self.waiting
+        if sleeping:  # a busy consumer looks at ``freed`` before it sleeps: no pipe write
+            self.wake()
+        return claim
+
+    def put_back(self, claim: Claim) -> None:
+        """A claim taken from the buffer that could not be started here: first in line again."""
+        with self.lock:
+            self.running.discard(claim.key)
+            self._handed_at.pop(claim.key, None)
+            self.buffer.appendleft(claim)
+            self.freed = True
+        self.wake()
+
+    def settled(self, count: int) -> None:
+        """The settler wrote ``count`` outcomes of this queue: room to claim again."""
+        with self.lock:
+            self.unsettled = max(0, self.unsettled - count)
+            self.freed = True  # a consumer about to sleep looks again instead
+            sleeping = self.waiting
+        if sleeping:
+            self.wake()
+
+    def release(self, keys: Iterable[tuple[str, int]]) -> None:
+        """Settled (or given back): the claims no longer count against the queue."""
+        keys = set(keys)
+        with self.lock:
+            if self.returning:
+                self.returning = [c for c in self.returning if c.key not in keys]
+            for key in keys:
+                self.in_flight.discard(key)
+                self.running.discard(key)
+                self._handed_at.pop(key, None)
+        self.wake()
+
+    def going_to_sleep(self) -> bool:
+        """The consumer is about to wait: False (and not waiting) if a job ended since it
+        last looked, so it looks again instead; otherwise every later end wakes it."""
+        with self.lock:
+            if self.freed:
+                self.freed = False
+                return False
+            self.waiting = True
+            return True
+
+    def awake(self) -> None:
+        with self.lock:
+            self.waiting = False
+
+    def clear_freed(self) -> None:
+        with self.lock:
+            self.freed = False
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the pipe is full: the consumer is going to wake anyway
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except OSError:
+            pass
+
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r
+
+
+def claim_of(message: Message | MessageProxy) -> int | None:
+    """The claim number our consumer attached to this message, if it claimed it."""
+    return getattr(message, "standmeet_claim", None) if isinstance(message, MessageProxy) else None
+

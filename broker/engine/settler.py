@@ -1,0 +1,299 @@
+"""The settle path: how a run ended (:class:`Outcome`), and the one writer of outcomes
+(:class:`Settler`), which batches them, retries through outages and never drops one.
+
+The settler knows nothing of the broker: it is given a way to open a connection that has
+proved this process alive, the process's worker id and outage, and a callback told how
+many outcomes of a queue it wrote (which frees room to claim)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from dramatiq.broker import MessageProxy
+from dramatiq.message import Message
+from dramatiq.middleware.time_limit import TimeLimitExceeded
+
+from broker import app, detach
+from broker.backoff import Backoff
+from broker.engine import sql, sql_history
+from broker.engine.codec import storable_text
+from broker.engine.enqueue import followup_params
+from broker.errors import CutOff, DeadlineExceeded, Deferred
+from broker.pg.pool import Outage, close_quietly
+
+logger = logging.getLogger("standmeet.broker")
+
+#: Longest text of an error kept on a rejected message.
+MAX_ERROR_CHARS = 4000
+
+
+@dataclass
+class Outcome:
+    """How one run ended, as the settler writes it."""
+
+    message_id: str
+    claim: int
+    queue_name: str
+    outcome: str  # done | rejected | queued | rerun (no outcome: see sql.SETTLE)
+    #: the message's options as the run left them (JSON); None when unchanged. Only they
+    #: change in a run: the arguments are not sent again
+    options_json: str | None
+    delay_s: float = 0.0
+    error: str | None = None
+    followups: list[tuple[Message, float]] = field(default_factory=list)
+    #: what the run was, for its attempt and the history (see sql.RECORD_RAN): done | failed
+    #: | rejected | snoozed | timeout | interrupted | rerun; ``error`` is its error
+    attempt: str = "done"
+    actor_name: str = ""
+    #: when the run started and ended, by this process's monotonic clock (placed on the
+    #: database's clock by the statement that writes them)
+    started_mono: float | None = None
+    ended_mono: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class SettleContext:
+    """The after-hooks of one run are running on this thread: what they send is kept."""
+
+    proxy: MessageProxy
+    requeue_delay_ms: int | None = None
+    followups: list[tuple[Message, float]] = field(default_factory=list)
+    returned: bool = False
+    skipped: bool = False
+    #: what broke in the after-hooks, when one raised (the reason of a run with no outcome)
+    hook_failure: str | None = None
+
+
+class Settler:
+    """The broker's one writer of outcomes: batches, retries through outages, never drops.
+
+    Worker threads :meth:`submit` and go on. The settler's thread writes everything
+    pending in one statement (plus one for start marks), on a dedicated connection;
+    when the database is down it keeps the outcomes, logs the outage once, and after
+    reconnecting proves this process alive before writing.
+    """
+
+    def __init__(self, *, worker_id: str, connect: Callable[[], psycopg.Connection[Any]], outage: Outage,
+                 max_runs_without_outcome: int, on_settled: Callable[[str, int], None]) -> None:
+        """``connect`` opens a connection on which this process has proved it lives;
+        ``on_settled(queue, n)`` is told each time ``n`` outcomes of ``queue`` are written."""
+        self.worker_id = worker_id
+        self._connect = connect
+        self.outage = outage
+        self.max_runs_without_outcome = max_runs_without_outcome
+        self._on_settled = on_settled
+        #: set on close once the settler gave up waiting for the database
+        self.abandoned = False
+        self._cond = threading.Condition()
+        self._pending: list[Outcome] = []
+        self._started: list[tuple[str, int]] = []
+        self._busy = False
+        #: the outcomes being written now (out of ``_pending`` until written or put back)
+        self._writing: list[Outcome] = []
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread: detach.Detached | None = None
+        self.written = 0
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = detach.go(f"settler-{self.worker_id[:8]}", self.run)
+
+    def submit(self, outcome: Outcome) -> None:
+        with self._cond:
+            self._pending.append(outcome)
+            self._cond.notify()
+        self.start()
+
+    def mark_started(self, key: tuple[str, int]) -> None:
+        with self._cond:
+            self._started.append(key)
+            self._cond.notify()
+        self.start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the thread once what it holds is written (or abandoned); True if it has stopped."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.stop_event.set()
+        with self._cond:  # it may be waiting for work: wake it now, not at its next tick
+            self._cond.notify_all()
+        return thread.join(timeout_s)
+
+    def pending_claims(self) -> list[tuple[tuple[str, int], str]]:
+        """The claims whose outcome waits to be written, with their queue."""
+        with self._cond:
+            return [((o.message_id, o.claim), o.queue_name) for o in (*self._writing, *self._pending)]
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._pending) + len(self._started) + (1 if self._busy else 0)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything submitted is written; False if time ran out."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending or self._started or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def run(self, stop: threading.Event) -> None:
+        backoff = Backoff(start_s=0.05, cap_s=2.0)
+        while True:
+            with self._cond:
+                while not self._pending and not self._started and not stop.is_set():
+                    self._cond.wait(0.5)
+                if not self._pending and not self._started:
+                    return  # stopped, nothing left
+                outcomes, self._pending = self._pending, []
+                started, self._started = self._started, []
+                self._busy = True
+                self._writing = outcomes
+            try:
+                self.settle_once(outcomes, started)
+                backoff.reset()
+            except Exception as exc:  # never dies: kept, retried with back-off, said once
+                self.outage.failed("settle", exc)
+                close_quietly(self._conn)
+                self._conn = None
+                with self._cond:  # keep them, in order, for the next attempt
+                    self._pending[:0] = outcomes
+                    self._started[:0] = started
+                    self._busy = False
+                    self._writing = []
+                    self._cond.notify_all()
+                if self.abandoned:
+                    return  # closing: what is left stays consumed and runs again
+                time.sleep(backoff.next_s()) if stop.is_set() else stop.wait(backoff.next_s())
+                continue
+            with self._cond:
+                self._busy = False
+                self._writing = []
+                self._cond.notify_all()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            # Synchronous: once written, an outcome is forgotten here; a settle lost in a server
+            # crash would leave its message consumed by this live process, rescued by nobody.
+            conn = self._connect()
+            self._conn = conn
+        return self._conn
+
+    def settle_once(self, outcomes: Sequence[Outcome], started: Sequence[tuple[str, int]]) -> int:
+        """Write ``outcomes`` and start marks in one round trip; return outcomes written."""
+        conn = self._connection()
+        settling = {(o.message_id, o.claim) for o in outcomes}
+        started = [key for key in started if key not in settling]  # one update per row and statement
+        plain: list[Outcome] = []
+        other: list[Outcome] = []
+        for o in outcomes:
+            (plain if o.outcome == "done" and o.options_json is None and not o.followups else other).append(o)
+        awaited = app.awaited_queues()
+        # No pipeline mode: psycopg's pipeline loop spun on the always-writable socket while
+        # waiting (a tenth of the process's interpreter time in a drain). The start marks go
+        # with the plain settles, or alone; other outcomes (rarer) take a statement of their own.
+        s_ids, s_claims = [k[0] for k in started], [k[1] for k in started]
+        if plain:
+            now = time.monotonic()
+            conn.execute(sql.SETTLE_DONE, {"ids": [o.message_id for o in plain], "claims": [o.claim for o in plain],
+                                           "worker_id": self.worker_id,
+                                           "s_ids": s_ids, "s_claims": s_claims, "awaited": list(awaited),
+                                           **timing_params(plain, now)})
+        elif started:
+            conn.execute(sql.MARK_STARTED, {"ids": s_ids, "claims": s_claims, "worker_id": self.worker_id})
+        if other:
+            conn.execute(sql.SETTLE, {**settle_params(other, awaited), "worker_id": self.worker_id,
+                                      "max_runs_without_outcome": self.max_runs_without_outcome})
+        self.outage.ok()
+        self.written += len(outcomes)
+        per_queue: dict[str, int] = {}
+        for o in outcomes:
+            per_queue[o.queue_name] = per_queue.get(o.queue_name, 0) + 1
+        for queue_name, count in per_queue.items():
+            self._on_settled(queue_name, count)
+        return len(outcomes)
+
+    def close(self) -> None:
+        close_quietly(self._conn)
+        self._conn = None
+
+
+def timing_params(outcomes: Sequence[Outcome], now: float) -> dict[str, Any]:
+    """The actors of ``outcomes`` and how many seconds before ``now`` (monotonic) each run
+    started and ended: the parameters sql.RECORD_RAN's rows are made of."""
+    return {
+        "actors": [o.actor_name for o in outcomes],
+        "started_ago": [now - (o.ended_mono if o.started_mono is None else o.started_mono) for o in outcomes],
+        "ended_ago": [now - o.ended_mono for o in outcomes],
+    }
+
+
+def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str], *, now: float | None = None) -> dict[str, Any]:
+    """The parameters of sql.SETTLE for ``outcomes``, timed against ``now`` (monotonic;
+    default: the moment of this call, which should be just before the statement is sent)."""
+    return {
+        **timing_params(outcomes, time.monotonic() if now is None else now),
+        "hints": [o.attempt for o in outcomes],
+        "ids": [o.message_id for o in outcomes],
+        "claims": [o.claim for o in outcomes],
+        "outcomes": [o.outcome for o in outcomes],
+        "options": [o.options_json for o in outcomes],  # None: left as it is
+        "delays": [o.delay_s for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        **followup_params([(o.message_id, m, delay) for o in outcomes for m, delay in o.followups]),
+        "awaited": list(awaited),
+    }
+
+
+def rejection_reason(message: MessageProxy) -> str:
+    """Why a message is rejected, kept on its row: never the bare word 'failed'."""
+    reason = message.options.get("error")
+    if not reason:
+        exc = getattr(message, "_exception", None)
+        traceback_text = message.options.get("traceback")
+        if traceback_text:
+            reason = traceback_text
+        elif exc is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+    return storable_text(str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:])
+
+
+def timed_out(exception: BaseException | None) -> bool:
+    """Whether a run failed because its time limit passed (Dramatiq's asynchronous
+    exception, the deadline's own check, or Postgres' statement timeout that enforces it)."""
+    if exception is None:
+        return False
+    if isinstance(exception, (TimeLimitExceeded, DeadlineExceeded)):
+        return True
+    return isinstance(exception, psycopg.errors.QueryCanceled) and "statement timeout" in str(exception)
+
+
+def ran_as(exception: BaseException | None) -> str:
+    """What a run that is to run again was: interrupted (its process stepped down), snoozed
+    (it asked to run later), timeout, or failed."""
+    if isinstance(exception, CutOff):
+        return "interrupted"
+    if isinstance(exception, Deferred):
+        return "snoozed"
+    return "timeout" if timed_out(exception) else "failed"
+
+
+def attempt_error(message: MessageProxy, exception: BaseException | None, attempt: str) -> str | None:
+    """The error of one run that runs again, as its attempt keeps it: the traceback the
+    retry recorded for this run, else the exception; cut to its last ATTEMPT_ERROR_CHARS."""
+    if exception is None:
+        return None
+    text = message.options.get("traceback") if attempt in ("failed", "timeout") else None
+    if not isinstance(text, str) or type(exception).__name__ not in text:  # none, or an earlier run's
+        text = f"{type(exception).__name__}: {exception}"
+    return storable_text(str(text)[-sql_history.ATTEMPT_ERROR_CHARS:])

@@ -1,0 +1,136 @@
+"""The statements that write message rows into ``dramatiq.queue``: the only SQL that
+inserts a message (sends, batches, unique sends, the relay's messages, and the messages a
+settled run sent from its after-hooks, as a fragment of ``broker.engine.sql.SETTLE``).
+
+Only the writer, :mod:`broker.engine.enqueue`, executes them (the settle statement that
+embeds :data:`FOLLOWUPS_OF_SETTLED` is the settler's, with parameters the writer makes);
+a test holds that no other module of the runtime spells such an INSERT. Conventions as in
+:mod:`broker.engine.sql` (placeholders, binary text arrays); consumers are woken through
+``standmeet.enqueue_channel(queue)``, whose name is :data:`broker.engine.sql.ENQUEUE_CHANNEL`.
+"""
+
+from __future__ import annotations
+
+#: What ENQUEUE does with an id that exists: a queued message takes the new text; one
+#: that is running or has finished is never resurrected (a re-relayed event cannot run
+#: its job twice).
+_ON_CONFLICT_KEEP_STARTED = """    ON CONFLICT (message_id) DO UPDATE SET
+        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
+    WHERE q."state" = 'queued'"""
+
+_ENQUEUE_ROWS = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
+           now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority
+    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[])) AS m(body, priority)
+"""
+
+_ENQUEUE_WAKE = """
+    RETURNING q.queue_name
+)
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
+FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
+"""
+
+#: Insert messages, all due after ``delay_s``, and wake each queue once (NOTIFYs with the
+#: same channel and payload in one transaction are sent once, at commit). ``messages`` is
+#: one JSON array of the messages' bodies, ``priorities`` one int array (lower runs first),
+#: each sent as a single text: arrays of many strings cost more to send than the rest of
+#: building them. The row's queue and id are the body's own; an existing id is kept as
+#: ``_ON_CONFLICT_KEEP_STARTED`` says.
+ENQUEUE = _ENQUEUE_ROWS + _ON_CONFLICT_KEEP_STARTED + _ENQUEUE_WAKE
+
+#: ENQUEUE for a batch whose ids are all new, as fresh Dramatiq messages' are: a plain
+#: insert, without the speculative insertion ON CONFLICT makes of every row (about a
+#: tenth of a batch's time). One id that exists fails the whole statement with a unique
+#: violation, and ENQUEUE then writes the batch: a clash costs the server an error line
+#: in its log and the rows written before it (dead until vacuumed), so a caller that
+#: re-sends ids on purpose is better served by ENQUEUE. Only on the broker's own
+#: autocommit connection: in a caller's transaction the error would abort it.
+ENQUEUE_NEW = _ENQUEUE_ROWS + _ENQUEUE_WAKE
+
+#: ENQUEUE for one message, with plain parameters: a single send dumps no arrays and
+#: unnests nothing (the same rules: an existing id is never resurrected).
+ENQUEUE_ONE = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    VALUES (%(queue)s, %(message_id)s::uuid, 'queued', %(message)s::jsonb,
+            now() + make_interval(secs => %(delay_s)s::float8), now(), now(), %(priority)s::int)
+    ON CONFLICT (message_id) DO UPDATE SET
+        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
+    WHERE q."state" = 'queued'
+    RETURNING q.queue_name
+)
+SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
+"""
+
+#: The messages that runs settled in the same statement sent from their after-hooks
+#: (pipelines, callbacks): a CTE ``followed`` of ``broker.engine.sql.SETTLE``, written only
+#: for claims the statement settled (its CTE ``settled``), never over an existing id.
+#: Parameters: :func:`broker.engine.enqueue.followup_params`.
+FOLLOWUPS_OF_SETTLED = """, followed AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
+    SELECT f.queue_name, f.message_id, 'queued', f.message,
+           now() + make_interval(secs => f.delay_s), now(), now(), f.priority
+    FROM unnest(%(f_parents)b::uuid[], %(f_queues)b::text[], %(f_ids)b::uuid[], %(f_messages)b::jsonb[],
+                %(f_delays)s::float8[], %(f_priorities)s::int[])
+         AS f(parent_id, queue_name, message_id, message, delay_s, priority)
+    WHERE f.parent_id IN (SELECT message_id FROM settled)
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING q.queue_name
+)"""
+
+#: Write messages that carry a unique key (migration 0021), in one statement: each is
+#: inserted unless its id exists or a message holds its key in a covered state (the
+#: partial unique index ``queue_unique_key_idx`` decides, atomically, whatever other
+#: transactions send at once; a duplicate inside the batch loses to the first). Returns
+#: the ids written and wakes their queues (one NOTIFY per queue at commit). Who holds a
+#: key that was not written is read by UNIQUE_LIVE, in a statement of its own: only a
+#: new statement sees what a concurrent sender committed.
+ENQUEUE_UNIQUE = """
+WITH enqueued AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority, unique_key, unique_states)
+    SELECT m.body ->> 'queue_name', (m.body ->> 'message_id')::uuid, 'queued', m.body,
+           now() + make_interval(secs => %(delay_s)s::float8), now(), now(), m.priority,
+           standmeet.unique_key_at(m.unique_key, m.period_s), m.states
+    FROM ROWS FROM (jsonb_array_elements(%(messages)s::jsonb), unnest(%(priorities)s::int[]),
+                    unnest(%(unique_keys)b::bytea[]), unnest(%(unique_periods)s::float8[]),
+                    unnest(%(unique_states)s::int2[])) AS m(body, priority, unique_key, period_s, states)
+    ON CONFLICT DO NOTHING
+    RETURNING q.queue_name, q.message_id
+)
+SELECT message_id::text, pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
+"""
+
+#: For each message ENQUEUE_UNIQUE did not write (``n``: its place in the arrays, from
+#: 1): the message that holds its key now (id and text; NULL if none: it finished in
+#: between) and whether a row with its own id exists.
+UNIQUE_LIVE = """
+SELECT k.n::int, live.message_id::text, live.message::text,
+       EXISTS (SELECT 1 FROM dramatiq.queue o WHERE o.message_id = k.message_id)
+FROM unnest(%(ids)b::uuid[], %(unique_keys)b::bytea[], %(unique_periods)s::float8[])
+     WITH ORDINALITY AS k(message_id, key, period_s, n)
+LEFT JOIN LATERAL (
+    SELECT q.message_id, q.message FROM dramatiq.queue q
+    WHERE q.unique_key = standmeet.unique_key_at(k.key, k.period_s)
+      AND standmeet.unique_live(q.unique_states, q."state")
+    LIMIT 1
+) AS live ON true
+"""
+
+#: Count sends skipped because their key was live, per queue and actor, with the time of
+#: the last. Written on the sender's own autocommit connection, never in a caller's
+#: transaction (which would hold the row's lock until it ends); rows in a fixed order.
+UNIQUE_SKIPPED = """
+INSERT INTO standmeet.unique_skips AS s (queue_name, actor_name, skipped, last_skipped_at)
+SELECT c.queue_name, c.actor_name, c.n, now()
+FROM unnest(%(queues)b::text[], %(actors)b::text[], %(counts)s::int8[]) AS c(queue_name, actor_name, n)
+ORDER BY c.queue_name, c.actor_name
+ON CONFLICT (queue_name, actor_name) DO UPDATE
+SET skipped = s.skipped + EXCLUDED.skipped, last_skipped_at = now()
+"""
