@@ -112,6 +112,7 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     from broker import services
     from broker.backends.rate_limits import PostgresRateLimiterBackend
     from broker.backends.results import PostgresResultBackend
+    from broker.engine import maintenance
     from broker.engine.broker import StandmeetBroker
     from broker.outbox import Relay
     from broker.outbox.receipts import Waiters
@@ -149,15 +150,5 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
         open_waiters=lambda: Waiters(url, max_waiters=settings.max_waiters),
         start_relay=lambda: Relay(url, batch=settings.relay_batch, poll_s=settings.relay_poll_s,
                                   outage=broker.outage).start()))
-    for actor in _runtime_actors():  # the runtime's own jobs, on every broker
-        if actor.actor_name not in broker.actors:  # configured again: they move over too
-            actor.broker = broker
-            broker.declare_queue(actor.queue_name)
-            broker.declare_actor(actor)
+    maintenance.declare(broker)  # the runtime's own jobs, on every broker
     return broker
-
-
-def _runtime_actors() -> list[dramatiq.Actor]:
-    from broker.engine import maintenance
-
-    return [maintenance.prune_messages, maintenance.rescue, maintenance.prune_outbox, maintenance.prune_expired]

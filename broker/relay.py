@@ -5,41 +5,42 @@ for tests, benchmarks and a backlog that needs extra hands.
 
     python -m broker.relay [MODULE …] [--exit-when-idle] [--batch 1000]
 
-The modules (default: ``actors``) declare the topics and routes it relays; events of
+The modules (default: ``actors``, :data:`broker.boot.DEFAULT_APP_MODULES`) declare the topics and routes it relays; events of
 other topics are left pending for a process that routes them.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import sys
 import threading
 
+from broker.boot import DEFAULT_APP_MODULES, OneLineParser, boot, bounded_int
+from broker.exits import CONFIG_REFUSED_EXIT
 from broker.outbox import Relay
+
+#: The most rows one pass may take (``--batch``).
+BATCH_MOST = 100_000
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m broker.relay", description=__doc__.split("\n")[0])
-    parser.add_argument("modules", nargs="*", default=["actors"], help="modules that declare routes (default: actors)")
+    parser = OneLineParser(prog="python -m broker.relay", description=__doc__.split("\n")[0])
+    parser.add_argument("modules", nargs="*", default=list(DEFAULT_APP_MODULES),
+                        help=f"modules that declare routes (default: {', '.join(DEFAULT_APP_MODULES)})")
     parser.add_argument("--exit-when-idle", action="store_true", help="exit once the outbox is empty")
-    parser.add_argument("--batch", type=int, default=None, help="rows per pass (default: STANDMEET_RELAY_BATCH)")
+    parser.add_argument("--batch", type=bounded_int(low=1, high=BATCH_MOST), default=None,
+                        help="rows per pass (default: STANDMEET_RELAY_BATCH)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import importlib
+    from broker.errors import StandmeetError
 
-    import dramatiq
-
-    import broker as runtime
-    from broker.engine.broker import StandmeetBroker
-
-    for module in args.modules:
-        importlib.import_module(module)
-    if not isinstance(dramatiq.broker.global_broker, StandmeetBroker):
-        runtime.configure()
-    broker = runtime.current_broker()
+    try:
+        broker = boot(args.modules)
+    except StandmeetError as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        return CONFIG_REFUSED_EXIT
     relay = Relay(broker.url, batch=args.batch or broker.settings.relay_batch, poll_s=broker.settings.relay_poll_s,
                   heartbeat_s=broker.settings.heartbeat_s)
     logging.getLogger("standmeet.relay").info("relaying the topics %s", ", ".join(relay.topics) or "(none)")

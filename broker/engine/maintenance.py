@@ -2,8 +2,9 @@
 rescue, expired results and limits.
 
 They belong to the runtime, not to any application: ``broker.configure()`` declares
-them, on the ``maintenance`` queue (one at a time, 10 minutes), and ``broker.app``
-declares their periods, so every scheduler runs them whatever modules it loads.
+them on the broker it builds (:func:`declare`; importing this module declares nothing),
+on the ``maintenance`` queue (one at a time, 10 minutes), and ``broker.app`` declares
+their periods, so every scheduler runs them whatever modules it loads.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ def prune_in_batches(query: str, *, retention_s: float, what: str) -> int:
     return total
 
 
-@dramatiq.actor(actor_name="maintenance.prune_messages", queue_name="maintenance")
 def prune_messages() -> None:
     """Delete finished messages past the retention, the attempts and per-minute history past
     theirs (STANDMEET_HISTORY_RETENTION_DAYS), and the rows of long-gone workers."""
@@ -52,13 +52,11 @@ def prune_messages() -> None:
         conn.execute(sql.PRUNE_WORKERS)
 
 
-@dramatiq.actor(actor_name="maintenance.rescue", queue_name="maintenance")
 def rescue() -> None:
     """Requeue the messages of dead worker processes (workers also do this on heartbeat)."""
     current_broker().rescue_once()
 
 
-@dramatiq.actor(actor_name="maintenance.prune_outbox", queue_name="maintenance")
 def prune_outbox() -> None:
     """Delete relayed outbox rows older than the retention, batch by batch, and the rows of
     relays stopped or silent for a day."""
@@ -68,8 +66,26 @@ def prune_outbox() -> None:
         conn.execute(PRUNE_RELAYS)
 
 
-@dramatiq.actor(actor_name="maintenance.prune_expired", queue_name="maintenance")
 def prune_expired() -> None:
     """Delete expired results and rate-limiter keys, batch by batch."""
     prune_in_batches(PRUNE_EXPIRED_RESULTS, retention_s=0, what="expired result(s)")
     prune_in_batches(PRUNE_EXPIRED_RATE_LIMITS, retention_s=0, what="expired rate-limit key(s)")
+
+
+#: The queue of the runtime's own jobs.
+QUEUE = "maintenance"
+#: The runtime's own jobs: actor name -> function.
+JOBS = {
+    "maintenance.prune_messages": prune_messages,
+    "maintenance.rescue": rescue,
+    "maintenance.prune_outbox": prune_outbox,
+    "maintenance.prune_expired": prune_expired,
+}
+
+
+def declare(broker: dramatiq.Broker) -> list[dramatiq.Actor]:  # type: ignore[type-arg]
+    """Declare the runtime's own jobs on ``broker``, those it does not have yet (actors of
+    an earlier broker moved over); returns the ones declared."""
+    broker.declare_queue(QUEUE)
+    return [dramatiq.Actor(fn, broker=broker, actor_name=name, queue_name=QUEUE, priority=0, options={})
+            for name, fn in JOBS.items() if name not in broker.actors]

@@ -9,7 +9,6 @@ import dramatiq
 import psycopg
 import pytest
 
-from broker.engine import maintenance
 from broker.engine.sql_history import HISTORY_BOUNDS_MS
 from broker.ops import history
 from broker.settings import replace
@@ -171,7 +170,7 @@ def test_pruning_removes_history_and_attempts_past_their_retention_only(broker, 
     try:
         # When the maintenance job prunes, two rows a batch
         start_worker(queues=["maintenance"], threads=1)
-        job = maintenance.prune_messages.send()
+        job = dramatiq.get_broker().get_actor("maintenance.prune_messages").send()
         wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
                                (job.message_id,)) == [("done",)], timeout_s=15, what="the prune job")
     finally:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dramatiq
 import psycopg
 
-from broker.engine import maintenance, sql_enqueue
+from broker.engine import sql_enqueue
 from broker.engine.codec import enqueue_params
 from broker.settings import replace
 from tests.support.db import query, wait_for
@@ -31,7 +32,7 @@ def test_old_finished_messages_are_pruned_in_batches_and_the_rest_kept(broker, d
     # When the maintenance job runs with a batch of 2
     broker.settings = replace(broker.settings, prune_batch=2)
     start_worker(queues=["maintenance"], threads=1)
-    job = maintenance.prune_messages.send()
+    job = dramatiq.get_broker().get_actor("maintenance.prune_messages").send()
     wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
                            (job.message_id,)) == [("done",)], timeout_s=15, what="the prune job")
     # Then the old finished ones are gone, the recent and the unfinished are kept
@@ -50,7 +51,7 @@ def test_relayed_outbox_rows_are_pruned_after_their_retention_and_pending_ones_k
         conn.execute("UPDATE standmeet.outbox SET relayed_at = now() WHERE id = %s", (recent,))
         conn.execute("UPDATE standmeet.outbox SET error = 'kept for an operator' WHERE id = %s", (pending,))
     start_worker(queues=["maintenance"], threads=1)
-    job = maintenance.prune_outbox.send()
+    job = dramatiq.get_broker().get_actor("maintenance.prune_outbox").send()
     wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
                            (job.message_id,)) == [("done",)], timeout_s=15, what="the outbox prune job")
     left = {r[0] for r in query(database_url, "SELECT id FROM standmeet.outbox WHERE id = ANY(%s)", ([old, recent, pending],))}
