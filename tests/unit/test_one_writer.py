@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -36,3 +37,32 @@ def test_the_search_finds_the_writers_own_inserts():
     assert _inserting(Path("broker/engine/sql_enqueue.py"))
     assert INSERT_INTO_QUEUE.search('insert  into "dramatiq".\n  "queue" AS q (message_id)')
     assert not INSERT_INTO_QUEUE.search("INSERT INTO dramatiq.queue_pauses (queue_name)")
+
+
+#: The statements that write message rows; the settle statement (broker.engine.sql) holds
+#: the follow-ups' insert, whose parameters the writer builds (``followup_params``).
+WRITING_STATEMENTS = frozenset({"ENQUEUE", "ENQUEUE_NEW", "ENQUEUE_ONE", "ENQUEUE_UNIQUE", "FOLLOWUPS_OF_SETTLED"})
+MAY_NAME_THEM = WRITER | {Path("broker/engine/sql.py")}
+
+
+def _uses_of_writing_statements(path: Path) -> list[int]:
+    """Lines that take a writing statement from ``broker.engine.sql_enqueue`` in code (an
+    attribute of the module, or a name imported from it), not in a docstring."""
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in WRITING_STATEMENTS and \
+                isinstance(node.value, ast.Name) and node.value.id == "sql_enqueue":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "broker.engine.sql_enqueue" and \
+                any(alias.name in WRITING_STATEMENTS for alias in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_runtime_module_but_the_writer_executes_a_statement_that_writes_message_rows():
+    offenders = [f"{path}:{line}" for path in _runtime_files() if path not in MAY_NAME_THEM
+                 for line in _uses_of_writing_statements(path)]
+    assert offenders == [], f"only broker.engine.enqueue executes the statements that write messages: {offenders}"
+    # and the search sees the writer's own uses
+    assert _uses_of_writing_statements(Path("broker/engine/enqueue.py"))
