@@ -21,31 +21,20 @@ The broker applies keys when it writes; this middleware declares the actor optio
 refuses, when an actor is declared, a ``unique`` value that is neither true, false nor
 a :class:`UniqueBy`.
 
-The engine (which imports psycopg) is imported only for a ``unique`` value other than
-true or false (a ``UniqueBy`` is the engine's own, already imported): so this module
-loads on the memory broker of ``broker.testing``, which keeps keys in memory.
+The keys are the engine's (:mod:`broker.engine.unique`, which holds no database code), so
+the memory broker of ``broker.testing`` forms the same ones.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dramatiq.middleware import Middleware
 
+from broker.engine.unique import UniqueBy, unique_of
 from broker.errors import ConfigError, StartupRefused
 
-if TYPE_CHECKING:
-    from broker.engine.unique import UniqueBy
-
 __all__ = ["UniqueBy", "UniqueJobs"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "UniqueBy":  # the engine's, named here too
-        from broker.engine.unique import UniqueBy
-
-        return UniqueBy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UniqueJobs(Middleware):
@@ -59,8 +48,6 @@ class UniqueJobs(Middleware):
         option = actor.options.get("unique")
         if option is None or option is True or option is False:
             return  # nothing to check (what ``unique_of`` would accept at once)
-        from broker.engine.unique import unique_of
-
         try:
             unique_of(actor)
         except ConfigError as exc:  # a MiddlewareError: Dramatiq lets it stop the declaration

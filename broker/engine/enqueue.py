@@ -56,7 +56,8 @@ runs the statements differs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Sequence
+import logging
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,6 @@ from broker.engine.unique import (
     UniqueItem,
     UniqueKey,
     UniqueOutcome,
-    count_skips,
     live_messages,
     split_unique,
     unique_item,
@@ -92,12 +92,38 @@ from broker.observability import tracing
 from broker.pg.pool import DISCONNECTS
 from broker.services import current_broker
 
+logger = logging.getLogger(f"standmeet.{__name__}")
+
 if TYPE_CHECKING:
     from broker.engine.broker import StandmeetBroker
     from broker.engine.settler import SettleContext
 
 
 # -- the hook policy ---------------------------------------------------------------------
+
+#: Told the skips of each write that skipped ({(queue, actor): n}): ``broker.observability.metrics``
+#: adds its counter here when it is imported (it imports this module, not the reverse).
+SKIP_COUNTERS: list[Callable[[dict[tuple[str, str], int]], None]] = []
+#: What may keep a skip count from being written (the database refused it, or is away).
+_COUNT_FAILURES: tuple[type[BaseException], ...] = (psycopg.Error, *DISCONNECTS)
+
+
+def count_skips(skipped: dict[tuple[str, str], int], broker: Any = None) -> None:
+    """Count skipped sends: ``standmeet_unique_skipped_total{queue,actor}`` in this process,
+    and ``standmeet.unique_skips`` on the broker's own autocommit connection (never the
+    caller's transaction: its row lock would be held until that ends). A count that
+    cannot be written is logged, never raised: the send itself succeeded."""
+    if not skipped:
+        return
+    for counter in SKIP_COUNTERS:
+        counter(skipped)
+    keys = sorted(skipped)
+    try:
+        (broker or current_broker()).execute(sql_enqueue.UNIQUE_SKIPPED, {
+            "queues": [k[0] for k in keys], "actors": [k[1] for k in keys], "counts": [skipped[k] for k in keys]})
+    except _COUNT_FAILURES as exc:
+        logger.warning("could not record %d skipped unique send(s): %s", sum(skipped.values()), exc)
+
 
 def runs_before_hooks(broker: StandmeetBroker, *, carried: bool = False) -> bool:
     """Whether a message goes through the ``before_enqueue`` hooks: there are some, and

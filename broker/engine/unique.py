@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import dramatiq
-import psycopg
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
-from broker import services
-from broker.engine import sql_enqueue
 from broker.engine.codec import MAX_OPTION_VALUE, checked_json, message_priority
 from broker.errors import ConfigError
-from broker.pg.pool import DISCONNECTS
-
-logger = logging.getLogger("standmeet.broker")
 
 #: Bits of ``unique_states``: the states in which a message holds its unique key.
 UNIQUE_QUEUED, UNIQUE_RUNNING, UNIQUE_DONE = 1, 2, 4
@@ -156,30 +149,6 @@ def live_messages(messages: Sequence[Message], outcome: UniqueOutcome) -> list[M
     """``messages``, each skipped one replaced by the live message that holds its key."""
     return [m if text is None else Message.decode(text.encode("utf-8"))
             for m, text in zip(messages, outcome.live, strict=True)]
-
-
-#: Told the skips of each write that skipped ({(queue, actor): n}): ``broker.observability.metrics``
-#: adds its counter here when it is imported (it imports this module, not the reverse).
-SKIP_COUNTERS: list[Callable[[dict[tuple[str, str], int]], None]] = []
-#: What may keep a skip count from being written (the database refused it, or is away).
-_COUNT_FAILURES: tuple[type[BaseException], ...] = (psycopg.Error, *DISCONNECTS)
-
-
-def count_skips(skipped: dict[tuple[str, str], int], broker: Any = None) -> None:
-    """Count skipped sends: ``standmeet_unique_skipped_total{queue,actor}`` in this process,
-    and ``standmeet.unique_skips`` on the broker's own autocommit connection (never the
-    caller's transaction: its row lock would be held until that ends). A count that
-    cannot be written is logged, never raised: the send itself succeeded."""
-    if not skipped:
-        return
-    for counter in SKIP_COUNTERS:
-        counter(skipped)
-    keys = sorted(skipped)
-    try:
-        (broker or services.current_broker()).execute(sql_enqueue.UNIQUE_SKIPPED, {
-            "queues": [k[0] for k in keys], "actors": [k[1] for k in keys], "counts": [skipped[k] for k in keys]})
-    except _COUNT_FAILURES as exc:
-        logger.warning("could not record %d skipped unique send(s): %s", sum(skipped.values()), exc)
 
 
 def split_unique(messages: Sequence[Message], broker: Any = None) -> tuple[list[int], list[UniqueKey | None]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import logging
 import math
 import threading
@@ -43,6 +42,8 @@ from dramatiq.message import Message
 from dramatiq.results import ResultBackend
 from dramatiq.worker import WorkerThread
 
+from broker.engine.codec import checked_json
+from broker.engine.unique import unique_key_of
 from broker.errors import ConfigError, Deferred, ResultRefused
 from broker.memory.stores import Clock, MemoryCancellations
 from broker.settings import QueueSettings, Settings
@@ -135,8 +136,8 @@ class MemoryBroker(dramatiq.Broker):
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._claims = itertools.count(1)
-        self._unique: dict[tuple[str, float | None], tuple[Message, bool]] = {}
-        self._key_of: dict[str, tuple[str, float | None]] = {}
+        self._unique: dict[tuple[bytes, float | None], tuple[Message, bool]] = {}
+        self._key_of: dict[str, tuple[bytes, float | None]] = {}
         self._cancelled: set[str] = set()
         self._runs_without_outcome: defaultdict[str, int] = defaultdict(int)
         self._workers: list[Any] = []
@@ -207,7 +208,10 @@ class MemoryBroker(dramatiq.Broker):
     def _keep(self, message: Message, delay: Any, *, keyed: bool = True) -> Message | None:
         """Add ``message`` to its queue (the lock held); the live message when its unique
         key is taken (then nothing is added)."""
-        data = message.encode()  # what a row would hold: arguments that are not JSON fail the send
+        # what the engine checks before it writes a row: options its run can use, arguments
+        # Postgres stores, at most STANDMEET_MESSAGE_MAX_BYTES encoded
+        checked_json(message, max_bytes=self.settings.message_max_bytes)
+        data = message.encode()
         if keyed:
             key = self._unique_key(message)
             if key is not None:
@@ -223,28 +227,14 @@ class MemoryBroker(dramatiq.Broker):
         self._cond.notify_all()
         return None
 
-    def _unique_key(self, message: Message) -> tuple[str, float | None] | None:
-        """The message's unique key, as the engine forms it: its ``unique_key`` option,
-        else the actor's ``unique`` (the arguments, or the actor alone); with a period,
-        the start of the period the send falls in."""
-        options = message.options
-        actor = self.actors.get(message.actor_name)
-        unique = actor.options.get("unique") if actor is not None else None
-        unique = None if unique is False else unique
-        given, period = options.get("unique_key"), options.get("unique_period_s")
-        if given is None and unique is None and period is None:
+    def _unique_key(self, message: Message) -> tuple[bytes, float | None] | None:
+        """The message's unique key as the engine forms it (``unique_key_of``), with the
+        start of the period the send falls in by this broker's clock."""
+        key = unique_key_of(message, self)
+        if key is None:
             return None
-        if given is not None:
-            parts: list[Any] = [message.actor_name, "key", given]
-        elif unique is None or getattr(unique, "args", True):
-            parts = [message.actor_name, "args", list(message.args), message.kwargs or {}]
-        else:
-            parts = [message.actor_name, "actor"]
-        if period is None:
-            period = getattr(unique, "period_s", None)
-        text = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        start = None if period is None else math.floor(self.clock.wall() / float(period)) * float(period)
-        return (text, start)
+        period = key.period_s
+        return key.digest, None if period is None else math.floor(self.clock.wall() / period) * period
 
     def _free_key(self, message_id: str, *, done: bool) -> None:
         key = self._key_of.pop(message_id, None)

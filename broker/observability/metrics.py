@@ -23,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from broker import app, detach, ops
-from broker.engine import unique as unique_jobs
+from broker.engine import enqueue as writer
 from broker.ops import history
 from broker.pg import pool as pgpool
 
@@ -83,7 +83,7 @@ def count_unique_skips(skipped: dict[tuple[str, str], int]) -> None:
         child(UNIQUE_SKIPPED, queue_name, actor_name).inc(n)
 
 
-unique_jobs.SKIP_COUNTERS.append(count_unique_skips)
+writer.SKIP_COUNTERS.append(count_unique_skips)
 
 
 def count_rescues(result: dict[str, tuple[int, int]]) -> None:

@@ -372,8 +372,11 @@ job.send(4)
 broker.join("suite", timeout=5000)
 worker.stop()
 assert calls.count(4) == 1
-loaded = sorted(m for m in sys.modules if m.startswith(("psycopg", "broker.pg", "broker.engine")))
+# the engine's message checks and unique keys are shared (pure code); nothing that talks to Postgres
+loaded = sorted(m for m in sys.modules if m.startswith(("psycopg", "broker.pg", "broker.engine."))
+                and m not in ("broker.engine.codec", "broker.engine.unique"))
 assert not loaded, loaded
+assert "broker.engine.unique" in sys.modules  # the keys are the engine's own, not a copy
 print("ok")
 """
 
@@ -397,3 +400,39 @@ def test_the_worked_example_of_the_testing_docs_passes(monkeypatch):
     started = time.monotonic()
     test(monkeypatch)  # type: ignore[operator]
     assert time.monotonic() - started < 1.0
+
+
+def test_a_send_the_engine_would_refuse_is_refused_here_too_and_nothing_is_kept(make_broker):
+    from broker.errors import InvalidMessage, MessageTooLarge
+
+    broker = make_broker(message_max_bytes=1024)
+
+    @dramatiq.actor(queue_name="mem_checks")
+    def checked(text: str) -> None:
+        pass
+
+    # Then an option its run cannot use, arguments Postgres would not store, and a message
+    # over STANDMEET_MESSAGE_MAX_BYTES are each refused in one line, as the engine refuses them
+    with pytest.raises(InvalidMessage, match="max_retries"):
+        checked.send_with_options(args=("a",), max_retries="3")
+    with pytest.raises(InvalidMessage):
+        checked.send("nul \u0000 inside")
+    with pytest.raises(MessageTooLarge):
+        checked.send("x" * 2048)
+    assert broker.waiting("mem_checks") == []
+    assert broker.drain() == 0
+
+
+def test_unique_keys_are_the_engines_own(make_broker):
+    from broker.engine.unique import unique_key_of
+
+    broker = make_broker()
+
+    @dramatiq.actor(queue_name="mem_keys", unique=True)
+    def keyed(n: int) -> None:
+        pass
+
+    first, again = keyed.send(1), keyed.send(1)
+    assert again.message_id == first.message_id
+    # the key the memory broker holds is the one the Postgres broker would write
+    assert broker._key_of[first.message_id][0] == unique_key_of(first, broker).digest
