@@ -109,10 +109,9 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     """
     import dramatiq
 
-    from broker import services
+    from broker import maintenance, services
     from broker.backends.rate_limits import PostgresRateLimiterBackend
     from broker.backends.results import PostgresResultBackend
-    from broker.engine import maintenance
     from broker.engine.broker import StandmeetBroker
     from broker.outbox import Relay
     from broker.outbox.receipts import Waiters

@@ -267,7 +267,7 @@ def run_startup_checks(settings: Any) -> None:
         check(settings)
 
 
-# The runtime's own queue and periodic jobs (their actors are in broker.engine.maintenance).
+# The runtime's own queue and periodic jobs (their actors are in broker.maintenance).
 queue("maintenance", max_workers=1, time_limit_s=600.0)
 periodic("prune-messages", "maintenance.prune_messages", interval_s=3600)
 periodic("rescue", "maintenance.rescue", interval_s=30)

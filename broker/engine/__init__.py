@@ -12,10 +12,14 @@ Where things are:
   (``enqueue``, ``enqueue_message(s)``, ``build_message``, ``finish_queued``; the broker's
   sends, the relay's messages).
 * ``codec.py``: a message's JSON text and priority, and the checks before it is written.
-* ``unique.py``: unique-job keys (``UniqueBy``) and the count of skipped sends.
+* ``unique.py``: unique-job keys (``UniqueBy``); no database code, as ``codec.py``: the
+  memory broker (``broker.memory``) uses both.
 * ``sql.py`` (claims, settles, give-backs, liveness, rescue; the channel names),
   ``sql_enqueue.py`` (the statements that insert messages), ``sql_history.py``
   (attempts and per-minute history).
 * ``wakeups.py`` (LISTEN/NOTIFY), ``cancel_watch.py`` (operators' cancels reaching running
-  jobs), ``maintenance.py`` (the runtime's own jobs: retention, rescue).
+  jobs).
+
+The engine knows neither the outbox nor the operators' parts (``lint-imports``); the
+runtime's own jobs (retention, rescue, pruning the outbox) are ``broker.maintenance``.
 """
