@@ -107,8 +107,6 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
 
     ``url`` overrides the database; otherwise ``DATABASE_URL`` or the embedded server.
     """
-    import dramatiq
-
     from broker import maintenance, services
     from broker.backends.rate_limits import PostgresRateLimiterBackend
     from broker.backends.results import PostgresResultBackend
@@ -133,16 +131,9 @@ def configure(settings: Settings | None = None, *, url: str | None = None) -> St
     rate_limiter = PostgresRateLimiterBackend(url=url, pool_max_size=BACKEND_POOL_CONNECTIONS)
     broker = StandmeetBroker(settings=settings, url=url, backends=(results, rate_limiter),
                              middleware=default_middleware(settings, results=results, rate_limiter=rate_limiter))
-    previous = dramatiq.broker.global_broker
-    if previous is not None and previous is not broker:
-        for actor in list(previous.actors.values()):
-            actor.broker = broker
-            if actor.queue_name not in broker.queues:
-                broker.declare_queue(actor.queue_name)
-            broker.declare_actor(actor)
-        if isinstance(previous, StandmeetBroker):
-            previous.close()
-    dramatiq.set_broker(broker)
+    previous = services.make_global(broker)  # actors declared before move over
+    if isinstance(previous, StandmeetBroker) and previous is not broker:
+        previous.close()
     services.install(services.Services(
         settings=settings, url=url, broker=broker,
         open_app_pool=lambda: open_app_pool(url, max_size=settings.pool_max_size),

@@ -24,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -68,6 +69,36 @@ def mark_cancelled(message_ids: Iterable[str]) -> None:
 def forget(message_id: str) -> None:
     with _cancelled_lock:
         _cancelled.discard(message_id)
+
+
+class WatchedRuns:
+    """The running jobs a process watches for an operator's cancel: a count per message id
+    (a message may run on two threads for a moment); when its last run ends, its
+    cancellation mark is forgotten. The cancellation watchers build on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: Counter[str] = Counter()
+
+    def watch(self, message_id: str) -> None:
+        with self._lock:
+            self._running[message_id] += 1
+            self._watched()
+
+    def _watched(self) -> None:
+        """Called with the lock held after each watch (a watcher starts its thread here)."""
+
+    def unwatch(self, message_id: str) -> None:
+        with self._lock:
+            self._running[message_id] -= 1
+            if self._running[message_id] <= 0:
+                del self._running[message_id]
+                forget(message_id)
+
+    def running(self) -> list[str]:
+        """The message ids watched now."""
+        with self._lock:
+            return list(self._running)
 
 
 def cancelled() -> bool:

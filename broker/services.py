@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import dramatiq
+
 from broker.errors import ConfigError
 from broker.settings import Settings
 
@@ -103,6 +105,21 @@ def current() -> Services:
     return _current
 
 
+def make_global(broker: dramatiq.Broker) -> dramatiq.Broker | None:
+    """Make ``broker`` Dramatiq's global broker: the actors declared on the previous one
+    (``@dramatiq.actor`` binds an actor to the global broker of the moment) move over, with
+    their queues. Returns the previous broker (None, or ``broker`` itself)."""
+    previous = dramatiq.broker.global_broker
+    if previous is not None and previous is not broker:
+        for actor in list(previous.actors.values()):
+            actor.broker = broker
+            if actor.queue_name not in broker.queues:
+                broker.declare_queue(actor.queue_name)
+            broker.declare_actor(actor)
+    dramatiq.set_broker(broker)
+    return previous
+
+
 def installed() -> Services | None:
     return _current
 
@@ -113,4 +130,4 @@ def current_broker() -> StandmeetBroker:
     return current().broker
 
 
-__all__ = ["Services", "current", "current_broker", "install", "installed"]
+__all__ = ["Services", "current", "current_broker", "install", "installed", "make_global"]

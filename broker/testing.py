@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import dramatiq
 from dramatiq.rate_limits.backends.stub import StubBackend as StubRateLimiterBackend
 from dramatiq.results.backends.stub import StubBackend
 
@@ -67,14 +66,7 @@ def memory_broker(settings: Settings | None = None, *, fail_fast: bool = True, *
         fail_fast_default=fail_fast,
         middleware=default_middleware(settings, results=results, rate_limiter=rate_limiter,
                                       leases=MemoryLeases(clock), cancel_watcher=cancellations, postgres=False))
-    previous = dramatiq.broker.global_broker
-    if previous is not None and previous is not broker:
-        for actor in list(previous.actors.values()):
-            actor.broker = broker
-            if actor.queue_name not in broker.queues:
-                broker.declare_queue(actor.queue_name)
-            broker.declare_actor(actor)
-    dramatiq.set_broker(broker)
+    services.make_global(broker)  # actors declared before move over
     services.install(services.Services(settings=settings, url=MEMORY_URL, broker=broker,  # type: ignore[arg-type]
                                        open_app_pool=_no_database, open_waiters=_no_database,
                                        start_relay=_no_database))

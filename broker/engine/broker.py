@@ -57,7 +57,7 @@ from broker.engine import sql
 from broker.engine.codec import options_json, refuse_non_json_encoder, storable_text
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
 from broker.engine.liveness import Liveness
-from broker.engine.queues import Claim, QueueState, claim_of
+from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
 from broker.engine.settler import (
     Outcome,
     SettleContext,
@@ -123,7 +123,7 @@ for _mutator in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append",
     setattr(MiddlewareList, _mutator, _counting(_mutator))
 
 
-class StandmeetBroker(dramatiq.Broker):
+class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
     """A Dramatiq broker on Postgres: per-queue limits, database delays, one settle path."""
 
     def __init__(self, *, settings: Settings, url: str, middleware: list[Any] | None = None,
@@ -169,23 +169,10 @@ class StandmeetBroker(dramatiq.Broker):
 
     # -- queues -------------------------------------------------------------------
 
-    def declare_queue(self, queue_name: str) -> None:
+    def new_queue(self, queue_name: str, settings: QueueSettings) -> QueueState:
         # No delay queues: delays live in the database (the ``eta`` column).
-        if queue_name not in self.queues:
-            self.emit_before("declare_queue", queue_name)
-            self.queue_states[queue_name] = QueueState(self.settings.queue(queue_name))
-            self.queues[queue_name] = self.queue_states[queue_name]
-            self.emit_after("declare_queue", queue_name)
-
-    def queue_settings(self, queue_name: str) -> QueueSettings:
-        state = self.queue_states.get(queue_name)
-        return state.settings if state is not None else self.settings.queue(queue_name)
-
-    def get_declared_queues(self) -> set[str]:
-        return set(self.queues)
-
-    def get_declared_delay_queues(self) -> set[str]:
-        return set()
+        state = self.queue_states[queue_name] = QueueState(settings)
+        return state
 
     # -- connections ----------------------------------------------------------------
 

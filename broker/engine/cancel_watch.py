@@ -8,8 +8,6 @@ in :mod:`broker.deadline`, whose ``check()`` then stops them. Idle, it asks noth
 from __future__ import annotations
 
 import logging
-import threading
-from collections import Counter
 
 from broker import deadline, detach
 from broker.pg import db
@@ -25,30 +23,22 @@ WHERE message_id = ANY(%(ids)s::uuid[]) AND cancelled_at IS NOT NULL
 """
 
 
-class CancellationWatcher:
+class CancellationWatcher(deadline.WatchedRuns):
+    """Asks the database which watched jobs were cancelled, every ``poll_s``, on a thread
+    started with the first watch."""
+
     def __init__(self, *, poll_s: float = DEFAULT_POLL_S) -> None:
+        super().__init__()
         self.poll_s = poll_s
-        self._lock = threading.Lock()
-        self._running: Counter[str] = Counter()
         self._thread: detach.Detached | None = None
 
-    def watch(self, message_id: str) -> None:
-        with self._lock:
-            self._running[message_id] += 1
-            if self._thread is None:
-                self._thread = detach.every("cancellation-watch", self.poll_s, self.poll_once)
-
-    def unwatch(self, message_id: str) -> None:
-        with self._lock:
-            self._running[message_id] -= 1
-            if self._running[message_id] <= 0:
-                del self._running[message_id]
-                deadline.forget(message_id)
+    def _watched(self) -> None:
+        if self._thread is None:
+            self._thread = detach.every("cancellation-watch", self.poll_s, self.poll_once)
 
     def poll_once(self) -> int:
         """Mark the running jobs cancelled since the last look; returns how many are."""
-        with self._lock:
-            ids = list(self._running)
+        ids = self.running()
         if not ids:
             return 0
         with db.connection(timeout_s=self.poll_s * 5) as conn:

@@ -9,11 +9,12 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
-from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings
+from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
 
 #: Weight of the latest run in a queue's mean run time.
 RUN_TIME_WEIGHT = 0.1
@@ -290,3 +291,32 @@ def claim_of(message: Message | MessageProxy) -> int | None:
     """The claim number our consumer attached to this message, if it claimed it."""
     return getattr(message, "standmeet_claim", None) if isinstance(message, MessageProxy) else None
 
+
+class DeclaredQueues:
+    """How this runtime's brokers (the Postgres one and the memory one) declare queues:
+    each with its settings (``STANDMEET_QUEUE_<NAME>_*`` over what ``broker.app`` declared),
+    and no delay queues (a delayed message is a queued one due later). A broker mixes this
+    in before ``dramatiq.Broker`` and says what a declared queue is (:meth:`new_queue`)."""
+
+    settings: Settings
+    queues: dict[str, Any]
+
+    def new_queue(self, queue_name: str, settings: QueueSettings) -> Any:
+        """What the broker keeps for a queue it declares (it has a ``settings``)."""
+        raise NotImplementedError
+
+    def declare_queue(self, queue_name: str) -> None:
+        if queue_name not in self.queues:
+            self.emit_before("declare_queue", queue_name)  # type: ignore[attr-defined]
+            self.queues[queue_name] = self.new_queue(queue_name, self.settings.queue(queue_name))
+            self.emit_after("declare_queue", queue_name)  # type: ignore[attr-defined]
+
+    def queue_settings(self, queue_name: str) -> QueueSettings:
+        queue = self.queues.get(queue_name)
+        return queue.settings if queue is not None else self.settings.queue(queue_name)  # type: ignore[no-any-return]
+
+    def get_declared_queues(self) -> set[str]:
+        return set(self.queues)
+
+    def get_declared_delay_queues(self) -> set[str]:
+        return set()

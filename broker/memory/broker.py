@@ -43,6 +43,7 @@ from dramatiq.results import ResultBackend
 from dramatiq.worker import WorkerThread
 
 from broker.engine.codec import checked_json
+from broker.engine.queues import DeclaredQueues
 from broker.engine.unique import unique_key_of
 from broker.errors import ConfigError, Deferred, ResultRefused
 from broker.memory.stores import Clock, MemoryCancellations
@@ -116,7 +117,7 @@ def delay_ms_of(delay: Any) -> int:
     return max(0, int(delay or 0))
 
 
-class MemoryBroker(dramatiq.Broker):
+class MemoryBroker(DeclaredQueues, dramatiq.Broker):
     """A Dramatiq broker in memory with the Postgres broker's policies (see the module)."""
 
     def __init__(self, *, settings: Settings, middleware: list[Any] | None = None,
@@ -151,21 +152,8 @@ class MemoryBroker(dramatiq.Broker):
 
     # -- queues -------------------------------------------------------------------
 
-    def declare_queue(self, queue_name: str) -> None:
-        if queue_name not in self.queues:  # no delay queues: delays are the broker's (a due time)
-            self.emit_before("declare_queue", queue_name)
-            self.queues[queue_name] = MemoryQueue(self.settings.queue(queue_name))
-            self.emit_after("declare_queue", queue_name)
-
-    def queue_settings(self, queue_name: str) -> QueueSettings:
-        queue = self.queues.get(queue_name)
-        return queue.settings if queue is not None else self.settings.queue(queue_name)
-
-    def get_declared_queues(self) -> set[str]:
-        return set(self.queues)
-
-    def get_declared_delay_queues(self) -> set[str]:
-        return set()
+    def new_queue(self, queue_name: str, settings: QueueSettings) -> MemoryQueue:
+        return MemoryQueue(settings)  # no delay queues: delays are the broker's (a due time)
 
     def _queue(self, queue_name: str) -> MemoryQueue:
         queue = self.queues.get(queue_name)

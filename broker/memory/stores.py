@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections import Counter
 from typing import Any
 
 from broker import deadline
@@ -79,32 +78,16 @@ class MemoryLeases:
         return current[0] if current is not None and current[1] > self._clock.monotonic() else None
 
 
-class MemoryCancellations:
+class MemoryCancellations(deadline.WatchedRuns):
     """The cancellation watcher of a memory broker: :meth:`cancel` marks a running job
     at once (its next ``broker.deadline.check()`` raises ``JobCancelled``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: Counter[str] = Counter()
-
-    def watch(self, message_id: str) -> None:
-        with self._lock:
-            self._running[message_id] += 1
-
-    def unwatch(self, message_id: str) -> None:
-        with self._lock:
-            self._running[message_id] -= 1
-            if self._running[message_id] <= 0:
-                del self._running[message_id]
-                deadline.forget(message_id)
 
     def stop(self) -> None:
         """Nothing to stop: no thread asks anything."""
 
     def cancel(self, message_id: str) -> bool:
         """Mark ``message_id`` cancelled if it runs now; whether it does."""
-        with self._lock:
-            running = message_id in self._running
+        running = message_id in self.running()
         if running:
             deadline.mark_cancelled([message_id])
         return running
