@@ -58,6 +58,7 @@ from broker.engine.codec import options_json, refuse_non_json_encoder, storable_
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
+from broker.engine.runs import run_signal
 from broker.engine.settler import (
     Outcome,
     SettleContext,
@@ -68,7 +69,7 @@ from broker.engine.settler import (
     timed_out,
 )
 from broker.engine.wakeups import WakeListener
-from broker.errors import CutOff, Deferred, ResultRefused
+from broker.errors import CutOff
 from broker.observability import tracing
 from broker.pg.pool import (
     DISCONNECTS,
@@ -272,19 +273,12 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             return
         proxy = args[0]
         self._job_threads.pop(threading.get_ident(), None)
-        exception = kwargs.get("exception")
-        # A job that asked to run later (Snooze) is not a failure: report it as skipped,
-        # so no retry is counted, no failure callback fires, and every middleware
-        # releases what it acquired in ``after_skip_message``.
-        # A job interrupted because this process stepped down (cut off from the database)
-        # is not at fault either: it runs again, with no retry counted (see step_down).
-        cut_off = signal == "process_message" and isinstance(exception, CutOff)
-        if signal == "process_message" and (cut_off or isinstance(exception, Deferred)):
-            signal, kwargs = "skip_message", {}
-        if signal == "process_message" and exception is None and kwargs.get("result") is not None:
-            exception = self._refused_result(proxy, kwargs["result"])
-            if exception is not None:
-                kwargs = {"exception": exception}
+        # A snoozed job is a skip (broker.engine.runs); so is a job interrupted because this
+        # process stepped down (cut off from the database): it runs again, with no retry
+        # counted (see step_down).
+        signal, kwargs, exception = run_signal(
+            self, signal, proxy, kwargs, refuse_hooks=(hook for _, hook in self._hooks("refuse_result")),
+            not_at_fault=(CutOff,))
         context = getattr(proxy, "standmeet_settle", None)
         if context is None and claim_of(proxy) is not None:
             context = proxy.standmeet_settle = SettleContext(proxy)  # type: ignore[union-attr]
@@ -299,24 +293,8 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             self._emit_after(signal, *args, **kwargs)
         finally:
             _local.settling = None
-        if cut_off and context is not None and context.requeue_delay_ms is None:
+        if isinstance(exception, CutOff) and context is not None and context.requeue_delay_ms is None:
             context.requeue_delay_ms = 0
-
-    def _refused_result(self, proxy: MessageProxy, result: Any) -> ResultRefused | None:
-        """Ask the middleware that keep results (a ``refuse_result(broker, message, result)``
-        hook returns why it cannot keep it, or None) before any after-hook sees the result.
-        A refused result fails the run for good, with the reason: the after-hooks then see
-        that failure (no retry, no success callback, the failure stored for waiters)."""
-        for _, refuse in self._hooks("refuse_result"):
-            reason = refuse(self, proxy, result)
-            if reason:
-                refused = ResultRefused(reason)
-                logger.error("message %s failed: %s", proxy.message_id, reason)
-                proxy.stuff_exception(refused)
-                proxy.options["error"] = f"ResultRefused: {reason}"
-                proxy.fail()
-                return refused
-        return None
 
     def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
         """Hand a finished run's outcome to the settler and free its running slot.

@@ -44,8 +44,9 @@ from dramatiq.worker import WorkerThread
 
 from broker.engine.codec import checked_json
 from broker.engine.queues import DeclaredQueues
+from broker.engine.runs import run_signal
 from broker.engine.unique import unique_key_of
-from broker.errors import ConfigError, Deferred, ResultRefused
+from broker.errors import ConfigError
 from broker.memory.stores import Clock, MemoryCancellations
 from broker.settings import QueueSettings, Settings
 
@@ -247,13 +248,9 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             super().emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
-        exception = kwargs.get("exception")
-        if signal == "process_message" and isinstance(exception, Deferred):
-            signal, kwargs = "skip_message", {}  # asked to run later: not a failure
-        if signal == "process_message" and exception is None and kwargs.get("result") is not None:
-            exception = self._refused_result(proxy, kwargs["result"])
-            if exception is not None:
-                kwargs = {"exception": exception}
+        hooks = [getattr(middleware, "refuse_result", None) for middleware in self.middleware]
+        signal, kwargs, exception = run_signal(  # a snooze is a skip; a refused result a failure
+            self, signal, proxy, kwargs, refuse_hooks=[hook for hook in hooks if callable(hook)])
         context = getattr(proxy, "standmeet_settle", None)
         if context is None:
             context = proxy.standmeet_settle = SettleContext(proxy)
@@ -270,19 +267,6 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             super().emit_after(signal, *args, **kwargs)
         finally:
             _local.settling = None
-
-    def _refused_result(self, proxy: MessageProxy, result: Any) -> ResultRefused | None:
-        for middleware in self.middleware:
-            refuse = getattr(middleware, "refuse_result", None)
-            reason = refuse(self, proxy, result) if callable(refuse) else None
-            if reason:
-                refused = ResultRefused(reason)
-                logger.error("message %s failed: %s", proxy.message_id, reason)
-                proxy.stuff_exception(refused)
-                proxy.options["error"] = f"ResultRefused: {reason}"
-                proxy.fail()
-                return refused
-        return None
 
     def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
         """Decide a finished run's outcome (done, put back, rejected) and free its slot."""
