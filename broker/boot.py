@@ -185,6 +185,23 @@ def _where(exc: BaseException) -> str:
     return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
+def add_process_arguments(parser: argparse.ArgumentParser, *, declaring: str) -> None:
+    """The arguments of every process ``run`` supervises: the modules to load (what they
+    declare: ``declaring``), and the supervision options."""
+    parser.add_argument("modules", nargs="*", default=list(DEFAULT_APP_MODULES),
+                        help=f"modules that declare {declaring} (default: {', '.join(DEFAULT_APP_MODULES)})")
+    add_supervision_arguments(parser)
+
+
+def supervisor_gone(who: str, args: argparse.Namespace) -> bool:
+    """Whether this process was started by a supervisor that is gone already (said in one
+    line): then it must not start. Otherwise it now dies with its supervisor."""
+    if args.supervised_by is not None and not die_with_supervisor(args.supervised_by):
+        print(f"{who}: its supervisor (pid {args.supervised_by}) is gone: not starting", file=sys.stderr)
+        return True
+    return False
+
+
 def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``run`` gives each child it supervises."""
     parser.add_argument("--supervised-by", type=int, default=None, metavar="PID",

@@ -37,12 +37,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from broker.boot import (
-    DEFAULT_APP_MODULES,
     OneLineParser,
-    add_supervision_arguments,
+    add_process_arguments,
     boot,
-    die_with_supervisor,
     refuse,
+    supervisor_gone,
 )
 from broker.running import SHUTDOWN_MS_ATTRIBUTE, running_jobs
 
@@ -119,16 +118,13 @@ def forced_stop(broker: StandmeetBroker | None, closed: threading.Event, *,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m broker.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("modules", nargs="*", default=list(DEFAULT_APP_MODULES),
-                        help=f"modules that declare actors (default: {', '.join(DEFAULT_APP_MODULES)})")
+    add_process_arguments(parser, declaring="actors")
     parser.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="worker threads (default: the sum of the served queues' limits)")
     parser.add_argument("--worker-shutdown-timeout", type=int, default=None, metavar="MS",
                         help="wait this long for running jobs on SIGTERM (default: STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S)")
-    add_supervision_arguments(parser)
     args = parser.parse_args(argv)
-    if args.supervised_by is not None and not die_with_supervisor(args.supervised_by):
-        print(f"worker: its supervisor (pid {args.supervised_by}) is gone: not starting", file=sys.stderr)
+    if supervisor_gone("worker", args):
         return 1
     from broker.observability.logs import configure_logging
 

@@ -25,13 +25,12 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from broker import services
 from broker.boot import (
-    DEFAULT_APP_MODULES,
     OneLineParser,
-    add_supervision_arguments,
+    add_process_arguments,
     boot,
-    die_with_supervisor,
     load_modules,
     refuse,
+    supervisor_gone,
 )
 from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
 from broker.observability.logs import configure_logging
@@ -58,14 +57,11 @@ def load_jobs(path: str) -> list:  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m periodic", description=__doc__.split("\n")[0])
-    parser.add_argument("modules", nargs="*", default=list(DEFAULT_APP_MODULES),
-                        help=f"modules that declare actors and periodic jobs (default: {', '.join(DEFAULT_APP_MODULES)})")
+    add_process_arguments(parser, declaring="actors and periodic jobs")
     parser.add_argument("--jobs", default=None, metavar="MODULE:ATTRIBUTE",
                         help="run only this table of periodic jobs instead of the declared ones")
-    add_supervision_arguments(parser)
     args = parser.parse_args(argv)
-    if args.supervised_by is not None and not die_with_supervisor(args.supervised_by):
-        print(f"periodic: its supervisor (pid {args.supervised_by}) is gone: not starting", file=sys.stderr)
+    if supervisor_gone("periodic", args):
         return 1
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -161,7 +161,8 @@ def _migrate_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("modules", nargs="*", metavar="MODULE",
-                   help="modules declaring actors (default: actors), looked up in the current directory first")
+                   help=f"modules declaring actors (default: {', '.join(DEFAULT_APP_MODULES)}), looked up in the current "
+                        "directory first")
     p.add_argument("--queues", nargs="*", help="queues this process would serve (default: all)")
     p.add_argument("--threads", type=int, default=0,
                    help="threads per worker process (default: the sum of the served queues' limits)")
@@ -172,7 +173,8 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("positional_modules", nargs="*", metavar="MODULE",
-                   help="modules declaring actors (default: actors), looked up in the current directory first")
+                   help=f"modules declaring actors (default: {', '.join(DEFAULT_APP_MODULES)}), looked up in the current "
+                        "directory first")
     p.add_argument("--queues", nargs="*", help="queues to serve (default: all)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes (default 1); refused when they do not fit in the server's connections")
@@ -187,7 +189,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-scheduler", action="store_true", help="do not start the scheduler process")
     p.add_argument("--module", action="append", dest="modules", metavar="MODULE",
-                   help="a module declaring actors, for the workers to import (repeatable; default: actors)")
+                   help=f"a module declaring actors, for the workers to import (repeatable; default: "
+                        f"{', '.join(DEFAULT_APP_MODULES)})")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS,
                    help="text or json, for this process and its children")
     p.set_defaults(func=cmd_run)
