@@ -13,13 +13,17 @@ another) declares, at import, through these few calls:
     app.startup_check(refuse_bad_timings)                            # fn(settings) -> None
     app.settings(ReportSettings)   # its own settings, declared like broker.settings.Settings
     app.page("/reports", reports_page, title="Reports", templates=("reports", "templates"))
+    app.dashboard_notice("exported", "The report was exported.")   # after a page's action
     app.gauges(read_report_gauges)  # fn(conn) -> metric families, read at each /metrics scrape
+    app.migrations(package="reports", folder="migrations")  # its tables, versioned on their own
 
 and its actors with ``@dramatiq.actor``, its topics and routes with
 ``broker.outbox.route``. Every entry point (``standmeet-jobs run MODULE…``,
 ``python -m broker.worker MODULE…``, ``dramatiq MODULE``, ``python -m periodic``) loads
 the named modules and serves what they declared: their queues with their limits
-(``STANDMEET_QUEUE_<NAME>_*`` override them), their periodic jobs, their commands.
+(``STANDMEET_QUEUE_<NAME>_*`` override them), their periodic jobs, their commands, their
+dashboard pages; ``standmeet-jobs migrate MODULE…`` applies their migrations after the
+runtime's.
 Declaring the same name twice with different values is an error, not a silent win.
 """
 
