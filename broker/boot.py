@@ -55,13 +55,16 @@ def app_modules(named: Sequence[str] = ()) -> list[str]:
 
 def boot(modules: Sequence[str], *, settings: Settings | None = None) -> StandmeetBroker:
     """Configure this process's broker (unless it is configured already), then load the
-    application's ``modules``: what every entry point does first. Returns the broker."""
+    application's ``modules``: what every entry point does first. Returns the broker in
+    force after they loaded."""
     from broker import configure, services
 
-    installed = services.installed()
-    broker = installed.broker if installed is not None else configure(settings)
+    if services.installed() is None:
+        configure(settings)
     load_modules(modules)
-    return broker
+    # the broker in force once they are loaded: a module may configure one of its own
+    # (``broker.configure()`` at its import, as Dramatiq's CLI wants); its actors moved over
+    return services.current_broker()
 
 
 class OneLineParser(argparse.ArgumentParser):
