@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,28 +92,6 @@ SELECT coalesce(
 
 _counter = itertools.count(1)
 T = TypeVar("T")
-
-
-def _import_broker_package() -> None:
-    """Let ``broker.backends.results`` and ``broker.backends.rate_limits`` be imported in this environment.
-
-    While ``broker/__init__`` still imports the old broker (psycopg2, dramatiq-pg),
-    which this environment does not have, register ``broker`` as a bare package so
-    its submodules (``errors``, ``detach``, the two backends) import on their own.
-    Once the package imports cleanly this does nothing.
-    """
-    try:
-        import broker  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name in (None, "broker") or exc.name.startswith("broker."):
-            raise
-        package = types.ModuleType("broker")
-        package.__path__ = [str(ROOT / "broker")]
-        package.__file__ = str(ROOT / "broker" / "__init__.py")
-        sys.modules["broker"] = package
-
-
-_import_broker_package()
 
 
 def with_dbname(url: str, dbname: str) -> str:

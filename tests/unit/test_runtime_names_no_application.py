@@ -156,15 +156,6 @@ def test_the_runtimes_migrations_and_registration_name_nothing_of_the_applicatio
     assert not hits, "\n".join(hits)
 
 
-def files_with_hits() -> str:
-    """``file (lines), …``: the files that name the application, for the mark below."""
-    counts: dict[str, int] = {}
-    for hit in runtime_hits():
-        where = hit.split(":", 1)[0]
-        counts[where] = counts.get(where, 0) + 1
-    return ", ".join(f"{where} ({n})" for where, n in counts.items()) or "none"
-
-
 def test_no_runtime_file_names_an_application_table_actor_or_domain_word():
     hits = runtime_hits()
     assert not hits, f"{len(hits)} line(s) of the runtime name the application:\n" + "\n".join(hits)
