@@ -1,6 +1,7 @@
 """``standmeet-jobs``: the operator's command line (a process entry point).
 
-    standmeet-jobs migrate                 create or update the schema (idempotent)
+    standmeet-jobs migrate [MODULE …]      create or update the schema (idempotent): the
+                                           runtime's tables, then the modules' own
     standmeet-jobs check [MODULE …]        the start-up checks (the connection budget…)
     standmeet-jobs run [MODULE …]          check the connections, migrate, then supervise
                                            worker processes (python -m broker.worker
@@ -156,6 +157,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _migrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("modules", nargs="*", metavar="MODULE",
+                   help=f"modules whose declared migrations follow the runtime's (default: "
+                        f"{', '.join(DEFAULT_APP_MODULES)}), looked up in the current directory first")
     p.set_defaults(func=cmd_migrate)
 
 
@@ -217,6 +221,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from broker.settings import Settings
 
     settings = Settings.from_env()
+    load_modules(app_modules(args.modules or ()))  # they declare their migrations (broker.app.migrations)
     url = resolve_database_url(settings)
     from broker import log_database
 
@@ -224,7 +229,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     applied = migrate(url)
     if applied:
         for m in applied:
-            print(f"applied {m.version:04d}_{m.name}")
+            print(f"recorded {m.describe()} (the runtime's {m.replaces} applied it)" if m.adopted
+                  else f"applied {m.describe()}")
     else:
         print("schema up to date")
     return 0
