@@ -23,6 +23,7 @@ and opens no connection. See ``docs/testing.md``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dramatiq.rate_limits.backends.stub import StubBackend as StubRateLimiterBackend
@@ -36,6 +37,9 @@ from middleware import default_middleware
 
 __all__ = ["Clock", "MemoryBroker", "memory_broker"]
 
+#: The variables that name a database: the memory broker has none, so it neither reads nor
+#: checks them (checking a URL's form would import the database driver).
+DATABASE_VARIABLES = frozenset({"DATABASE_URL", "STANDMEET_LISTEN_DATABASE_URL"})
 #: The ``url`` the memory broker's services report.
 MEMORY_URL = "memory://"
 
@@ -54,7 +58,8 @@ def memory_broker(settings: Settings | None = None, *, fail_fast: bool = True, *
     whether ``join`` raises the error of a message rejected on its queue (Dramatiq's
     StubBroker does). Its results are in ``broker.results`` (Dramatiq's ``StubBackend``).
     """
-    settings = settings or Settings.from_env()
+    settings = settings or Settings.from_env(environ={k: v for k, v in os.environ.items()
+                                                      if k not in DATABASE_VARIABLES})
     if overrides:
         settings = replace(settings, **overrides)
     clock = Clock()

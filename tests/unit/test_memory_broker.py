@@ -382,7 +382,9 @@ print("ok")
 
 
 def test_actor_tests_on_the_memory_broker_import_no_database_driver():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # (with a database named in the environment, as in a project's CI: the memory broker ignores it)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DATABASE_URL": "postgresql://nobody@127.0.0.1:9/none",
+           "STANDMEET_LISTEN_DATABASE_URL": "postgresql://nobody@127.0.0.1:9/none"}
     done = subprocess.run([sys.executable, "-c", ACTOR_SUITE], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
