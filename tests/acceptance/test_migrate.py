@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -17,12 +16,12 @@ import pytest
 
 from broker.pg.migrate import available_migrations, migrate, package_migrations
 from tests.support import db as testdb
+from tests.support.old_migrations import old_migrations
 from tests.support.procs import ROOT
 
 MIGRATE = [sys.executable, "-m", "broker.cli", "migrate"]
 #: The runtime's migrations exactly as the code before the split had them (24 files, the
 #: application's tables among them), and the bookkeeping table it made.
-BEFORE_SPLIT = Path(__file__).parent / "data" / "migrations_before_split"
 OLD_BOOTSTRAP = """
 CREATE SCHEMA IF NOT EXISTS standmeet;
 CREATE TABLE IF NOT EXISTS standmeet.schema_migrations (
@@ -100,14 +99,14 @@ def assert_same_schema(url: str, fresh: dict[str, list[tuple[Any, ...]]]) -> Non
 def migrate_as_before_the_split(url: str, *, through: int) -> list[str]:
     """Apply the old migrations up to version ``through`` as the old code did: each file,
     then its version, in one transaction. Returns the files applied."""
-    files = sorted(p for p in BEFORE_SPLIT.glob("*.sql") if int(p.name.split("_", 1)[0]) <= through)
+    files = [(name, sql) for name, sql in old_migrations() if int(name.split("_", 1)[0]) <= through]
     with psycopg.connect(url) as conn, conn.transaction():
         conn.execute(OLD_BOOTSTRAP)
-        for path in files:
-            number, _, rest = path.name.partition("_")
-            conn.execute(path.read_text(encoding="utf-8").encode())
-            conn.execute(OLD_RECORD, (int(number), rest.removesuffix(".sql")))
-    return [p.stem for p in files]
+        for name, sql in files:
+            number, _, rest = name.partition("_")
+            conn.execute(sql.encode())
+            conn.execute(OLD_RECORD, (int(number), rest))
+    return [name for name, _ in files]
 
 
 @pytest.fixture

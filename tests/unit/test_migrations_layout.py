@@ -9,10 +9,11 @@ import pytest
 from broker import app
 from broker.errors import ConfigError, MigrationError
 from broker.pg.migrate import available_migrations, package_migrations, read_migrations
+from tests.support.old_migrations import old_migrations
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The runtime's migrations as the code before the split had them.
-BEFORE_SPLIT = sorted(p.stem for p in (ROOT / "tests" / "acceptance" / "data" / "migrations_before_split").glob("*.sql"))
+BEFORE_SPLIT = [name for name, _ in old_migrations()]
 ACTORS = app.MigrationFolder(package="actors", folder="migrations")
 
 
@@ -111,3 +112,8 @@ def test_a_missing_package_or_folder_is_refused_in_one_line(package):
         read_migrations(app.MigrationFolder("no_such_pkg_here"), package="no_such_pkg_here")
     with pytest.raises(MigrationError, match="has no migrations folder 'schema'"):
         package_migrations(app.MigrationFolder("pkg_with_migrations", "schema"))
+
+
+def test_the_old_migrations_the_runtime_kept_are_byte_for_byte_what_databases_applied():
+    # (old_migrations() refuses a kept migration whose bytes changed since it was applied)
+    assert [name for name, _ in old_migrations()] == BEFORE_SPLIT and len(BEFORE_SPLIT) == 24
