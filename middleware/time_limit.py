@@ -5,6 +5,12 @@ then the queue's default (``STANDMEET_QUEUE_<QUEUE>_TIME_LIMIT_S``). The
 job is cancelled by Dramatiq's asynchronous ``TimeLimitExceeded``, which the retry
 policy treats as a retryable failure.
 
+The timers (:class:`Timers`) set that exception while holding the lock that disarming
+takes, so once a job's limit is disarmed no interruption can still be on its way unless
+it was set already, and the broker receives and drops that one before any after-hook
+(``broker.engine.runs.disarm``): a limit that fires as the job ends never lands in the
+settle path, nor in the thread's next job.
+
 The asynchronous exception cannot interrupt a blocking socket read or a running SQL
 statement, so the deadline is also recorded (``broker.deadline``) for the places
 where the job blocks: ``broker.pg.db.connection()`` sets ``statement_timeout`` to what
@@ -14,13 +20,19 @@ remains, HTTP clients cap their timeouts to it, and long actors call
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware.time_limit import TimeLimit as DramatiqTimeLimit
+from dramatiq.middleware.time_limit import TimeLimitExceeded
+from dramatiq.threading import is_gevent_active, raise_thread_exception
 
-from broker import deadline
+from broker import deadline, detach
+
+logger = logging.getLogger("standmeet.time_limit")
 
 
 def resolve_time_limit_ms(broker: Any, message: MessageProxy) -> int:
@@ -33,9 +45,44 @@ def resolve_time_limit_ms(broker: Any, message: MessageProxy) -> int:
     return int(value)
 
 
+class Timers:
+    """Each worker thread's deadline; every ``interval_ms`` the thread past its deadline is
+    interrupted (:meth:`fire_due`, on a thread of :mod:`broker.detach` started with the
+    worker's process boot)."""
+
+    def __init__(self, interval_ms: int) -> None:
+        self.interval_s = interval_ms / 1000
+        self.mu = threading.Lock()
+        self.deadlines: dict[int, float] = {}
+
+    def start(self) -> None:
+        detach.every("standmeet-time-limits", self.interval_s, self.fire_due)
+
+    def add_timeout(self, thread_id: int, ttl_ms: float) -> None:
+        with self.mu:
+            self.deadlines[thread_id] = time.monotonic() + ttl_ms / 1000
+
+    def remove_timeout(self, thread_id: int) -> None:
+        with self.mu:
+            self.deadlines.pop(thread_id, None)
+
+    def fire_due(self) -> list[int]:
+        """Interrupt every thread past its deadline, under the lock; the threads interrupted."""
+        now = time.monotonic()
+        with self.mu:
+            due = [thread_id for thread_id, at in self.deadlines.items() if now >= at]
+            for thread_id in due:
+                del self.deadlines[thread_id]
+                logger.warning("time limit exceeded: interrupting worker thread %d", thread_id)
+                raise_thread_exception(thread_id, TimeLimitExceeded)
+        return due
+
+
 class TimeLimit(DramatiqTimeLimit):
     def __init__(self, *, interval_ms: int = 100) -> None:
         super().__init__(interval=interval_ms)
+        if not is_gevent_active():
+            self.manager = Timers(interval_ms)  # type: ignore[assignment]
         self._started = False
         self._start_lock = threading.Lock()
 

@@ -58,7 +58,7 @@ from broker.engine.codec import options_json, refuse_non_json_encoder, storable_
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
-from broker.engine.runs import run_signal
+from broker.engine.runs import disarm, run_signal
 from broker.engine.settler import (
     Outcome,
     SettleContext,
@@ -273,6 +273,11 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             return
         proxy = args[0]
         self._job_threads.pop(threading.get_ident(), None)
+        # The time limit never fires in the settle path; one that fired as the job ended is dropped.
+        late = disarm(hook for _, hook in self._hooks("disarm"))
+        if late is not None:
+            logger.info("message %s: %s arrived after the job had ended; ignored",
+                        proxy.message_id, type(late).__name__)
         # A snoozed job is a skip (broker.engine.runs); so is a job interrupted because this
         # process stepped down (cut off from the database): it runs again, with no retry
         # counted (see step_down).
@@ -286,8 +291,6 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             context.returned = True
         if context is not None and signal == "skip_message":
             context.skipped = True  # acked without running, unless a middleware requeues it
-        for _, disarm in self._hooks("disarm"):  # the time limit never fires in the settle path
-            disarm()
         _local.settling = context
         try:
             self._emit_after(signal, *args, **kwargs)

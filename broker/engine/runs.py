@@ -7,6 +7,10 @@ one and the memory one): which signal its after-hooks see. No database code.
   what it acquired in ``after_skip_message``.
 * A result a results middleware refuses (its ``refuse_result(broker, message, result)``
   hook says why) fails the run for good, with the reason, before any after-hook sees it.
+* The timers that interrupt a running job (the time limit) are disarmed before anything
+  else reads the run (:func:`disarm`). An interruption already on its way when the job
+  ended (its timer fired between the job's last line and the disarm) is delivered there
+  and dropped: the run's outcome is what the job did, and every after-hook still runs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dramatiq.broker import MessageProxy
+from dramatiq.middleware import Interrupt
 
 from broker.errors import Deferred, ResultRefused
 
@@ -23,6 +28,24 @@ logger = logging.getLogger("standmeet.broker")
 
 #: A middleware's ``refuse_result`` hook: why it cannot keep a result, or None.
 RefuseResult = Callable[[Any, MessageProxy, Any], "str | None"]
+
+
+def _interruptible() -> None:
+    """A Python call does nothing but let the interpreter deliver an asynchronous
+    exception set for this thread (it is checked on entering a Python frame)."""
+
+
+def disarm(hooks: Iterable[Callable[[], None]]) -> Interrupt | None:
+    """Run every ``disarm`` hook (stopping the timers that could interrupt this thread),
+    and return, instead of raising, an interruption that was already on its way."""
+    late: Interrupt | None = None
+    for hook in hooks:
+        try:
+            hook()
+            _interruptible()
+        except Interrupt as exc:  # its timer fired as the job ended: too late to stop it
+            late = exc
+    return late
 
 
 def refused_result(broker: Any, proxy: MessageProxy, result: Any,

@@ -44,7 +44,7 @@ from dramatiq.worker import WorkerThread
 
 from broker.engine.codec import checked_json
 from broker.engine.queues import DeclaredQueues
-from broker.engine.runs import run_signal
+from broker.engine.runs import disarm, run_signal
 from broker.engine.unique import unique_key_of
 from broker.errors import ConfigError
 from broker.memory.stores import Clock, MemoryCancellations
@@ -248,6 +248,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             super().emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
+        disarm(hook for hook in (getattr(m, "disarm", None) for m in self.middleware) if callable(hook))
         hooks = [getattr(middleware, "refuse_result", None) for middleware in self.middleware]
         signal, kwargs, exception = run_signal(  # a snooze is a skip; a refused result a failure
             self, signal, proxy, kwargs, refuse_hooks=[hook for hook in hooks if callable(hook)])
@@ -258,10 +259,6 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             context.returned = True
         if signal == "skip_message":
             context.skipped = True
-        for middleware in self.middleware:  # the time limit never fires in the settle path
-            disarm = getattr(middleware, "disarm", None)
-            if callable(disarm):
-                disarm()
         _local.settling = context
         try:
             super().emit_after(signal, *args, **kwargs)

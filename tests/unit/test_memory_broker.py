@@ -160,6 +160,41 @@ def test_a_job_past_its_time_limit_is_stopped_and_counts_as_a_failure(make_broke
     assert isinstance(rejected._exception, TimeLimitExceeded) and finished == []
 
 
+def test_a_time_limit_that_fires_as_the_job_ends_changes_nothing_of_its_outcome(make_broker, monkeypatch):
+    # Given a time limit whose timer fires just as each job ends: its asynchronous
+    # exception is on its way when the broker disarms the limit
+    broker = make_broker(max_retries=1, min_backoff_ms=10, max_backoff_ms=10)
+    (limit,) = [m for m in broker.middleware if hasattr(m, "disarm")]
+    disarm = limit.disarm
+
+    def fired_as_the_job_ended() -> None:
+        if threading.get_ident() in limit.manager.deadlines:  # the limit's first disarm in a run
+            limit.manager.add_timeout(threading.get_ident(), 0)
+            assert limit.manager.fire_due() == [threading.get_ident()]
+        disarm()
+
+    monkeypatch.setattr(limit, "disarm", fired_as_the_job_ended)
+    runs: list[str] = []
+
+    @dramatiq.actor(queue_name="mem_late_limit")
+    def ends(label: str) -> None:
+        runs.append(label)
+        if label == "fails" and runs.count(label) == 1:
+            raise ValueError("the job's own failure")
+
+    # When one job returns and another fails with its own error (then passes)
+    ends.send("returns")
+    ends.send("fails")
+    broker.drain()
+    # Then the one that returned is done on its only run, and the failure counted is the
+    # job's own: one retry for its ValueError, none for the late time limit
+    assert sorted(runs) == ["fails", "fails", "returns"]
+    done = {m.args[0]: m for m in broker.done}
+    assert "retries" not in done["returns"].options
+    assert done["fails"].options["retries"] == 1 and "ValueError" in done["fails"].options["traceback"]
+    assert broker.dead_letters == []
+
+
 def test_a_keyed_lease_keeps_two_messages_of_one_key_apart(make_broker):
     broker = make_broker(queues={"mem_lease": 4})
     lease = Lease(key=lambda message: message.args[0], take="", release="", lease_s=lambda: 30.0,
