@@ -15,7 +15,12 @@ What it guarantees:
   push a counter past its maximum (or below its minimum) and no update is lost.
 * ``incr_and_sum`` locks every key it sums over (in one statement, in key order, so
   callers cannot deadlock) before it checks and increments, in one short transaction:
-  the sum it checks is the sum it commits against.
+  the sum it checks is the sum it commits against. For the keys of Dramatiq's
+  ``WindowRateLimiter`` (``<key>@<unix second>``) it also takes one lock for the whole
+  limiter, and counts the :data:`FUTURE_BUCKETS` buckets after its own window: a caller
+  whose clock read an earlier second than another's (the second turned between them,
+  or their hosts' clocks are up to that many seconds apart) still sees what the other
+  admitted, so the limit holds exactly across processes.
 * ``wait`` does not poll: it reads the key once, then sleeps until a NOTIFY for that key
   (sent by ``wait_notify`` in the same statement that records the event), the listener
   reconnecting, or the timeout. An event recorded before the wait started is seen at
@@ -107,7 +112,20 @@ SELECT k, 0, '-infinity' FROM unnest(%(keys)s::text[]) AS k ORDER BY k
 ON CONFLICT (key) DO UPDATE SET value = r.value WHERE false
 """
 
-#: Second step: increment ``key`` if both it and the sum of the (locked) keys stay in bound.
+#: The lock class of a window limiter's lock (``pg_advisory_xact_lock(class, hash)``): the
+#: two-integer lock space, apart from the runtime's single-bigint locks.
+WINDOW_LOCK_CLASS = 0x524C  # "RL"
+
+#: First step for a window limiter's keys: one lock for every bucket of the limiter, so
+#: callers whose windows do not overlap (a one-second window, clocks a second apart) queue too.
+LOCK_WINDOW = "SELECT pg_advisory_xact_lock(%(lock_class)s, hashtext(%(window)s))"
+
+#: How many seconds after its own window a window limiter's caller counts: the clock
+#: difference between two callers (hosts) under which the limit still holds exactly.
+FUTURE_BUCKETS = 60
+
+#: Second step: increment ``key`` if both it and the sum of the (locked) keys stay in bound;
+#: for a window limiter the sum also counts its live buckets in ``future``.
 INCREMENT_IF_SUM_ALLOWS = """
 UPDATE standmeet.rate_limits AS r
 SET value = CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + %(amount)s,
@@ -115,9 +133,28 @@ SET value = CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + %(amount)s,
 WHERE r.key = %(key)s
   AND CASE WHEN r.expires_at > now() THEN r.value ELSE 0 END + %(amount)s <= %(maximum)s
   AND %(amount)s + (SELECT coalesce(sum(s.value), 0) FROM standmeet.rate_limits AS s
-                    WHERE s.key = ANY(%(keys)s::text[]) AND s.expires_at > now()) <= %(maximum)s
+                    WHERE s.key = ANY(%(keys)s::text[] || %(future)s::text[])
+                      AND s.expires_at > now()) <= %(maximum)s
 RETURNING true
 """
+
+
+def window_of(keys: Iterable[str]) -> tuple[str, list[str]] | None:
+    """``(limiter, future)`` when every key is a bucket ``<limiter>@<unix second>`` of one
+    window limiter: ``future`` names its :data:`FUTURE_BUCKETS` buckets after the newest
+    of ``keys``. Otherwise None."""
+    limiters: set[str] = set()
+    newest = -1
+    for key in keys:
+        limiter, at, second = key.rpartition("@")
+        if not at or not second.isascii() or not second.isdigit():
+            return None
+        limiters.add(limiter)
+        newest = max(newest, int(second))
+    if len(limiters) != 1:
+        return None
+    limiter = limiters.pop()
+    return limiter, [f"{limiter}@{newest + ahead}" for ahead in range(1, FUTURE_BUCKETS + 1)]
 
 #: Record one more occurrence of the event ``key`` (for ``ttl_ms``) and announce it.
 NOTIFY_EVENT = """
@@ -216,15 +253,19 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         would exceed ``maximum``; True if it was added."""
         summed = sorted(set(keys()))
         locked = sorted({key, *summed})
+        window = window_of(locked)
         params = {
             "key": key,
             "keys": summed,
             "amount": int(amount),
             "maximum": int(maximum),
             "ttl_ms": int(ttl),
+            "future": window[1] if window else [],
         }
         with translated_errors("incrementing a rate-limit window"), self.database.connection() as conn:
             with conn.transaction():
+                if window is not None:
+                    conn.execute(LOCK_WINDOW, {"lock_class": WINDOW_LOCK_CLASS, "window": window[0]})
                 conn.execute(LOCK_KEYS, {"keys": locked})
                 row = conn.execute(INCREMENT_IF_SUM_ALLOWS, params).fetchone()
         return row is not None

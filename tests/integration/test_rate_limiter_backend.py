@@ -167,6 +167,25 @@ def test_a_window_limiter_admits_exactly_its_limit_across_two_processes(
         assert not acquired
 
 
+@pytest.mark.parametrize("window_s", [1, 60])
+def test_a_window_caller_whose_clock_reads_an_earlier_second_counts_what_a_later_one_admitted(
+    backend: PostgresRateLimiterBackend, window_s: int
+) -> None:
+    # Given a limit of 5, all taken by a caller whose clock already read second T+1
+    key, now = a_key("skew"), int(time.time())
+
+    def buckets(second: int) -> list[str]:  # what Dramatiq's WindowRateLimiter asks for
+        return [f"{key}@{second - back}" for back in range(window_s)]
+
+    later, earlier = buckets(now + 1), buckets(now)
+    assert [backend.incr_and_sum(later[0], lambda: later, 1, 5, window_s * 1000) for _ in range(5)] == [True] * 5
+    # When a caller whose clock still reads T (the second turned between them, or its
+    # host's clock is behind) tries
+    admitted = backend.incr_and_sum(earlier[0], lambda: earlier, 1, 5, window_s * 1000)
+    # Then it is refused: its own window holds none of the five, but it counts them
+    assert admitted is False
+
+
 @pytest.mark.slow  # waits out a real timer of a second or more
 def test_a_window_limiter_admits_again_once_the_window_has_slid_past(
     backend: PostgresRateLimiterBackend,
