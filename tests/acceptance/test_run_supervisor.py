@@ -85,6 +85,13 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "(gone)"
+
+
 def session_members(session: int) -> list[int]:
     """The live processes of a session (`run` is started as its leader; its children join it)."""
     out = subprocess.run(["ps", "-o", "pid=", "-s", str(session)], capture_output=True, text=True).stdout
@@ -115,8 +122,12 @@ def test_children_die_with_a_sigkilled_run_and_its_running_job_runs_again(
             os.kill(run.pid, signal.SIGKILL)
             run.wait(timeout=10)
             # Then every child exits by itself, within the shutdown timeout and the grace
-            wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=STOP_BOUND_S,
-                     what=f"the children {children} to exit")
+            try:
+                wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=STOP_BOUND_S,
+                         what=f"the children {children} to exit")
+            except AssertionError as exc:
+                left = {pid: command_line(pid) for pid in children if alive(pid)}
+                raise AssertionError(f"{exc}; still running: {left}; the log:\n{log.read_text()}") from None
             assert time.monotonic() - killed < STOP_BOUND_S
         text = log.read_text()
         assert "received SIGTERM: shutting down" in text, text  # the worker stopped as on a deploy
