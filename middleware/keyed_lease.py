@@ -120,6 +120,9 @@ class PostgresLeases:
 
 
 class KeyedLease(Middleware):
+    #: A run of an actor without a lease costs this policy nothing (``broker.engine.hooks``).
+    runs_only_with_options = frozenset({"lease"})
+
     def __init__(self, *, store: LeaseStore | None = None) -> None:
         self.store: LeaseStore = store if store is not None else PostgresLeases()
 

@@ -50,12 +50,13 @@ import psycopg
 from dramatiq.broker import MessageProxy
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware, MiddlewareError
+from dramatiq.middleware import MiddlewareError
 
 from broker.engine import enqueue as writer
 from broker.engine import sql
 from broker.engine.codec import options_json, refuse_non_json_encoder, storable_text
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
+from broker.engine.hooks import RUN_SIGNALS, HookTable, MiddlewareList
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
 from broker.engine.runs import disarm, run_signal
@@ -101,29 +102,6 @@ CLOSE_FLUSH_S = 5.0
 _local = threading.local()
 
 
-class MiddlewareList(list):  # type: ignore[type-arg]
-    """The broker's middleware list, with a count of its changes: the hooks cache is
-    rebuilt when it moves, not checked against a copy of the list on every signal."""
-
-    version = 0
-
-
-def _counting(name: str) -> Callable[..., Any]:
-    original = getattr(list, name)
-
-    def mutate(self: MiddlewareList, *args: Any, **kwargs: Any) -> Any:
-        self.version += 1
-        return original(self, *args, **kwargs)
-
-    mutate.__name__ = name
-    return mutate
-
-
-for _mutator in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert",
-                 "pop", "remove", "clear", "sort", "reverse"):
-    setattr(MiddlewareList, _mutator, _counting(_mutator))
-
-
 class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
     """A Dramatiq broker on Postgres: per-queue limits, database delays, one settle path."""
 
@@ -158,10 +136,9 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             on_settled=functools.partial(_settled, self.queue_states))
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners = self.liveness.rescue_listeners
-        self._hooks_of: tuple[int, int] = (0, -1)
+        self._hook_table = HookTable()
         #: Dramatiq workers running on this broker (booted, not yet shutting down)
         self._workers: list[Any] = []
-        self._hook_cache: dict[str, list[Any]] = {}
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
         self.middleware: list[Any] = MiddlewareList(self.middleware)
@@ -220,21 +197,24 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
 
     def _hooks(self, name: str) -> list[Any]:
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
-        order: Dramatiq calls all of them, most the base class's no-ops, several times
-        per message. Recomputed whenever the middleware list changes."""
+        order (:mod:`broker.engine.hooks`)."""
         middleware = self.middleware
         if not isinstance(middleware, MiddlewareList):  # a plain list was assigned
             middleware = self.middleware = MiddlewareList(middleware)
-        version = (id(middleware), middleware.version)
-        if self._hooks_of != version:
-            self._hooks_of, self._hook_cache = version, {}
-        hooks = self._hook_cache.get(name)
-        if hooks is None:
-            base = getattr(Middleware, name, None)
-            hooks = [(m, getattr(m, name)) for m in middleware
-                     if getattr(type(m), name, None) is not base or name in vars(m)]
-            self._hook_cache[name] = hooks
-        return hooks
+        return self._hook_table.of(middleware, name)
+
+    def _run_hooks(self, name: str, proxy: Any) -> list[Any]:
+        """The hooks of a run's signal ``name`` that apply to the run of ``proxy``: the
+        policies gated on options it does not set are skipped (:mod:`broker.engine.hooks`)."""
+        middleware = self.middleware
+        if type(middleware) is not MiddlewareList:
+            middleware = self.middleware = MiddlewareList(middleware)
+        present = getattr(proxy, "standmeet_gating", None)
+        if present is None:
+            actor = self.actors.get(proxy.actor_name)
+            present = proxy.standmeet_gating = self._hook_table.gating_options(
+                middleware, proxy.options, actor.options if actor is not None else {})
+        return self._hook_table.for_run(middleware, name, present)
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
@@ -246,7 +226,9 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
         # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
-        for middleware, hook in self._hooks("before_" + signal):
+        name = "before_" + signal
+        hooks = self._run_hooks(name, args[0]) if name in RUN_SIGNALS else self._hooks(name)
+        for middleware, hook in hooks:
             try:
                 hook(self, *args, **kwargs)
             except MiddlewareError:
@@ -255,7 +237,9 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
                 self.logger.critical("Unexpected failure in before_%s of %r.", signal, middleware, exc_info=True)
 
     def _emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        for middleware, hook in reversed(self._hooks("after_" + signal)):
+        name = "after_" + signal
+        hooks = self._run_hooks(name, args[0]) if name in RUN_SIGNALS else self._hooks(name)
+        for middleware, hook in reversed(hooks):
             try:
                 hook(self, *args, **kwargs)
             except Exception as exc:
