@@ -20,6 +20,7 @@ from typing import Any
 from dramatiq import Middleware
 
 from broker.errors import Deferred
+from broker.observability.logs import info_line
 from broker.running import running_jobs
 
 logger = logging.getLogger("standmeet.jobs")
@@ -53,9 +54,7 @@ class JobLog(Middleware):
         running_jobs.finished()
         started, attempt = getattr(message, "standmeet_log_start", None) or (time.monotonic(), 1)
         duration_ms = (time.monotonic() - started) * 1000
-        logger.info(
-            "job %s: %s %s %s in %.1f ms (attempt %d)",
-            outcome, message.queue_name, message.actor_name, message.message_id, duration_ms, attempt,
-            extra={"actor": message.actor_name, "message_id": message.message_id, "queue": message.queue_name,
-                   "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt},
-        )
+        queue, actor, message_id = message.queue_name, message.actor_name, message.message_id
+        info_line(logger, f"job {outcome}: {queue} {actor} {message_id} in {duration_ms:.1f} ms (attempt {attempt})",
+                  {"actor": actor, "message_id": message_id, "queue": queue,
+                   "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt})

@@ -91,3 +91,50 @@ def test_the_text_format_stamps_each_line_as_the_stock_formatter_does():
         record = logging.LogRecord("standmeet.jobs", logging.INFO, __file__, 1, "job done", None, None)
         record.created, record.msecs = created, (created - int(created)) * 1000
         assert ours.format(record) == stock.format(record)
+
+
+def test_a_job_line_written_straight_to_the_handler_is_the_line_logging_would_write():
+    import json
+    import re
+
+    from broker.observability.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, info_line
+
+    extra = {"actor": "a.b", "message_id": "m1", "queue": "q", "duration_ms": 1.25, "outcome": "done", "attempt": 2}
+    for formatter in (TextFormatter(TEXT_FORMAT), JsonFormatter()):
+        # Given a logger whose only handler is the batched one, in one of our formats
+        stream = io.StringIO()
+        log, handler = _logger(stream, f"direct-{type(formatter).__name__}")
+        handler.setFormatter(formatter)
+        # When the same line goes through logging and straight to the handler
+        log.info("%s", "job done: q a.b m1 in 1.2 ms (attempt 2)", extra=extra)
+        info_line(log, "job done: q a.b m1 in 1.2 ms (attempt 2)", extra)
+        handler.flush()
+        through_logging, direct = stream.getvalue().splitlines()
+        # Then they are the same line, but for the time it was written
+        if isinstance(formatter, JsonFormatter):
+            through_logging, direct = (json.loads(line) for line in (through_logging, direct))
+            assert through_logging.pop("ts")[:16] == direct.pop("ts")[:16]
+        else:
+            stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+            assert stamp.match(through_logging) and stamp.match(direct)
+            through_logging, direct = stamp.sub("", through_logging), stamp.sub("", direct)
+        assert through_logging == direct
+
+
+def test_a_job_line_goes_through_logging_when_anything_else_would_see_it():
+    from broker.observability.logs import info_line
+
+    # Given a batched handler, and a second handler capturing records (as a test's would)
+    stream = io.StringIO()
+    log, handler = _logger(stream, "captured")
+    captured: list[logging.LogRecord] = []
+    capture = logging.Handler()
+    capture.emit = captured.append  # type: ignore[method-assign]
+    log.addHandler(capture)
+    # When a job line is written
+    info_line(log, "job done: q a.b m1 in 1.2 ms (attempt 1)", {"outcome": "done", "attempt": 1})
+    handler.flush()
+    # Then both see it: the capturing handler as a record with its fields
+    assert stream.getvalue() == "INFO job done: q a.b m1 in 1.2 ms (attempt 1)\n"
+    (record,) = captured
+    assert record.getMessage() == "job done: q a.b m1 in 1.2 ms (attempt 1)" and record.outcome == "done"
