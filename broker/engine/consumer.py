@@ -199,7 +199,7 @@ class StandmeetConsumer(Consumer):
         try:  # Message.decode, without its bytes round trip (the broker's encoder is JSON)
             fields = json.loads(text)
             fields["args"] = tuple(fields["args"])
-            message = Message(**fields)
+            message: Message[Any] = Message(**fields)
         except Exception as exc:
             self._reject_malformed(conn, row_id, f"malformed message: {exc!r}")
             return None
