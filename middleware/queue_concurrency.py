@@ -34,6 +34,9 @@ class QueueConcurrency(Middleware):
         self._held: dict[tuple[str, Any], str] = {}
 
     def _semaphore(self, broker: Any, queue_name: str) -> threading.BoundedSemaphore:
+        found = self._semaphores.get(queue_name)  # made once per queue: no lock once it is
+        if found is not None:
+            return found
         with self._lock:
             if queue_name not in self._semaphores:
                 limit = broker.queue_settings(queue_name).max_workers

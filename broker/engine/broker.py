@@ -296,8 +296,12 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         key = (proxy.message_id, claim)
         context: SettleContext | None = getattr(proxy, "standmeet_settle", None)
         followups = context.followups if context is not None else []
-        options = options_json(proxy)
-        if options is None:  # what a middleware left in them cannot be stored: as they were claimed
+        # A run done with its options as claimed leaves them as they are (None): no JSON to make.
+        done_as_claimed = (not rejected and context is not None and context.requeue_delay_ms is None
+                           and (context.returned or context.skipped)
+                           and getattr(proxy, "standmeet_claimed_options", None) == proxy.options)
+        options = None if done_as_claimed else options_json(proxy)
+        if options is None and not done_as_claimed:  # what a middleware left cannot be stored
             context = None
         exception = getattr(proxy, "_exception", None)
         if rejected:
@@ -310,9 +314,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
                               delay_s=context.requeue_delay_ms / 1000.0, followups=followups, attempt=attempt,
                               error=attempt_error(proxy, exception, attempt))
         elif context is not None and (context.returned or context.skipped):
-            unchanged = getattr(proxy, "standmeet_claimed_options", None) == proxy.options
-            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done",
-                              None if unchanged else options, followups=followups)
+            outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done", options, followups=followups)
         else:
             # Neither returned, nor retried, nor rejected: a middleware failed in the middle
             # of the after-hooks (its retry logic raised). Never record it as done: run it
