@@ -26,6 +26,13 @@ Order matters: ``before_*`` hooks run top to bottom, ``after_*`` hooks bottom to
                          run there while their worker thread waits, so every policy above
                          holds for them (a time limit or a cut-off cancels the coroutine)
 
+A policy that acts on a run only when an option names it costs every other run
+nothing: the broker skips the hooks of ``AgeLimit`` (without a default ``max_age``),
+``ShutdownNotifications`` (without ``notify_shutdown``), ``Callbacks``, ``Pipelines``,
+``GroupCallbacks`` and ``KeyedLease`` for a run whose message and actor set none of
+their options (``broker.engine.hooks``; a middleware of yours declares the same with a
+``runs_only_with_options`` attribute). Every other policy above runs for every run.
+
 The broker disarms the time limit before any after-hook runs, so the limit never fires
 inside the settle path; what after-hooks send (retries, snoozes, pipelines, callbacks)
 is written with the run's settle, in one transaction.
