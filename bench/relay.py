@@ -2,9 +2,12 @@
 emit-to-start latency on the index queue.
 
     python bench/relay.py [--runs 3] [--events 20000] [--latency 200]
+    python bench/relay.py --runs 1 --events 1001 --latency 1    # the CI smoke
 
 Rates come from the rows themselves: events relayed / (last relay transaction's
-commit - first one's start), so process start-up is not counted. Each relay process
+commit - first one's start), so process start-up is not counted; ``--events`` must
+therefore exceed one relay pass (``STANDMEET_RELAY_BATCH``, 1,000), as a backlog that
+one pass takes whole has no span to time. Each relay process
 also reports the CPU it spent draining and the CPU of its Postgres backend (read from
 /proc, so only on the machine that runs Postgres; 0 when unreadable): CPU per event is
 steadier than a rate on a shared machine. Prints each run, the medians, and
@@ -98,6 +101,8 @@ def relay_rate(admin_url: str, n: int, relays: int) -> tuple[float, float, float
         count, span = testdb.query(url, SPAN)[0]
         if count != n:
             raise RuntimeError(f"only {count}/{n} relayed")
+        if not span:
+            raise RuntimeError(f"all {n} events were relayed in passes that started together: no span to time")
         batch = Settings.from_env().relay_batch  # the relays' pass size
         # relayed_at is each transaction's start: add one pass's share for the last one
         rate = n / (span + span / max(1, n / batch))
@@ -150,13 +155,16 @@ def emit_latency(admin_url: str, count: int) -> list[float]:
         testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--latency", type=int, default=200)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    batch = Settings.from_env().relay_batch
+    if not args.child and args.events <= batch:
+        parser.error(f"--events must exceed one relay pass ({batch:,} events): the rate is timed across passes")
     quiet()
     if args.child:
         return child()
