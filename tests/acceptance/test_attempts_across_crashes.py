@@ -19,6 +19,7 @@ RESCUE_BOUND_S = 3 * (TEST_OVERRIDES["rescue_after_s"] + TEST_OVERRIDES["heartbe
 WORKER_OF = "SELECT id::text FROM standmeet.worker_processes WHERE pid = %s"
 STARTED = "SELECT count(*) FROM test_runs WHERE label = %s"
 STATE = "SELECT state::text FROM dramatiq.queue WHERE message_id = %s"
+RUNNER_OF = "SELECT worker_id::text FROM dramatiq.queue WHERE message_id = %s"
 HISTORY_OF = ("SELECT coalesce(sum(done), 0)::int, coalesce(sum(crashed), 0)::int, coalesce(sum(given_back), 0)::int"
               " FROM standmeet.queue_history WHERE actor_name = %s")
 
@@ -31,21 +32,23 @@ def _attempts(url: str, message_id: str) -> list[history.Attempt]:
 def test_a_sigkilled_workers_job_shows_a_crashed_attempt_then_the_one_that_finished_it(
     broker, database_url, subprocess_env, tmp_path
 ):
-    # Given a job running on worker A, and a worker B beside it
-    with running(WORKER, subprocess_env, log=tmp_path / "a.log") as a:
-        job = SLEEP["fetch"].send(1_500, "crash-victim")
+    # Given two workers, both up before the job is sent (so that the job outlasts neither
+    # start-up on a loaded machine), and the job running on one of them
+    with running(WORKER, subprocess_env, log=tmp_path / "a.log") as a, \
+            running(WORKER, subprocess_env, log=tmp_path / "b.log") as b:
+        ids = {proc.pid: wait_for(lambda p=proc: scalar(database_url, WORKER_OF, (p.pid,)), timeout_s=20,
+                                  what=f"worker {proc.pid} to register") for proc in (a, b)}
+        job = SLEEP["fetch"].send(3_000, "crash-victim")
         wait_for(lambda: scalar(database_url, STARTED, ("crash-victim",)) == 1, timeout_s=20, what="the job to start")
-        a_id = scalar(database_url, WORKER_OF, (a.pid,))
-        with running(WORKER, subprocess_env, log=tmp_path / "b.log") as b:
-            wait_for(lambda: scalar(database_url, WORKER_OF, (b.pid,)), timeout_s=20, what="B to register")
-            b_id = scalar(database_url, WORKER_OF, (b.pid,))
-            # When A is SIGKILLed mid-job, and B rescues and runs it
-            os.kill(a.pid, signal.SIGKILL)
-            wait_for(lambda: query(database_url, STATE, (job.message_id,)) == [("done",)],
-                     timeout_s=RESCUE_BOUND_S + 15, what="the job to be done on B")
-    # Then its attempts are A's crashed run and B's finished one, each with its own worker
+        runner_id = scalar(database_url, RUNNER_OF, (job.message_id,))
+        victim, other = (a, b) if ids[a.pid] == runner_id else (b, a)
+        # When the worker running it is SIGKILLed mid-job, and the other rescues and runs it
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: query(database_url, STATE, (job.message_id,)) == [("done",)],
+                 timeout_s=RESCUE_BOUND_S + 15, what="the job to be done on the other worker")
+    # Then its attempts are the killed worker's crashed run and the other's finished one
     attempts = _attempts(database_url, job.message_id)
-    assert [(a.outcome, a.worker_id) for a in attempts] == [("crashed", a_id), ("done", b_id)]
+    assert [(a.outcome, a.worker_id) for a in attempts] == [("crashed", ids[victim.pid]), ("done", ids[other.pid])]
     assert attempts[0].started_at is not None and "died" in (attempts[0].error or "")
     assert attempts[0].attempt < attempts[1].attempt
     # and the history counts one crash and one run done
