@@ -301,7 +301,7 @@ WHERE d.id = %s
 """
 #: The endpoint's next waiting delivery is woken when its lease is given back: of its
 #: never-attempted pending deliveries (``webhook_deliveries_due_idx``), oldest first, the
-#: first whose message is queued or running (not one just made, ``%(made)s``, nor the
+#: first whose message is queued or running (not the one just made, ``%(made)s``, nor the
 #: holder's own, ``%(holder)s``, whose retry must keep its back-off). A queued
 #: one snoozed until later is made due now; a running one (it may be finding the lease
 #: busy this very moment, its snooze not yet written) is marked woken, and its snooze's
@@ -318,33 +318,30 @@ WHERE q.message_id = (
         SELECT w.message_id FROM standmeet.webhook_deliveries w
         JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" IN ('queued', 'consumed')
         WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0
-          AND w.id <> ALL(%(made)s::bigint[]) AND w.message_id IS DISTINCT FROM %(holder)s::uuid
+          AND w.id IS DISTINCT FROM %(made)s::bigint AND w.message_id IS DISTINCT FROM %(holder)s::uuid
         ORDER BY w.id LIMIT 1)
   AND (q."state" = 'consumed' OR (q."state" = 'queued' AND q.eta > now()))
   AND EXISTS (SELECT FROM standmeet.webhook_endpoints
               WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
 RETURNING q.queue_name
 """
-#: Everything that records attempts, in one statement (one round trip, atomic): each
-#: attempt, each delivery's new state, the endpoint's health (from the last attempt;
-#: 410 disables it; a healthy endpoint's row is not rewritten), and, when the token is
-#: still ours, the endpoint's lease given back and its next waiter woken (NULL token:
-#: the lease is kept, or none is held). One array element per attempt, in the order made.
-SETTLE_ATTEMPTS = """
-WITH o AS (
-    SELECT * FROM unnest(%(delivery)s::bigint[], %(attempt)s::int[], %(started)s::timestamptz[], %(ms)s::int[],
-                         %(code)s::int[], %(outcome)s::text[], %(error)s::text[], %(body)s::text[],
-                         %(truncated)s::boolean[], %(state)s::text[], %(next)s::timestamptz[])
-        AS o(delivery, attempt, started, ms, code, outcome, error, body, truncated, state, next)
-), attempt AS (
+#: Everything that records an attempt, in one statement (one round trip, atomic): the
+#: attempt, its delivery's new state, the endpoint's health (410 disables it; a healthy
+#: endpoint's row is not rewritten), and, when the token is still ours, the endpoint's
+#: lease given back and its next waiter woken (NULL token: the lease is kept, or none is
+#: held). Scalar parameters: psycopg dumps a one-element array for each column at ~15
+#: times the CPU of the value itself.
+SETTLE_ATTEMPT = """
+WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
         (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error, response_body, truncated)
-    SELECT delivery, attempt, started, ms, code, outcome, error, body, truncated FROM o
+    VALUES (%(made)s::bigint, %(attempt)s::int, %(started)s::timestamptz, %(ms)s::int, %(code)s::int,
+            %(outcome)s::text, %(error)s::text, %(body)s::text, %(truncated)s::boolean)
 ), delivery AS (
-    UPDATE standmeet.webhook_deliveries d
-    SET attempts = o.attempt, state = o.state, last_outcome = o.outcome, next_attempt_at = o.next,
-        updated_at = now()
-    FROM o WHERE d.id = o.delivery
+    UPDATE standmeet.webhook_deliveries
+    SET attempts = %(attempt)s::int, state = %(state)s::text, last_outcome = %(outcome)s::text,
+        next_attempt_at = %(next)s::timestamptz, updated_at = now()
+    WHERE id = %(made)s::bigint
 ), endpoint AS (
     UPDATE standmeet.webhook_endpoints
     SET failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
@@ -515,13 +512,13 @@ WHERE NOT EXISTS (SELECT FROM target)
 #: Older never-attempted deliveries TAKE_ENDPOINT counts at most (its ``LIMIT``).
 AHEAD_COUNTED = 128
 #: The lease given back by the middleware (the actor raised before recording), and the
-#: endpoint's next waiter woken, as SETTLE_ATTEMPTS does.
+#: endpoint's next waiter woken, as SETTLE_ATTEMPT does.
 RELEASE_ENDPOINT = """
 WITH released AS (
     UPDATE standmeet.webhook_endpoints SET busy_until = NULL, lease_token = NULL
     WHERE id = %(key)s AND lease_token = %(token)s::uuid
 ), woken AS (""" + _WAKE_NEXT_WAITER.replace("%(endpoint)s", "%(key)s").replace(
-    "%(made)s::bigint[]", "'{}'::bigint[]").replace("%(holder)s", "%(message_id)s") + """)
+    "%(made)s::bigint", "NULL::bigint").replace("%(holder)s", "%(message_id)s") + """)
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM woken
 """
 
@@ -566,7 +563,7 @@ class _Due:
 
 @dataclass(frozen=True)
 class _Attempt:
-    """An attempt made, as SETTLE_ATTEMPTS records it."""
+    """An attempt made, as SETTLE_ATTEMPT records it."""
 
     due: _Due
     started: datetime
@@ -642,13 +639,13 @@ def deliver(delivery_id: int) -> None:
         except (TimeLimitExceeded, DeadlineExceeded) as exc:
             # the job's own limit fired during the request: still an attempt, a timeout
             deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
-            _settle(message, endpoint_id, token, [_attempt(due, started, t0, Outcome(
-                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})"))],
+            _settle(message, endpoint_id, token, _attempt(due, started, t0, Outcome(
+                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})")),
                     finished)
             raise
         except Exception as exc:
-            _settle(message, endpoint_id, token, [_attempt(due, started, t0, Outcome(
-                "error", error=f"{type(exc).__name__}: {exc}"))], finished)
+            _settle(message, endpoint_id, token, _attempt(due, started, t0, Outcome(
+                "error", error=f"{type(exc).__name__}: {exc}")), finished)
             raise
         made = _attempt(due, started, t0, outcome)
         own = own or made
@@ -659,9 +656,9 @@ def deliver(delivery_id: int) -> None:
         if made.due.message_id is not None and made.state != "pending":
             finished.append(made.due.message_id)
         if last:
-            _settle(message, endpoint_id, token, [made], finished)
+            _settle(message, endpoint_id, token, made, finished)
             break
-        _settle(message, endpoint_id, None, [made], [])
+        _settle(message, endpoint_id, None, made, [])
     assert own is not None
     if own.retry_in_s is not None:
         raise Retry(f"delivery {delivery_id}: {own.outcome.outcome} {own.outcome.status_code or ''}".strip(),
@@ -717,8 +714,8 @@ def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Atte
     return _Attempt(due, started, ms, outcome, new_state, retry_in)
 
 
-def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attempt], finished: list[str]) -> None:
-    """Record the attempts, the endpoint's health and each delivery's next try, and, with
+def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt, finished: list[str]) -> None:
+    """Record the attempt, the endpoint's health and the delivery's next try, and, with
     the lease's token, give the lease back and wake the endpoint's next waiter (one
     statement). ``finished``: messages of deliveries whose attempts are recorded (now or
     before) and reached their end (not one retried later, which its message carries; the
@@ -726,28 +723,24 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: list[_Attem
     message is never done unless its delivery's attempt is recorded, so a delivery sent
     back to pending meanwhile (an operator's replay reusing that message) is never left
     with nothing to carry it."""
-    now = time.time()
-    last = made[-1].outcome
+    outcome = made.outcome
     params = {
-        "delivery": [a.due.delivery_id for a in made], "attempt": [a.due.attempts + 1 for a in made],
-        "started": [a.started for a in made], "ms": [a.ms for a in made],
-        "code": [a.outcome.status_code for a in made], "outcome": [a.outcome.outcome for a in made],
-        "error": [a.outcome.error for a in made], "body": [a.outcome.body for a in made],
-        "truncated": [a.outcome.truncated for a in made], "state": [a.state for a in made],
-        "next": [None if a.retry_in_s is None else datetime.fromtimestamp(now + a.retry_in_s, timezone.utc)
-                 for a in made],
-        "made": [a.due.delivery_id for a in made],
-        "endpoint": endpoint_id, "healthy": last.ok, "token": token,
+        "made": made.due.delivery_id, "attempt": made.due.attempts + 1, "started": made.started, "ms": made.ms,
+        "code": outcome.status_code, "outcome": outcome.outcome, "error": outcome.error, "body": outcome.body,
+        "truncated": outcome.truncated, "state": made.state,
+        "next": None if made.retry_in_s is None else datetime.fromtimestamp(time.time() + made.retry_in_s,
+                                                                             timezone.utc),
+        "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
         "holder": message.message_id if message is not None else None,
-        "disabled_reason": "the endpoint answered 410 Gone" if last.outcome == "gone" else None}
+        "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None}
     with db.connection() as conn:
-        if finished:  # one transaction; otherwise one autocommit statement
-            with conn.transaction():
-                conn.execute(SETTLE_ATTEMPTS, params)
+        if finished:  # one transaction, pipelined: two round trips; otherwise one autocommit statement
+            with conn.pipeline(), conn.transaction():
+                conn.execute(SETTLE_ATTEMPT, params)
                 still = [r[0] for r in conn.execute(STILL_MADE, {"messages": finished}).fetchall()]
                 finish_queued(conn, still)
         else:
-            conn.execute(SETTLE_ATTEMPTS, params)
+            conn.execute(SETTLE_ATTEMPT, params)
     if token is not None and message is not None:
         given_back(message)  # released by that statement: the middleware need not
 
