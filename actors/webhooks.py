@@ -325,13 +325,8 @@ WHERE q.message_id = (
               WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
 RETURNING q.queue_name
 """
-#: Everything that records an attempt, in one statement (one round trip, atomic): the
-#: attempt, its delivery's new state, the endpoint's health (410 disables it; a healthy
-#: endpoint's row is not rewritten), and, when the token is still ours, the endpoint's
-#: lease given back and its next waiter woken (NULL token: the lease is kept, or none is
-#: held). Scalar parameters: psycopg dumps a one-element array for each column at ~15
-#: times the CPU of the value itself.
-SETTLE_ATTEMPT = """
+#: An attempt and its delivery's new state (the start of both statements below).
+_ATTEMPT_AND_DELIVERY = """
 WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
         (delivery_id, attempt, started_at, duration_ms, status_code, outcome, error, response_body, truncated)
@@ -342,14 +337,31 @@ WITH attempt AS (
     SET attempts = %(attempt)s::int, state = %(state)s::text, last_outcome = %(outcome)s::text,
         next_attempt_at = %(next)s::timestamptz, updated_at = now()
     WHERE id = %(made)s::bigint
-), endpoint AS (
+)"""
+#: The endpoint's health, from the attempt: 410 disables it; a healthy endpoint's row is
+#: not rewritten.
+_HEALTH = """
+    failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
+    enabled = enabled AND %(disabled_reason)s::text IS NULL,
+    disabled_reason = coalesce(%(disabled_reason)s, disabled_reason)"""
+#: An attempt recorded while the lease is kept (one round trip, atomic): the attempt, its
+#: delivery's new state and the endpoint's health; without the lease's parts, which a
+#: NULL token leaves idle, ~15 % less of the server's CPU than SETTLE_ATTEMPT (~300 µs
+#: against ~360 here). Scalar parameters: psycopg dumps a one-element array at ~15 times
+#: a value's CPU.
+RECORD_ATTEMPT = _ATTEMPT_AND_DELIVERY + """
+UPDATE standmeet.webhook_endpoints SET""" + _HEALTH + """
+WHERE id = %(endpoint)s::bigint AND (NOT %(healthy)s OR failing_since IS NOT NULL OR %(disabled_reason)s::text IS NOT NULL)
+"""
+#: Everything that records an attempt, in one statement (one round trip, atomic): as
+#: RECORD_ATTEMPT, and, when the token is still ours, the endpoint's lease given back and
+#: its next waiter woken.
+SETTLE_ATTEMPT = _ATTEMPT_AND_DELIVERY + """, endpoint AS (
     UPDATE standmeet.webhook_endpoints
-    SET failing_since = CASE WHEN %(healthy)s THEN NULL ELSE coalesce(failing_since, now()) END,
-        enabled = enabled AND %(disabled_reason)s::text IS NULL,
-        disabled_reason = coalesce(%(disabled_reason)s, disabled_reason),
+    SET""" + _HEALTH + """,
         busy_until = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE busy_until END,
         lease_token = CASE WHEN lease_token = %(token)s::uuid THEN NULL ELSE lease_token END
-    WHERE id = %(endpoint)s AND (NOT %(healthy)s OR failing_since IS NOT NULL OR %(disabled_reason)s::text IS NOT NULL
+    WHERE id = %(endpoint)s::bigint AND (NOT %(healthy)s OR failing_since IS NOT NULL OR %(disabled_reason)s::text IS NOT NULL
                                  OR lease_token = %(token)s::uuid)
 ), woken AS (""" + _WAKE_NEXT_WAITER + """)
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM woken
@@ -733,14 +745,15 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt, f
         "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
         "holder": message.message_id if message is not None else None,
         "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None}
+    record = RECORD_ATTEMPT if token is None else SETTLE_ATTEMPT  # (a NULL token gives nothing back)
     with db.connection() as conn:
         if finished:  # one transaction, pipelined: two round trips; otherwise one autocommit statement
             with conn.pipeline(), conn.transaction():
-                conn.execute(SETTLE_ATTEMPT, params)
+                conn.execute(record, params)
                 still = [r[0] for r in conn.execute(STILL_MADE, {"messages": finished}).fetchall()]
                 finish_queued(conn, still)
         else:
-            conn.execute(SETTLE_ATTEMPT, params)
+            conn.execute(record, params)
     if token is not None and message is not None:
         given_back(message)  # released by that statement: the middleware need not
 
