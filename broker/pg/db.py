@@ -8,7 +8,7 @@ of the time limit could not reach it.
 On a connection whose session is this process's own (direct, or a session pooler) the
 deadline is a session setting of the borrowed connection, which stays in autocommit.
 The setting is left as it is, without a round trip, when it already stops a statement
-no later than the borrower's deadline and at most :data:`STATEMENT_TIMEOUT_SLACK_MS`
+no later than the borrower's deadline and at most :data:`STATEMENT_TIMEOUT_SLACK_MS` (1 s)
 (and a tenth of what remains) before it; it is set that much under what remains, so
 a job's next borrowings, and other jobs' with a deadline close to it, keep it. A
 connection given back more than :data:`KEEP_SET_WITHIN_S` ago is set whatever its
@@ -53,8 +53,10 @@ open_pool = open_app_pool
 
 #: A borrowed session's statement_timeout is kept when it stops a statement no later than
 #: the borrower's deadline and at most this long before it (and at most a tenth of what
-#: remains: :func:`_slack_ms`); a SET makes it that much under what remains.
-STATEMENT_TIMEOUT_SLACK_MS = 250
+#: remains: :func:`_slack_ms`); a SET makes it that much under what remains. Concurrent
+#: jobs share sessions (the pool hands them out in turn) when their deadlines are this
+#: close: with 250 ms, webhook jobs of ~1 s each still SET on half their borrowings.
+STATEMENT_TIMEOUT_SLACK_MS = 1000
 #: A connection given back longer ago than this gets its SET whatever its timeout (the
 #: round trip that also proves it alive); one given back sooner was checked by the pool
 #: (:func:`broker.pg.pool.check_cheaply`: a server's goodbye is seen without a round trip).

@@ -28,9 +28,10 @@ def test_a_kept_timeout_is_never_over_what_remains_nor_more_than_the_slack_under
 def test_a_job_keeps_its_own_timeout_for_the_slack_then_sets_it_again():
     # Given a session set for a job with 15 s left
     target = db._target_ms(15_000)
-    # Then the same job keeps it while up to 250 ms pass, and not after
-    assert db._keeps(target, 15_000 - 250)
-    assert not db._keeps(target, 15_000 - 251)
+    # Then the same job keeps it while up to the slack passes, and not after
+    slack = db.STATEMENT_TIMEOUT_SLACK_MS
+    assert db._keeps(target, 15_000 - slack)
+    assert not db._keeps(target, 15_000 - slack - 1)
 
 
 def test_no_limit_is_kept_only_by_no_limit():
