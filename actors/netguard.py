@@ -217,12 +217,16 @@ def check_url(url: str, *, allowed_networks: tuple[str, ...] = ()) -> Target:
     (:func:`_parsed`, :func:`_verdict`)."""
     if not isinstance(url, str) or not url:
         raise UrlRefused("the URL is empty")
-    scheme, host, port = _parsed(url)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError, OSError) as exc:
-        raise UrlRefused(f"{host!r} does not resolve: {exc}") from None
+    scheme, host, port, literal = _parsed(url)
     addresses: list[IPAddress] = []
+    if literal is not None:  # an address written out: nothing to resolve (getaddrinfo returns it)
+        addresses.append(literal)
+        infos = []
+    else:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError, OSError) as exc:
+            raise UrlRefused(f"{host!r} does not resolve: {exc}") from None
     for info in infos:
         try:
             address = _address(str(info[4][0]).split("%")[0])
@@ -244,8 +248,9 @@ def check_url(url: str, *, allowed_networks: tuple[str, ...] = ()) -> Target:
 
 
 @functools.lru_cache(maxsize=1024)
-def _parsed(url: str) -> tuple[str, str, int]:
-    """A URL's scheme, host to resolve and port, or UrlRefused: a function of its text alone
+def _parsed(url: str) -> tuple[str, str, int, IPAddress | None]:
+    """A URL's scheme, host to resolve, port, and the address when the host is one written
+    out in its standard form (no zone); or UrlRefused: a function of its text alone
     (remembered; a refusal is not, and is found again)."""
     shown = url if len(url) <= 200 else url[:200] + "…"
     if len(url) > MAX_URL_LENGTH:
@@ -269,7 +274,12 @@ def _parsed(url: str) -> tuple[str, str, int]:
     if parts.netloc.endswith(":"):
         raise UrlRefused(f"{shown!r} has an empty port")
     port = port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, _hostname(shown, raw_host), port
+    host = _hostname(shown, raw_host)
+    try:  # (a short or octal form such as 127.1 is not standard: getaddrinfo resolves it)
+        literal: IPAddress | None = ipaddress.ip_address(host) if "%" not in host else None
+    except ValueError:
+        literal = None
+    return parts.scheme, host, port, literal
 
 
 #: An answer's text as an address (remembered: resolvers give the same few answers).
