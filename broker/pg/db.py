@@ -55,7 +55,8 @@ open_pool = open_app_pool
 #: the borrower's deadline and at most this long before it (and at most a tenth of what
 #: remains: :func:`_slack_ms`); a SET makes it that much under what remains. Concurrent
 #: jobs share sessions (the pool hands them out in turn) when their deadlines are this
-#: close: with 250 ms, webhook jobs of ~1 s each still SET on half their borrowings.
+#: close: with 250 ms, eight jobs of ~1 s each, borrowing in turn, still SET on half
+#: their borrowings.
 STATEMENT_TIMEOUT_SLACK_MS = 1000
 #: A connection given back longer ago than this gets its SET whatever its timeout (the
 #: round trip that also proves it alive); one given back sooner was checked by the pool
