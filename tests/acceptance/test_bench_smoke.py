@@ -33,3 +33,13 @@ def test_the_scale_script_drains_with_one_and_two_processes_within_their_limits(
     assert "1 process(es): median" in out and "2 process(es): median" in out
     assert "EXCEEDED" not in out
     assert "ratio rate(2) / rate(1):" in out
+
+
+def test_the_webhook_benchmark_delivers_to_its_endpoint_process_twice_and_prints_its_figures(admin_url, monkeypatch):
+    monkeypatch.setenv("BENCH_VERBOSE", "1")
+    out = run_bench("webhooks.py", admin_url, "--deliveries-only", "--events", "2", "--runs", "2")
+    # both runs delivered every one of their 40 (the second from an empty queue), and the
+    # CPU of the worker, the server's processes and the endpoint process is printed
+    assert out.count("deliveries: 40 to 20 fast endpoints (in their own process) at") == 2, out
+    assert "median deliveries/s:" in out and "database transactions per delivery" in out
+    assert "Postgres backends" in out and "the endpoint process" in out
