@@ -742,7 +742,8 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt,
     outcome = made.outcome
     params = {
         "made": made.due.delivery_id, "attempt": made.due.attempts + 1, "started": made.started, "ms": made.ms,
-        "code": outcome.status_code, "outcome": outcome.outcome, "error": outcome.error, "body": outcome.body,
+        "code": outcome.status_code, "outcome": outcome.outcome, "error": _storable(outcome.error),
+        "body": _storable(outcome.body),
         "truncated": outcome.truncated, "state": made.state,
         "next": None if made.retry_in_s is None else datetime.fromtimestamp(time.time() + made.retry_in_s,
                                                                              timezone.utc),
@@ -761,6 +762,13 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt,
             conn.execute(record, params)
     if token is not None and message is not None:
         given_back(message)  # released by that statement: the middleware need not
+
+
+def _storable(text: str | None) -> str | None:
+    """``text`` as Postgres text can hold it: each NUL (an endpoint's answer may hold one)
+    replaced by U+FFFD, as undecodable bytes are; unrecordable, the attempt was never
+    recorded and its delivery POSTed again at every retry."""
+    return text.replace("\x00", "\ufffd") if text and "\x00" in text else text
 
 
 DISABLE_FAILING = """
