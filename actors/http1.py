@@ -36,8 +36,9 @@ the one vocabulary the actors already classify.
 
 from __future__ import annotations
 
+import functools
 import re
-import selectors
+import select
 import socket
 import ssl
 import threading
@@ -81,7 +82,7 @@ _BAD_IN_LINE = re.compile(rb"[\r\n\0]")
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
 #: How an idle connection is checked for a peer's close: poll(2) where the platform has
 #: it (no descriptor limit, nothing to create in the kernel), select(2) elsewhere (Windows).
-_IdleCheck: type[selectors.BaseSelector] = getattr(selectors, "PollSelector", selectors.SelectSelector)
+_HAS_POLL = hasattr(select, "poll")
 
 
 class Key(NamedTuple):
@@ -134,9 +135,11 @@ class _Connection:
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return False
         try:
-            with _IdleCheck() as check:
-                check.register(self.sock, selectors.EVENT_READ)
-                return not check.select(0)
+            if _HAS_POLL:  # (a poll object directly: a selector's bookkeeping cost as much again)
+                check = select.poll()
+                check.register(self.sock, select.POLLIN)
+                return not check.poll(0)
+            return not select.select([self.sock], [], [], 0)[0]
         except (OSError, ValueError):
             return False
 
@@ -200,6 +203,7 @@ class Pool:
                 conn.close()
 
 
+@functools.lru_cache(maxsize=1024)
 def request_line_target(url: str) -> str:
     """The request target of ``url`` (path and query, percent-encoded where needed)."""
     parts = urlsplit(url)
@@ -217,14 +221,14 @@ def _head_bytes(method: str, target: str, headers: dict[str, str], content: byte
         raise httpx.LocalProtocolError(f"the method {method!r} cannot be sent: not an HTTP token")
     unique: dict[str, tuple[str, str]] = {}
     for name, value in headers.items():
-        if not _TOKEN.fullmatch(name):
+        lower = _header_name(name)
+        if lower is None:
             raise httpx.LocalProtocolError(f"the header name {name!r} cannot be sent: not an HTTP token")
         if _BAD_IN_VALUE.search(value):
             raise httpx.LocalProtocolError(f"the header {name!r} cannot be sent: its value holds CR, LF or NUL")
         if not value.isascii():
             raise httpx.LocalProtocolError(f"the header {name!r} cannot be sent: its value holds a character "
                                            "outside ASCII")
-        lower = name.lower()
         if lower not in _FRAMING:
             unique[lower] = (name, value)
     close = "close" in unique.get("connection", ("", ""))[1].lower()
@@ -232,6 +236,13 @@ def _head_bytes(method: str, target: str, headers: dict[str, str], content: byte
     if content is not None or method in ("POST", "PUT", "PATCH"):
         lines.append(f"Content-Length: {len(content or b'')}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii"), close
+
+
+@functools.lru_cache(maxsize=256)
+def _header_name(name: str) -> str | None:
+    """A header name in lower case; None when it is not an HTTP token (remembered: requests
+    send the same few names)."""
+    return name.lower() if _TOKEN.fullmatch(name) else None
 
 
 class Exchange:

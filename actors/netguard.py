@@ -18,6 +18,7 @@ change the answer of), with the original Host header and TLS server name.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -209,9 +210,48 @@ def _hostname(url: str, raw: str) -> str:
 
 
 def check_url(url: str, *, allowed_networks: tuple[str, ...] = ()) -> Target:
-    """Resolve and check ``url``; return the address to connect to, or raise UrlRefused."""
+    """Resolve and check ``url``; return the address to connect to, or raise UrlRefused.
+
+    The name is resolved at every call (an answer may change between two requests); what
+    depends on the text alone (the URL's form, an address's verdict) is remembered
+    (:func:`_parsed`, :func:`_verdict`)."""
     if not isinstance(url, str) or not url:
         raise UrlRefused("the URL is empty")
+    scheme, host, port, literal = _parsed(url)
+    addresses: list[IPAddress] = []
+    if literal is not None:  # an address written out: nothing to resolve (getaddrinfo returns it)
+        addresses.append(literal)
+        infos = []
+    else:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError, OSError) as exc:
+            raise UrlRefused(f"{host!r} does not resolve: {exc}") from None
+    for info in infos:
+        try:
+            address = _address(str(info[4][0]).split("%")[0])
+        except ValueError:
+            raise UrlRefused(f"{host!r} resolves to {info[4][0]!r}, not an IP address") from None
+        if address not in addresses:
+            addresses.append(address)
+    if not addresses:
+        raise UrlRefused(f"{host!r} does not resolve to any address")
+    allowed = tuple(allowed_networks)
+    for address in addresses:  # every answer must pass: DNS may hand out any of them
+        reason = _verdict(address, allowed)
+        if reason is not None:
+            allowable = judge(address, ("0.0.0.0/0", "::/0")) is None
+            hint = " (STANDMEET_WEBHOOK_ALLOWED_NETWORKS can allow its network)" if allowable else ""
+            shown = url if len(url) <= 200 else url[:200] + "…"
+            raise UrlRefused(f"{shown!r} resolves to {address}, {reason}{hint}")
+    return Target(url=url, scheme=scheme, host=host, port=port, address=str(addresses[0]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(url: str) -> tuple[str, str, int, IPAddress | None]:
+    """A URL's scheme, host to resolve, port, and the address when the host is one written
+    out in its standard form (no zone); or UrlRefused: a function of its text alone
+    (remembered; a refusal is not, and is found again)."""
     shown = url if len(url) <= 200 else url[:200] + "…"
     if len(url) > MAX_URL_LENGTH:
         raise UrlRefused(f"{shown!r} is longer than {MAX_URL_LENGTH} characters")
@@ -235,24 +275,18 @@ def check_url(url: str, *, allowed_networks: tuple[str, ...] = ()) -> Target:
         raise UrlRefused(f"{shown!r} has an empty port")
     port = port or (443 if parts.scheme == "https" else 80)
     host = _hostname(shown, raw_host)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError, OSError) as exc:
-        raise UrlRefused(f"{host!r} does not resolve: {exc}") from None
-    addresses: list[IPAddress] = []
-    for info in infos:
-        try:
-            address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
-        except ValueError:
-            raise UrlRefused(f"{host!r} resolves to {info[4][0]!r}, not an IP address") from None
-        if address not in addresses:
-            addresses.append(address)
-    if not addresses:
-        raise UrlRefused(f"{host!r} does not resolve to any address")
-    for address in addresses:  # every answer must pass: DNS may hand out any of them
-        reason = judge(address, allowed_networks)
-        if reason is not None:
-            allowable = judge(address, ("0.0.0.0/0", "::/0")) is None
-            hint = " (STANDMEET_WEBHOOK_ALLOWED_NETWORKS can allow its network)" if allowable else ""
-            raise UrlRefused(f"{shown!r} resolves to {address}, {reason}{hint}")
-    return Target(url=url, scheme=parts.scheme, host=host, port=port, address=str(addresses[0]))
+    try:  # (a short or octal form such as 127.1 is not standard: getaddrinfo resolves it)
+        literal: IPAddress | None = ipaddress.ip_address(host) if "%" not in host else None
+    except ValueError:
+        literal = None
+    return parts.scheme, host, port, literal
+
+
+#: An answer's text as an address (remembered: resolvers give the same few answers).
+_address = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
+
+
+@functools.lru_cache(maxsize=4096)
+def _verdict(address: IPAddress, allowed_networks: tuple[str, ...]) -> str | None:
+    """:func:`judge`, remembered: a function of the address and the allowed networks alone."""
+    return judge(address, allowed_networks)

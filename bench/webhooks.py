@@ -7,7 +7,9 @@ The fast endpoints run in a process of their own (``bench/endpoints.py``: HTTP/1
 keep-alive), so the rate and the CPU per delivery are the worker process's own; a
 delivery counts once its outcome is recorded. ``--endpoints-in-process`` measures the
 earlier way: the test suite's threaded HTTP/1.0 servers inside the worker process,
-counted as they receive.
+counted as they receive. ``BENCH_VERBOSE=1`` also prints, per delivery, the CPU of the
+worker's threads, of the database's server processes (by application name: on this
+machine the server is local) and of the endpoint process.
 
 With the per-endpoint lease one slow endpoint holds at most one webhook worker (its
 other deliveries snooze), so the saturated run uses 8 slow endpoints (the queue's
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,7 +41,6 @@ from tests.support import db as testdb  # noqa: E402
 
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds of this process's live threads, by name (numbers stripped)."""
-    import re
     import threading
 
     names = {t.native_id: type(t).__name__ + ":" + re.sub(r"[-_ ]?[0-9a-f]*\d[0-9a-f]*$", "", t.name)
@@ -54,6 +56,18 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _process_cpu(pid: int) -> float:
+    """CPU seconds of a process (0 once it is gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+#: The server processes of the benchmark's database (on this machine: a local server).
+BACKENDS = ("SELECT pid, application_name FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()")
 SUCCEEDED = "SELECT count(*) FROM standmeet.webhook_deliveries WHERE state = 'succeeded'"
 #: Transactions the server counted in this database: with autocommit statements, about one
 #: per round trip (the counters reach the view within a second or so of each commit).
@@ -132,6 +146,16 @@ def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tupl
 
         xacts0 = _settled_transactions(poll)
 
+        names: dict[int, str] = {}
+
+        def backends() -> dict[int, float]:
+            rows = poll.conn.execute(BACKENDS).fetchall()
+            poll.statements += 1
+            names.update({int(pid): str(name) for pid, name in rows})
+            return {int(pid): _process_cpu(int(pid)) for pid, _ in rows}
+
+        served0 = 0.0 if in_process else _process_cpu(endpoints.pid)
+        backends0 = backends()
         threads0 = _thread_cpu()
         cpu0, start = os.times(), time.monotonic()
         stop = run_worker(__import__("broker").current_broker(), threads=16, queues=["webhook"])
@@ -141,6 +165,8 @@ def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tupl
                     raise TimeoutError("deliveries did not finish")
                 time.sleep(0.02)
             elapsed, cpu1 = time.monotonic() - start, os.times()
+            backends1 = backends()  # (a backend that came and went meanwhile is not counted)
+            served1 = 0.0 if in_process else _process_cpu(endpoints.pid)
             cpu_ms = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) * 1000 / total
             xacts = (_settled_transactions(poll) - xacts0) / total
             if os.environ.get("BENCH_VERBOSE"):
@@ -149,6 +175,13 @@ def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tupl
                 print("  per thread, ms per delivery:", {k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:8]})
                 print(f"  user {(cpu1.user - cpu0.user) * 1000 / total:.2f} ms, system"
                       f" {(cpu1.system - cpu0.system) * 1000 / total:.2f} ms per delivery")
+                by_name: dict[str, float] = {}
+                for pid, v in backends1.items():
+                    name = re.sub(r"[-_ ]?[0-9a-f]*\d[0-9a-f]*$", "", names[pid]) or "?"
+                    by_name[name] = by_name.get(name, 0.0) + (v - backends0.get(pid, 0.0)) * 1000 / total
+                print(f"  Postgres backends {sum(by_name.values()):.2f} ms of CPU per delivery:",
+                      {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])})
+                print(f"  the endpoint process {(served1 - served0) * 1000 / total:.2f} ms of CPU per delivery")
             return total / elapsed, cpu_ms, xacts
         finally:
             stop()
@@ -217,7 +250,9 @@ def main() -> int:
         where = "in the worker process" if args.endpoints_in_process else "in their own process"
         rates, cpus, trips = [], [], []
         for run in range(1, args.runs + 1):
-            testdb.query(url, "TRUNCATE standmeet.webhook_endpoints, standmeet.webhook_events CASCADE")
+            # the last run's leftover messages (deliveries made by a batch while their job was
+            # claimed) would otherwise run in this one, on deliveries that no longer exist
+            testdb.query(url, "TRUNCATE standmeet.webhook_endpoints, standmeet.webhook_events, dramatiq.queue CASCADE")
             rate, cpu_ms, xacts = deliveries_per_s(url, args.events, in_process=args.endpoints_in_process)
             rates.append(rate)
             cpus.append(cpu_ms)

@@ -101,13 +101,6 @@ def test_receipts_are_timed_idle_and_saturated_and_print_saturated_over_idle(adm
                  r"^ratio: [\d.]+ \(saturated / idle p50\)")
 
 
-def test_webhooks_deliver_and_print_a_rate_and_a_ratio(admin_url: str) -> None:
-    # webhooks.py is being reworked elsewhere: only its documented arguments, and only a
-    # deliveries/s figure and the ratio line are held to
-    out = run_bench("webhooks.py", admin_url, "--runs", "1", "--events", "1", "--writes", "1")
-    assert_lines(out, r"[\d,]+ deliveries/s")
-
-
 def test_the_pooler_bench_drains_direct_and_through_pgbouncer_and_prints_pooled_over_direct(
         admin_url: str) -> None:
     reason = missing_reason() or (None if PEERS.exists() else f"the peers' harness is not at {PEERS}")
@@ -121,3 +114,15 @@ def test_the_pooler_bench_drains_direct_and_through_pgbouncer_and_prints_pooled_
                  r"^  run 1 pooled: [\d,]+ jobs/s",
                  r"^median direct [\d,]+ jobs/s, through PgBouncer [\d,]+ jobs/s$")
     assert testdb.scalar(admin_url, DATABASES_NAMED, (database,)) == 0
+
+
+def test_the_webhook_benchmark_delivers_twice_times_the_index_queue_and_prints_its_figures(admin_url, monkeypatch):
+    monkeypatch.setenv("BENCH_VERBOSE", "1")
+    out = run_bench("webhooks.py", admin_url, "--events", "1", "--runs", "2", "--writes", "1")
+    # both runs delivered every one of their 20 (the second from an empty queue), and the
+    # CPU of the worker, the server's processes and the endpoint process is printed
+    assert out.count("deliveries: 20 to 20 fast endpoints (in their own process) at") == 2, out
+    assert "median deliveries/s:" in out and "database transactions per delivery" in out
+    assert "Postgres backends" in out and "the endpoint process" in out
+    # and the index queue's latency idle and beside a saturated webhook queue, as a ratio
+    assert_lines(out, r"^ratio: [\d.]+")

@@ -129,3 +129,23 @@ def test_a_slow_endpoints_waiting_deliveries_wait_for_its_lease_without_polling(
     # lease; polling every 50 ms would claim them hundreds of times over the ~6 s
     assert claims <= deliveries + 20, (claims, snoozes, holders)
     assert snoozes <= deliveries + 20, (claims, snoozes, holders)
+
+
+def test_an_answer_whose_body_holds_a_nul_byte_is_recorded_with_the_byte_replaced(
+        broker, database_url, start_worker, webhook_settings):
+    # Given an endpoint that answers 200 with a NUL byte in its body (Postgres text cannot hold one)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\no\x00k\x00!"
+    with raw_server(lambda n: (answer, True)) as (port, _):
+        endpoint, _ = webhooks.add_endpoint(f"http://127.0.0.1:{port}/hook", ["nul"])
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            webhooks.emit_event(conn, "nul", {})
+        # When its delivery is made
+        start_worker(queues=["webhook"], threads=2)
+        recorded = wait_for(lambda: query(database_url, "SELECT a.outcome, a.response_body FROM standmeet.webhook_attempts a"
+                                                        " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
+                                                        " WHERE d.endpoint_id = %s", (endpoint,)),
+                            timeout_s=15, what="the attempt to be recorded")
+    # Then the attempt is recorded (once), its body kept with each NUL replaced
+    assert recorded == [("ok", "o\ufffdk\ufffd!")]
+    assert scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE endpoint_id = %s",
+                  (endpoint,)) == "succeeded"
