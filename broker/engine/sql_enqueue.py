@@ -59,8 +59,9 @@ COPY_QUEUED = 'COPY dramatiq.queue (queue_name, message_id, "state", message, pr
 COPY_QUEUED_AT = 'COPY dramatiq.queue (queue_name, message_id, "state", message, priority, eta) FROM STDIN'
 
 #: When a batch copied in this transaction is due: ``now() + delay_s``, the same instant
-#: ENQUEUE writes, as text the session reads back unchanged.
-ETA_AFTER = "SELECT (now() + make_interval(secs => %(delay_s)s::float8))::text"
+#: ENQUEUE writes, as ISO 8601 text with its offset (JSON's form of a timestamptz: read
+#: back unchanged whatever the session's DateStyle and TimeZone).
+ETA_AFTER = "SELECT to_json(now() + make_interval(secs => %(delay_s)s::float8)) #>> '{}'"
 
 #: Wake the consumers of ``queues`` (one NOTIFY per queue, sent at commit), as ENQUEUE
 #: wakes the queues it wrote to.

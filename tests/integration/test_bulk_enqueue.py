@@ -213,8 +213,10 @@ def test_an_id_that_exists_in_a_later_chunk_writes_the_batch_whole_and_keeps_a_s
 @pytest.mark.parametrize("on_callers_connection", [False, True])
 def test_a_delayed_batch_is_due_exactly_its_delay_after_it_was_enqueued(broker, database_url, on_callers_connection):
     messages = [mark.message(f"delayed-{n}") for n in range(3)]
-    if on_callers_connection:
+    if on_callers_connection:  # whose session writes and reads times its own way
         with psycopg.connect(database_url) as conn:
+            conn.execute("SET DateStyle = 'SQL, DMY'")
+            conn.execute("SET TimeZone = 'Asia/Kolkata'")
             enqueue_many(messages, conn=conn, delay_ms=90_500)
     else:
         enqueue_many(messages, delay_ms=90_500)
