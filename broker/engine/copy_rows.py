@@ -5,12 +5,14 @@ rows, writes a batch of messages without a unique key.
 A :class:`CopyBatch` checks every message of its batch when it is made, as every send
 is checked (:func:`broker.engine.codec.check_message`, and its encoded size against
 STANDMEET_MESSAGE_MAX_BYTES), so the writer runs no statement for a batch that holds a
-message Postgres or its run would refuse. Its rows are then made again, chunk by chunk,
-while they are written: a chunk ends at :data:`CHUNK_MESSAGES` messages or once its rows
-hold :data:`CHUNK_CHARS` characters (a message larger than that is a chunk of its own),
-so a batch of any length holds at most one chunk's rows in memory at once, beside the
-caller's messages. A batch that fits in one chunk is encoded once: its rows are kept
-from the check. Nothing here runs a statement.
+message Postgres or its run would refuse. The size needs no encoding where a bound of it
+is under the limit (:func:`text_size_bound`, a walk of the message's values; the common
+message's are a few scalars): the rows are made afterwards, a chunk at a time, while
+the COPY is under way, so Postgres stores one chunk while the next is made. A chunk ends
+at :data:`CHUNK_MESSAGES` messages or once the bound of its rows reaches
+:data:`CHUNK_CHARS` characters (a message larger than that is a chunk of its own): a
+batch of any length holds one chunk's rows in memory at once, beside the caller's
+messages. Nothing here runs a statement.
 
 A row is ``queue_name, message_id, "state", message, priority`` (and ``eta``, when the
 writer gives one), each escaped as COPY's text format wants (a backslash, tab, newline or
@@ -35,16 +37,19 @@ from broker.engine.codec import (
     check_message_quickly,
     checked_json,
     compact_json,
+    message_json,
     message_priority,
 )
 from broker.settings import MIB
 
 #: A chunk of rows ends after this many messages…
-CHUNK_MESSAGES = 10_000
-#: … or once its rows hold this many characters (a message over it is a chunk alone).
-CHUNK_CHARS = 4 * MIB
-#: Rows joined into one piece of COPY's input (each piece is sent as it is made).
-PIECE_ROWS = 1000
+CHUNK_MESSAGES = 1000
+#: … or once the bound of its rows' size reaches this many characters (a message over it
+#: is a chunk alone).
+CHUNK_CHARS = MIB
+#: What a row adds to its message's text and its queue's field, about: the separators, the
+#: id (a UUID's 36 characters), ``queued`` and the priority.
+_ROW_CHARS = 80
 
 #: What COPY's text format spells with a backslash.
 _ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
@@ -87,15 +92,81 @@ def message_text(message: Message, prefixes: dict[tuple[str, str], str],
     if encode is None or type(queue) is not str or type(actor) is not str or type(message_id) is not str \
             or type(timestamp) is not int:
         return compact_json({name: getattr(message, name) for name in _MESSAGE_FIELDS})
-    prefix = prefixes.get((queue, actor))
-    if prefix is None:
-        prefix = prefixes[queue, actor] = \
-            f'{{"queue_name":{encode_basestring_ascii(queue)},"actor_name":{encode_basestring_ascii(actor)},"args":'
+    prefix = prefixes.get((queue, actor)) or _prefix(queue, actor, prefixes)
     kwargs, options = message.kwargs, message.options
     return (f'{prefix}{"".join(encode(message.args, 0))},"kwargs":'
             f'{"{}" if type(kwargs) is dict and not kwargs else "".join(encode(kwargs, 0))},"options":'
             f'{"{}" if type(options) is dict and not options else "".join(encode(options, 0))},"message_id":'
             f'{encode_basestring_ascii(message_id)},"message_timestamp":{timestamp}}}')
+
+
+def _prefix(queue: str, actor: str, prefixes: dict[tuple[str, str], str]) -> str:
+    prefix = prefixes[queue, actor] = \
+        f'{{"queue_name":{encode_basestring_ascii(queue)},"actor_name":{encode_basestring_ascii(actor)},"args":'
+    return prefix
+
+
+#: What :func:`message_text` writes besides the prefix and the values.
+_FIXED_CHARS = len(',"kwargs":,"options":,"message_id":,"message_timestamp":}')
+
+
+def text_size_bound(message: Message, prefixes: dict[tuple[str, str], str]) -> int | None:
+    """At least the length of :func:`message_text` of ``message`` (a checked message of
+    Dramatiq's own class), without writing it: None where it holds a value
+    :func:`json_size_bound` does not bound (then it is written to be measured)."""
+    queue, actor, message_id, timestamp = (message.queue_name, message.actor_name, message.message_id,
+                                           message.message_timestamp)
+    if _ENCODE_PART is None or type(queue) is not str or type(actor) is not str or type(message_id) is not str \
+            or type(timestamp) is not int:
+        return None
+    kwargs, options = message.kwargs, message.options
+    args_size = json_size_bound(message.args)
+    kwargs_size = 2 if type(kwargs) is dict and not kwargs else json_size_bound(kwargs)
+    options_size = 2 if type(options) is dict and not options else json_size_bound(options)
+    if args_size is None or kwargs_size is None or options_size is None:
+        return None
+    prefix = prefixes.get((queue, actor)) or _prefix(queue, actor, prefixes)
+    return (len(prefix) + args_size + kwargs_size + options_size + len(encode_basestring_ascii(message_id))
+            + len(str(timestamp)) + _FIXED_CHARS)
+
+
+#: The longest JSON of a float, as ``repr`` writes it (``-2.2250738585072014e-308``).
+_FLOAT_CHARS = 24
+
+
+def json_size_bound(value: Any) -> int | None:
+    """At least the length of ``compact_json(value)`` (ASCII), from a walk of ``value``: a
+    text counts 2 characters for each of its characters (6 for each where one may be
+    escaped as ``\\uXXXX``, 12 for each past ASCII: a surrogate pair), an int its digits,
+    a float 24. None for a value of another type (a subclass too) or a dict with a key
+    that is not a text: such a value is written to be measured."""
+    size = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is str:
+            size += 2 + (2 * len(item) if item.isascii() and item.isprintable() else
+                         6 * len(item) if item.isascii() else 12 * len(item))
+        elif kind is int:
+            size += 2 + (item.bit_length() * 78 >> 8)  # digits <= bits * log10(2) + 1, and a sign
+        elif kind is float:
+            size += _FLOAT_CHARS
+        elif item is None or kind is bool:
+            size += 5
+        elif kind is list or kind is tuple:
+            size += 2 + len(item)
+            stack.extend(item)
+        elif kind is dict:
+            size += 2 + 2 * len(item)
+            for key, inner in item.items():
+                if type(key) is not str:
+                    return None
+                stack.append(key)
+                stack.append(inner)
+        else:
+            return None
+    return size
 
 
 def copy_text(value: str) -> str:
@@ -112,7 +183,8 @@ class CopyBatch:
     Made from the messages (none with a unique key) and the size limit; raises
     :class:`broker.errors.InvalidMessage` or :class:`broker.errors.MessageTooLarge`,
     naming the message, for a batch that holds one that would be refused. ``queues``: the
-    queues of its messages, to wake; :meth:`texts`: its rows, a chunk at a time."""
+    queues of its messages, to wake; :meth:`spans`: its chunks; :meth:`texts`: its rows,
+    made a chunk at a time."""
 
     def __init__(self, messages: Sequence[Message], *, max_bytes: int) -> None:
         self.messages = messages
@@ -123,13 +195,7 @@ class CopyBatch:
         self._queue_fields: dict[str, str] = {}
         self._priorities: dict[str, str] = {}
         self._prefixes: dict[tuple[str, str], str] = {}
-        self._kept: list[str] | None = None
-        start = 0
-        while start < len(messages):
-            rows, start = self._rows(start)
-            self.ends.append(start)
-            if start == len(messages) and len(self.ends) == 1:
-                self._kept = rows  # one chunk: written as it was checked
+        self._check()
 
     @property
     def queues(self) -> list[str]:
@@ -144,43 +210,55 @@ class CopyBatch:
             start = end
 
     def texts(self, end_of_row: str = "\n") -> Iterator[str]:
-        """The batch's rows as pieces of COPY's input, a chunk's rows made at a time; each
-        row ends with ``end_of_row`` (a tab and the ``eta`` field before the newline,
-        where the writer gives one)."""
+        """The batch's rows as pieces of COPY's input, a chunk's made at a time; each row
+        ends with ``end_of_row`` (a tab and the ``eta`` field before the newline, where
+        the writer gives one)."""
         for start, end in self.spans():
-            rows = self._kept if self._kept is not None else self._rows(start, end, checked=True)[0]
-            for first in range(0, len(rows), PIECE_ROWS):
-                yield end_of_row.join(rows[first:first + PIECE_ROWS])
-                yield end_of_row
+            yield end_of_row.join(self._rows(start, end))
+            yield end_of_row
 
-    def _rows(self, start: int, stop: int | None = None, *, checked: bool = False) -> tuple[list[str], int]:
-        """The rows of the messages from ``start`` to the end of their chunk (``stop``,
-        once known), each checked unless it was (``checked``); and where the chunk ended."""
+    def _check(self) -> None:
+        """Check each message (its values, then its size: bounded, or measured where the
+        bound is over the limit), and end a chunk where its bound says."""
         messages, limit, fast, prefixes = self.messages, self.max_bytes, self._fast, self._prefixes
-        queue_fields, priorities = self._queue_fields, self._priorities
-        last = min(len(messages), start + CHUNK_MESSAGES) if stop is None else stop
-        budget = CHUNK_CHARS if stop is None else None  # made again, rows end where they ended
-        rows: list[str] = []
-        i = start
-        while i < last:
-            message = messages[i]
-            i += 1
+        queue_fields = self._queue_fields
+        count = chars = 0
+        for i, message in enumerate(messages):
             if type(message) is not Message:
                 message = as_message(message)
-            if not checked:
-                check_message_quickly(message)
+            check_message_quickly(message)
+            size = text_size_bound(message, prefixes) if fast and type(message) is Message else None
+            if size is None or size > limit:
+                text = message_text(message, prefixes) if fast and type(message) is Message else \
+                    checked_json(message, max_bytes=limit)
+                size = len(text) if text.isascii() else len(text.encode("utf-8"))
+                check_encoded_size(size, message.actor_name, limit)
+            queue = message.queue_name
+            if queue not in queue_fields:
+                queue_fields[queue] = copy_text(queue)
+            count += 1
+            chars += size + _ROW_CHARS + len(queue_fields[queue])
+            if count == CHUNK_MESSAGES or chars >= CHUNK_CHARS:
+                self.ends.append(i + 1)
+                count = chars = 0
+        if count:
+            self.ends.append(len(messages))
+
+    def _rows(self, start: int, end: int) -> list[str]:
+        """The rows of the messages from ``start`` to ``end`` (checked already)."""
+        messages, fast, prefixes = self.messages, self._fast, self._prefixes
+        queue_fields, priorities = self._queue_fields, self._priorities
+        rows: list[str] = []
+        for i in range(start, end):
+            message = messages[i]
+            if type(message) is not Message:
+                message = as_message(message)
             if fast and type(message) is Message:
                 text = message_text(message, prefixes)
-                if len(text) > limit:  # ASCII: its length is its size
-                    check_encoded_size(len(text), message.actor_name, limit)
                 if "\\" in text:
                     text = text.replace("\\", "\\\\")
             else:
-                text = copy_text(checked_json(message, max_bytes=limit))
-            queue = message.queue_name
-            queue_field = queue_fields.get(queue)
-            if queue_field is None:
-                queue_field = queue_fields[queue] = copy_text(queue)
+                text = copy_text(message_json(message))
             priority: Any = message.options.get("priority")
             if priority is not None:
                 priority = int(priority)
@@ -189,11 +267,7 @@ class CopyBatch:
                 if priority is None:
                     priority = priorities[message.actor_name] = str(message_priority(message))
             message_id = message.message_id
-            row = f"{queue_field}\t{copy_text(message_id if type(message_id) is str else str(message_id))}" \
-                  f"\tqueued\t{text}\t{priority}"
-            rows.append(row)
-            if budget is not None:
-                budget -= len(row)
-                if budget <= 0:
-                    break
-        return rows, i
+            rows.append(f"{queue_fields[message.queue_name]}\t"
+                        f"{copy_text(message_id if type(message_id) is str else str(message_id))}"
+                        f"\tqueued\t{text}\t{priority}")
+        return rows

@@ -20,13 +20,14 @@ Every way a message is written goes through this module, with one hook policy:
   under a savepoint of the caller's transaction when given a connection (a transaction
   of its own on an autocommit one outside any). An id that exists already rolls the copy
   back, and ``ENQUEUE`` writes them, a chunk at a time, under the same rules as a send's.
+  The checks bound each message's size without encoding it where they can; its row is
+  made while the copy is under way, so Postgres stores one chunk as the next is made.
   Memory: beside the caller's messages (and a pointer or two per message), one chunk's
-  rows at a time: at most ``copy_rows.CHUNK_MESSAGES`` (10,000) messages or
-  ``CHUNK_CHARS`` (4 MiB) of rows plus one message; 100,000 small messages in one call
-  peak at 6.5 MiB of Python memory (tracemalloc), where the batch encoded whole took 70
-  MiB. A batch of more than one chunk is encoded twice (once to be checked, once while
-  it is written); one of a single chunk once. Those with a unique key are written by
-  :func:`unique_write`, in the same transaction, all in memory at once.
+  rows at a time: at most ``copy_rows.CHUNK_MESSAGES`` (1,000) messages or
+  ``CHUNK_CHARS`` (1 MiB) of rows plus one message; 100,000 small messages in one call
+  peak at 1.4 MiB of Python memory (tracemalloc), where the batch encoded whole took 70
+  MiB. Those with a unique key are written by :func:`unique_write`, in the same
+  transaction, all in memory at once.
 * **The caller's transaction** (:func:`enqueue`, :func:`enqueue_async`,
   :func:`enqueue_message`, :func:`enqueue_messages`): hooks as above; the message row
   and its NOTIFY are part of the caller's transaction (consumers are woken at commit, a

@@ -6,6 +6,7 @@ a time, the same rows."""
 from __future__ import annotations
 
 import math
+import random
 from itertools import pairwise
 
 import dramatiq
@@ -13,8 +14,14 @@ import pytest
 from dramatiq.broker import MessageProxy
 
 from broker.engine import copy_rows
-from broker.engine.codec import check_message, check_message_quickly, message_json
-from broker.engine.copy_rows import CopyBatch, copy_text, message_text
+from broker.engine.codec import check_message, check_message_quickly, compact_json, message_json
+from broker.engine.copy_rows import (
+    CopyBatch,
+    copy_text,
+    json_size_bound,
+    message_text,
+    text_size_bound,
+)
 from broker.errors import InvalidMessage, MessageTooLarge
 
 
@@ -130,3 +137,45 @@ def test_a_batch_with_a_refused_message_in_its_last_chunk_is_refused_when_it_is_
         CopyBatch([_message(n) for n in range(25)] + [_message(float("nan"))], max_bytes=1 << 20)
     with pytest.raises(MessageTooLarge, match="over the limit of 2000"):
         CopyBatch([_message(n) for n in range(25)] + [_message("x" * 3000)], max_bytes=2000)
+
+
+_CHARS = "ab \"\\\t\n\x00\x1f\x7f~é\u2028\uffff\U0001f600"
+
+
+def _value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(9 if depth < 4 else 6)
+    if kind == 0:
+        return "".join(rng.choice(_CHARS) for _ in range(rng.randrange(12)))
+    if kind == 1:
+        return rng.choice([0, -1, 7, 2 ** 63, -(10 ** rng.randrange(40)), rng.getrandbits(rng.randrange(1, 300))])
+    if kind == 2:
+        return rng.choice([0.1, -2.2250738585072014e-308, 1.7976931348623157e308, 5e-324, -0.0, 1e16, 123456.789,
+                           rng.random() * 10 ** rng.randrange(-30, 30)])
+    if kind == 3:
+        return rng.choice([None, True, False])
+    if kind in (4, 5):
+        return "x" * rng.randrange(3)
+    if kind == 6:
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == 7:
+        return tuple(_value(rng, depth + 1) for _ in range(rng.randrange(4)))
+    return {str(_value(rng, 5)): _value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def test_the_size_bound_is_never_under_the_text_dramatiqs_encoder_writes():
+    rng = random.Random(20261202)
+    for _ in range(3000):
+        value = _value(rng)
+        bound = json_size_bound(value)
+        assert bound is not None and bound >= len(compact_json(value)), value
+        message = _message(*(value if isinstance(value, list) else [value]),
+                           kwargs=value if isinstance(value, dict) else {})
+        size = text_size_bound(message, {})
+        assert size is not None and size >= len(message_json(message)), message
+
+
+def test_a_value_the_bound_does_not_know_is_measured_instead():
+    assert json_size_bound([1, {2: "int key"}]) is None
+    assert json_size_bound(["x", _Text("subclass")]) is None
+    assert text_size_bound(dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={},
+                                            message_id="id", message_timestamp=True), {}) is None
