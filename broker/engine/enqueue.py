@@ -314,8 +314,11 @@ def _all_or_nothing(conn: psycopg.Connection[Any]) -> Iterator[None]:
     except BaseException:
         if not conn.closed and conn.info.transaction_status in (psycopg.pq.TransactionStatus.INTRANS,
                                                                 psycopg.pq.TransactionStatus.INERROR):
-            conn.execute(sql_enqueue.ROLLBACK_TO_SAVEPOINT)
-            conn.execute(sql_enqueue.RELEASE_SAVEPOINT)
+            try:
+                conn.execute(sql_enqueue.ROLLBACK_TO_SAVEPOINT)
+                conn.execute(sql_enqueue.RELEASE_SAVEPOINT)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                pass  # the connection went, and the transaction with it: the first error says why
         raise
     conn.execute(sql_enqueue.RELEASE_SAVEPOINT)
 
