@@ -381,3 +381,31 @@ def refuse_non_json_encoder() -> None:
             f"the message encoder is {type(encoder).__name__}, but this broker stores messages as JSON "
             "(dramatiq-pg's jsonb column): use dramatiq.JSONEncoder or a subclass of it"
         )
+
+
+def check_message_quickly(message: Message) -> None:
+    """:func:`check_message`, with a short cut for the common message, whose arguments are
+    plain scalars (None, a bool, an int, a finite float, a text without a NUL or a lone
+    surrogate) and whose keyword arguments and options are empty: such a message passes
+    every check. Any other is checked by :func:`check_message` itself: the same refusals,
+    with the same words (a batch's writer checks thousands of messages at once)."""
+    kwargs, options = message.kwargs, message.options
+    if type(kwargs) is not dict or kwargs or type(options) is not dict or options or \
+            not _plain_scalars(message.args):
+        check_message(message)
+
+
+def _plain_scalars(values: Any) -> bool:
+    """Whether ``values`` is a tuple of values :func:`_storable_json` lets pass without a walk."""
+    if type(values) is not tuple:
+        return False
+    for value in values:
+        kind = type(value)
+        if value is None or kind is int or kind is bool:
+            continue
+        if kind is float:
+            if not math.isfinite(value):
+                return False
+        elif kind is not str or "\x00" in value or (not value.isascii() and _SURROGATE.search(value)):
+            return False
+    return True

@@ -1,10 +1,10 @@
 """The statements that write message rows into ``dramatiq.queue``: the only SQL that
-inserts a message (sends, batches, unique sends, the relay's messages, and the messages a
-settled run sent from its after-hooks, as a fragment of ``broker.engine.sql.SETTLE``).
+inserts or copies a message (sends, batches, unique sends, the relay's messages, and the
+messages a settled run sent from its after-hooks, as a fragment of ``broker.engine.sql.SETTLE``).
 
 Only the writer, :mod:`broker.engine.enqueue`, executes them (the settle statement that
 embeds :data:`FOLLOWUPS_OF_SETTLED` is the settler's, with parameters the writer makes);
-a test holds that no other module of the runtime spells such an INSERT. Conventions as in
+a test holds that no other module of the runtime spells such an INSERT or COPY. Conventions as in
 :mod:`broker.engine.sql` (placeholders, binary text arrays); consumers are woken through
 ``standmeet.enqueue_channel(queue)``, whose name is :data:`broker.engine.sql.ENQUEUE_CHANNEL`.
 """
@@ -42,14 +42,37 @@ FROM (SELECT DISTINCT queue_name FROM enqueued) AS woken
 #: ``_ON_CONFLICT_KEEP_STARTED`` says.
 ENQUEUE = _ENQUEUE_ROWS + _ON_CONFLICT_KEEP_STARTED + _ENQUEUE_WAKE
 
-#: ENQUEUE for a batch whose ids are all new, as fresh Dramatiq messages' are: a plain
-#: insert, without the speculative insertion ON CONFLICT makes of every row (about a
-#: tenth of a batch's time). One id that exists fails the whole statement with a unique
-#: violation, and ENQUEUE then writes the batch: a clash costs the server an error line
-#: in its log and the rows written before it (dead until vacuumed), so a caller that
-#: re-sends ids on purpose is better served by ENQUEUE. Only on the broker's own
-#: autocommit connection: in a caller's transaction the error would abort it.
-ENQUEUE_NEW = _ENQUEUE_ROWS + _ENQUEUE_WAKE
+#: Copy a batch of messages whose ids are all new, as fresh Dramatiq messages' are, due
+#: now: the rows of :class:`broker.engine.copy_rows.CopyBatch` (COPY's text format), a
+#: chunk at a time, in one statement that holds none of them whole. Postgres parses each
+#: message once and inserts the rows in bulk, without the JSON array, its elements and the
+#: speculative insertion ENQUEUE makes of every row; ``eta``, ``enqueued_at`` and
+#: ``mtime`` take their default, the transaction's ``now()``, as ENQUEUE's do. One id that
+#: exists fails the whole copy with a unique violation (ENQUEUE then writes the batch, in
+#: the same savepoint or transaction, rolled back first): a clash costs the server an
+#: error line in its log and the rows copied before it (dead until vacuumed). Wake the
+#: queues with WAKE_QUEUES in the same transaction.
+COPY_QUEUED = 'COPY dramatiq.queue (queue_name, message_id, "state", message, priority) FROM STDIN'
+
+#: COPY_QUEUED for a batch due later: each row ends with its ``eta``, the text of
+#: ETA_AFTER read in the same transaction.
+COPY_QUEUED_AT = 'COPY dramatiq.queue (queue_name, message_id, "state", message, priority, eta) FROM STDIN'
+
+#: When a batch copied in this transaction is due: ``now() + delay_s``, the same instant
+#: ENQUEUE writes, as ISO 8601 text with its offset (JSON's form of a timestamptz: read
+#: back unchanged whatever the session's DateStyle and TimeZone).
+ETA_AFTER = "SELECT to_json(now() + make_interval(secs => %(delay_s)s::float8)) #>> '{}'"
+
+#: Wake the consumers of ``queues`` (one NOTIFY per queue, sent at commit), as ENQUEUE
+#: wakes the queues it wrote to.
+WAKE_QUEUES = "SELECT pg_notify(standmeet.enqueue_channel(q), '') FROM unnest(%(queues)s::text[]) AS q"
+
+#: A batch written in a transaction the writer does not own is written under a savepoint:
+#: a copy that meets an existing id (or fails) is rolled back alone, and the caller's
+#: transaction stays usable.
+SAVEPOINT = "SAVEPOINT standmeet_enqueue"
+RELEASE_SAVEPOINT = "RELEASE SAVEPOINT standmeet_enqueue"
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT standmeet_enqueue"
 
 #: ENQUEUE for one message, with plain parameters: a single send dumps no arrays and
 #: unnests nothing (the same rules: an existing id is never resurrected).

@@ -1,6 +1,7 @@
 """Message rows have one writer: ``broker.engine.enqueue`` (with the statements of
 ``broker.engine.sql_enqueue``) is the only part of the runtime that spells an INSERT into
-``dramatiq.queue``; every other path goes through it, and so through its hook policy."""
+``dramatiq.queue``, or a COPY into it; every other path goes through it, and so through
+its hook policy."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ("broker", "middleware", "periodic", "actors")
 #: The writer, and the module of the SQL constants it executes.
 WRITER = {Path("broker/engine/enqueue.py"), Path("broker/engine/sql_enqueue.py")}
-#: An INSERT into dramatiq.queue, however it is spaced or quoted.
-INSERT_INTO_QUEUE = re.compile(r'\bINSERT\s+INTO\s+"?dramatiq"?\s*\.\s*"?queue"?(?![\w.])', re.IGNORECASE)
+#: An INSERT or a COPY into dramatiq.queue, however it is spaced or quoted (a COPY names
+#: the table first; one that copies out of it, ``COPY (SELECT …) TO``, names none).
+INSERT_INTO_QUEUE = re.compile(r'\b(?:INSERT\s+INTO|COPY)\s+"?dramatiq"?\s*\.\s*"?queue"?(?![\w.])', re.IGNORECASE)
 
 
 def _runtime_files() -> list[Path]:
@@ -36,12 +38,15 @@ def test_the_search_finds_the_writers_own_inserts():
     # Were the pattern wrong, the test above would pass on anything: it must see these.
     assert _inserting(Path("broker/engine/sql_enqueue.py"))
     assert INSERT_INTO_QUEUE.search('insert  into "dramatiq".\n  "queue" AS q (message_id)')
+    assert INSERT_INTO_QUEUE.search('copy "dramatiq"."queue" (queue_name, message_id) FROM STDIN')
     assert not INSERT_INTO_QUEUE.search("INSERT INTO dramatiq.queue_pauses (queue_name)")
+    assert not INSERT_INTO_QUEUE.search("COPY dramatiq.queue_pauses FROM STDIN")
 
 
 #: The statements that write message rows; the settle statement (broker.engine.sql) holds
 #: the follow-ups' insert, whose parameters the writer builds (``followup_params``).
-WRITING_STATEMENTS = frozenset({"ENQUEUE", "ENQUEUE_NEW", "ENQUEUE_ONE", "ENQUEUE_UNIQUE", "FOLLOWUPS_OF_SETTLED"})
+WRITING_STATEMENTS = frozenset({"ENQUEUE", "COPY_QUEUED", "COPY_QUEUED_AT", "ENQUEUE_ONE", "ENQUEUE_UNIQUE",
+                                "FOLLOWUPS_OF_SETTLED"})
 MAY_NAME_THEM = WRITER | {Path("broker/engine/sql.py")}
 
 
