@@ -47,6 +47,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copy_rows, "CHUNK_MESSAGES", 10)
 
 
+@pytest.mark.slow  # 100,000 messages under tracemalloc: 10 to 30 s; runs once in CI, not in every pass
 def test_100000_messages_in_one_call_are_all_written_in_order_and_wake_the_queue_with_one_chunk_in_memory(
         broker, database_url):
     # Given 100,000 messages, and a listener on their queue
