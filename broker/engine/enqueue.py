@@ -13,9 +13,9 @@ Every way a message is written goes through this module, with one hook policy:
 * **A send** (``actor.send()``, :meth:`StandmeetBroker.enqueue`, :func:`send`): hooks as
   above; one autocommit statement on the broker's pool.
 * **A batch** (``broker.enqueue_many``, :func:`send_many`, :func:`enqueue_messages`):
-  hooks as above, for each message; every message checked before the first statement;
-  all written or none. Those without a unique key are copied (``COPY_QUEUED``, one COPY
-  fed a chunk of rows at a time by :class:`broker.engine.copy_rows.CopyBatch`) and their
+  hooks as above, for each message; every message checked before the first statement.
+  Those without a unique key are copied, all or none (``COPY_QUEUED``, one COPY fed a
+  chunk of rows at a time by :class:`broker.engine.copy_rows.CopyBatch`), and their
   queues woken (``WAKE_QUEUES``, at commit), in a transaction of a pooled connection, or
   under a savepoint of the caller's transaction when given a connection (a transaction
   of its own on an autocommit one outside any). An id that exists already rolls the copy
@@ -348,9 +348,9 @@ def send(broker: StandmeetBroker, message: Message, *, delay_ms: int | None = No
 
 def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None,
               delay_ms: int | None = None) -> list[Message]:
-    """``broker.enqueue_many``: write many messages at once, all or none (on ``conn``, in
-    its transaction, if given; else on the broker's pool), a chunk at a time
-    (:mod:`broker.engine.copy_rows`)."""
+    """``broker.enqueue_many``: write many messages at once (on ``conn``, in its
+    transaction, if given; else in one transaction on the broker's pool), a chunk at a
+    time (:mod:`broker.engine.copy_rows`)."""
     batch = list(messages)
     if not batch:
         return batch
