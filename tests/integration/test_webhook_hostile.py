@@ -58,18 +58,28 @@ def test_a_malformed_answer_is_a_protocol_outcome_not_a_connect_one(answer):
     assert outcome.error and "RemoteProtocolError" in outcome.error
 
 
+ATTEMPTS_OF_ENDPOINT = ("SELECT a.outcome, a.response_body FROM standmeet.webhook_attempts a"
+                        " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id WHERE d.endpoint_id = %s")
+
+
+def _attempts_of_one_delivery(database_url: str, start_worker, answer: bytes,
+                              event_type: str) -> tuple[object, list[tuple[str, str | None]]]:
+    """Deliver one event of ``event_type`` to an endpoint that answers ``answer`` (raw
+    bytes) to every request; the endpoint and its recorded attempts (outcome, body)."""
+    with raw_server(lambda n: (answer, True)) as (port, _):
+        endpoint, _ = webhooks.add_endpoint(f"http://127.0.0.1:{port}/hook", [event_type])
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            webhooks.emit_event(conn, event_type, {})
+        start_worker(queues=["webhook"], threads=2)
+        attempts = wait_for(lambda: query(database_url, ATTEMPTS_OF_ENDPOINT, (endpoint,)),
+                            timeout_s=15, what="the attempt to be recorded")
+    return endpoint, attempts
+
+
 def test_a_delivery_answered_with_a_malformed_status_line_is_recorded_as_protocol(
         broker, database_url, start_worker, webhook_settings):
-    with raw_server(lambda n: (MALFORMED["status line"], True)) as (port, seen):
-        endpoint, _ = webhooks.add_endpoint(f"http://127.0.0.1:{port}/hook", ["hostile"])
-        with psycopg.connect(database_url) as conn, conn.transaction():
-            webhooks.emit_event(conn, "hostile", {})
-        start_worker(queues=["webhook"], threads=2)
-        outcome = wait_for(lambda: scalar(database_url, "SELECT a.outcome FROM standmeet.webhook_attempts a"
-                                                        " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
-                                                        " WHERE d.endpoint_id = %s", (endpoint,)),
-                           timeout_s=15, what="the attempt to be recorded")
-    assert outcome == "protocol"
+    endpoint, attempts = _attempts_of_one_delivery(database_url, start_worker, MALFORMED["status line"], "hostile")
+    assert attempts[0][0] == "protocol"
     assert scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE endpoint_id = %s",
                   (endpoint,)) == "pending"  # retried later, like any failure the endpoint may mend
 
@@ -135,16 +145,8 @@ def test_an_answer_whose_body_holds_a_nul_byte_is_recorded_with_the_byte_replace
         broker, database_url, start_worker, webhook_settings):
     # Given an endpoint that answers 200 with a NUL byte in its body (Postgres text cannot hold one)
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\no\x00k\x00!"
-    with raw_server(lambda n: (answer, True)) as (port, _):
-        endpoint, _ = webhooks.add_endpoint(f"http://127.0.0.1:{port}/hook", ["nul"])
-        with psycopg.connect(database_url) as conn, conn.transaction():
-            webhooks.emit_event(conn, "nul", {})
-        # When its delivery is made
-        start_worker(queues=["webhook"], threads=2)
-        recorded = wait_for(lambda: query(database_url, "SELECT a.outcome, a.response_body FROM standmeet.webhook_attempts a"
-                                                        " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
-                                                        " WHERE d.endpoint_id = %s", (endpoint,)),
-                            timeout_s=15, what="the attempt to be recorded")
+    # When its delivery is made
+    endpoint, recorded = _attempts_of_one_delivery(database_url, start_worker, answer, "nul")
     # Then the attempt is recorded (once), its body kept with each NUL replaced
     assert recorded == [("ok", "o\ufffdk\ufffd!")]
     assert scalar(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE endpoint_id = %s",
