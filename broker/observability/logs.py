@@ -35,30 +35,34 @@ class TextFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         if datefmt is not None:
             return super().formatTime(record, datefmt)
-        second = int(record.created)
+        return (self.default_msec_format or "%s,%03d") % (self.date_part(record.created), record.msecs)
+
+    def date_part(self, created: float) -> str:
+        """The timestamp of ``created`` to the second, made once a second."""
+        second = int(created)
         cached = self._second
         if cached[0] != second:
             cached = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
-        return (self.default_msec_format or "%s,%03d") % (cached[1], record.msecs)
+        return cached[1]
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-            "pid": record.process,
-        }
+        doc = self.document(record.created, record.levelname, record.name, record.getMessage(), record.process)
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):
                 doc[key] = value
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return json.dumps(doc, default=str)
+
+    @staticmethod
+    def document(created: float, level: str, name: str, message: str, pid: int | None) -> dict[str, Any]:
+        """A line's standard fields; the fields given with ``extra=`` follow them."""
+        return {"ts": datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds"),
+                "level": level, "logger": name, "message": message, "pid": pid}
 
 
 #: How long an INFO line may wait to be written with the lines after it.
@@ -186,18 +190,11 @@ def info_line(logger: logging.Logger, message: str, extra: dict[str, Any]) -> No
     now = time.time()
     formatter = handler.formatter
     if type(formatter) is TextFormatter:
-        second = int(now)
-        cached = formatter._second
-        if cached[0] != second:
-            cached = formatter._second = (second, time.strftime(formatter.default_time_format,
-                                                                formatter.converter(second)))
-        line = f"{cached[1]},{int((now - second) * 1000):03d} [{os.getpid()}] INFO {logger.name}: {message}"
+        line = (f"{formatter.date_part(now)},{int((now - int(now)) * 1000):03d} [{os.getpid()}] INFO "
+                f"{logger.name}: {message}")
     else:
-        doc: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": "INFO", "logger": logger.name, "message": message, "pid": os.getpid(), **extra,
-        }
-        line = json.dumps(doc, default=str)
+        doc = JsonFormatter.document(now, "INFO", logger.name, message, os.getpid())
+        line = json.dumps({**doc, **extra}, default=str)
     handler.emit_line(line)
 
 
