@@ -198,17 +198,19 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
     def _hooks(self, name: str) -> list[Any]:
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
         order (:mod:`broker.engine.hooks`)."""
+        return self._hook_table.of(self._middleware_list(), name)
+
+    def _middleware_list(self) -> MiddlewareList:
+        """The middleware list, made a counting one again if a plain list was assigned."""
         middleware = self.middleware
-        if not isinstance(middleware, MiddlewareList):  # a plain list was assigned
+        if type(middleware) is not MiddlewareList:
             middleware = self.middleware = MiddlewareList(middleware)
-        return self._hook_table.of(middleware, name)
+        return middleware
 
     def _run_hooks(self, name: str, proxy: Any) -> list[Any]:
         """The hooks of a run's signal ``name`` that apply to the run of ``proxy``: the
         policies gated on options it does not set are skipped (:mod:`broker.engine.hooks`)."""
-        middleware = self.middleware
-        if type(middleware) is not MiddlewareList:
-            middleware = self.middleware = MiddlewareList(middleware)
+        middleware = self._middleware_list()
         present = getattr(proxy, "standmeet_gating", None)
         if present is None:
             actor = self.actors.get(proxy.actor_name)
