@@ -50,6 +50,12 @@ def test_the_cost_curve_drains_a_tiny_backlog_and_prints_its_figures(admin_url: 
     assert "ratio rate(200) / rate(200): 1.00" in out
 
 
+def test_the_worker_cpu_bench_drains_ours_and_the_stub_floor_and_prints_ours_over_the_floor(admin_url: str) -> None:
+    out = run_bench("worker_cpu.py", admin_url, "--n", "200", "--runs", "1")
+    assert_lines(out, r"^ours: [\d,]+ .* jobs/s, [\d.]+ .* ms CPU per job \(200 job log lines written\)$",
+                 r"^floor \(StubBroker, default middleware\): [\d,]+ .* ms CPU per job$")
+
+
 def test_the_scale_script_drains_with_one_and_two_processes_within_their_limits(admin_url: str) -> None:
     out = run_bench("scale.py", admin_url, "--n", "200", "--processes", "1,2")
     assert "1 process(es): median" in out and "2 process(es): median" in out

