@@ -106,7 +106,8 @@ def _settled_transactions(poll: _Poller, *, within_s: float = 5.0) -> int:
     return last
 
 
-def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tuple[float, float, float]:
+def deliveries_per_s(url: str, events: int, *, in_process: bool = False,
+                     counters_within_s: float = 5.0) -> tuple[float, float, float]:
     """(deliveries/s, the worker process's CPU ms per delivery, database transactions per
     delivery) for ``events`` events to 20 fast endpoints, from the worker's start to the
     last delivery."""
@@ -144,7 +145,7 @@ def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tupl
                 return sum(len(s.received) for _, s in servers)
             return poll.value(SUCCEEDED)
 
-        xacts0 = _settled_transactions(poll)
+        xacts0 = _settled_transactions(poll, within_s=counters_within_s)
 
         names: dict[int, str] = {}
 
@@ -168,7 +169,7 @@ def deliveries_per_s(url: str, events: int, *, in_process: bool = False) -> tupl
             backends1 = backends()  # (a backend that came and went meanwhile is not counted)
             served1 = 0.0 if in_process else _process_cpu(endpoints.pid)
             cpu_ms = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) * 1000 / total
-            xacts = (_settled_transactions(poll) - xacts0) / total
+            xacts = (_settled_transactions(poll, within_s=counters_within_s) - xacts0) / total
             if os.environ.get("BENCH_VERBOSE"):
                 threads1 = _thread_cpu()
                 per = {k: (v - threads0.get(k, 0.0)) * 1000 / total for k, v in threads1.items()}
@@ -226,6 +227,9 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=25, help="events, each delivered to 20 endpoints")
     parser.add_argument("--writes", type=int, default=200)
     parser.add_argument("--runs", type=int, default=1, help="delivery runs (the median is printed)")
+    parser.add_argument("--counters-within-s", type=float, default=5.0,
+                        help="the longest wait for the server's transaction counters to settle, "
+                             "before and after each run (0: read them once, for a smoke run)")
     parser.add_argument("--deliveries-only", action="store_true", help="skip the index latency runs")
     parser.add_argument("--endpoints-in-process", action="store_true",
                         help="serve the fast endpoints from threads of the worker process (the earlier way)")
@@ -253,7 +257,8 @@ def main() -> int:
             # the last run's leftover messages (deliveries made by a batch while their job was
             # claimed) would otherwise run in this one, on deliveries that no longer exist
             testdb.query(url, "TRUNCATE standmeet.webhook_endpoints, standmeet.webhook_events, dramatiq.queue CASCADE")
-            rate, cpu_ms, xacts = deliveries_per_s(url, args.events, in_process=args.endpoints_in_process)
+            rate, cpu_ms, xacts = deliveries_per_s(url, args.events, in_process=args.endpoints_in_process,
+                                                     counters_within_s=args.counters_within_s)
             rates.append(rate)
             cpus.append(cpu_ms)
             trips.append(xacts)
