@@ -203,10 +203,39 @@ def delay_seconds(delay: Any) -> float:
     return delay / 1000.0
 
 
+#: A message id as Dramatiq makes one (``str(uuid.uuid4())``), and as the queue's ``uuid``
+#: column gives it back: a message whose id had another form would come back under another.
+_MESSAGE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def check_message_id(message: Message | MessageProxy) -> None:
+    """Refuse a message whose id is not a UUID in Dramatiq's form (8-4-4-4-12 lowercase
+    hexadecimal digits), naming the id."""
+    message_id = message.message_id
+    if type(message_id) is not str or _MESSAGE_ID.fullmatch(message_id) is None:
+        raise InvalidMessage(f"the message id {_short.repr(message_id)} of a message to {message.actor_name!r} is "
+                             "not a UUID as Dramatiq writes one (8-4-4-4-12 lowercase hexadecimal digits)")
+
+
+def check_distinct_ids(messages: Sequence[Message | MessageProxy]) -> None:
+    """Refuse a batch holding two messages with one id, naming it: one row per id."""
+    ids = [m.message_id for m in messages]
+    if len(set(ids)) == len(ids):
+        return
+    seen: set[Any] = set()
+    for message, message_id in zip(messages, ids, strict=True):
+        if message_id in seen:
+            raise InvalidMessage(f"the message id {_short.repr(message_id)} is in this batch twice (a message to "
+                                 f"{message.actor_name!r}): each message of a batch needs an id of its own")
+        seen.add(message_id)
+
+
 def check_message(message: Message) -> None:
-    """Refuse a message whose options its run cannot use (:func:`check_options`) or whose
-    arguments or options are not JSON Postgres stores (:func:`check_json_value`, as
-    ``emit`` checks an event), naming the value and where it is."""
+    """Refuse a message whose id is not a UUID (:func:`check_message_id`), whose options
+    its run cannot use (:func:`check_options`) or whose arguments or options are not JSON
+    Postgres stores (:func:`check_json_value`, as ``emit`` checks an event), naming the
+    value and where it is."""
+    check_message_id(message)
     check_options(message)
     if _storable_json((message.args, message.kwargs, message.options)):
         return
@@ -389,9 +418,9 @@ def check_message_quickly(message: Message) -> None:
     surrogate) and whose keyword arguments and options are empty: such a message passes
     every check. Any other is checked by :func:`check_message` itself: the same refusals,
     with the same words (a batch's writer checks thousands of messages at once)."""
-    kwargs, options = message.kwargs, message.options
+    kwargs, options, message_id = message.kwargs, message.options, message.message_id
     if type(kwargs) is not dict or kwargs or type(options) is not dict or options or \
-            not _plain_scalars(message.args):
+            not _plain_scalars(message.args) or type(message_id) is not str or _MESSAGE_ID.fullmatch(message_id) is None:
         check_message(message)
 
 

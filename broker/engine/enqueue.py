@@ -86,6 +86,7 @@ from broker.engine import sql, sql_enqueue
 from broker.engine.codec import (
     as_message,
     batch_params,
+    check_distinct_ids,
     delay_seconds,
     enqueue_one_params,
     enqueue_params,
@@ -357,6 +358,7 @@ def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psy
     for message in batch:
         message.options.pop("eta", None)
     before_enqueue(broker, batch, delay_ms)
+    check_distinct_ids(batch)  # one row per id: refused before anything is written
     skipped: dict[tuple[str, str], int] = {}
     try:
         if conn is not None:

@@ -128,6 +128,48 @@ def test_a_send_with_a_value_postgres_refuses_is_one_clear_error(broker, value, 
         noop.send(value)
 
 
+BAD_IDS = [
+    ("not-a-uuid", "'not-a-uuid'"),
+    ("0B5A1C2D-0000-4000-8000-000000000001", "'0B5A1C2D-"),  # Postgres would give it back lowercase
+    ("{0b5a1c2d-0000-4000-8000-000000000001}", "'{0b5a1c2d-"),
+    ("0b5a1c2d00004000800000000000000a", "'0b5a1c2d0000"),
+    (12, "id 12 "),
+    ("x" * 10_000, "'xxxx"),
+]
+
+
+@pytest.mark.parametrize(("message_id", "named"), BAD_IDS)
+def test_a_message_whose_id_is_not_a_uuid_in_dramatiqs_form_is_refused_naming_it_on_every_path(
+        broker, database_url, message_id, named):
+    before = scalar(database_url, "SELECT count(*) FROM dramatiq.queue")
+    bad = noop.message("bad-id").copy(message_id=message_id)
+    for send in (lambda: broker.enqueue(bad),                              # actor.send()
+                 lambda: broker.enqueue_many([noop.message("fine"), bad]),  # a batch, copied
+                 lambda: broker.enqueue_many([noop.message("fine").copy(options={"unique_key": "k"}), bad])):
+        with pytest.raises(InvalidMessage) as refused:
+            send()
+        text = str(refused.value)
+        assert named in text and "not a UUID" in text and "\n" not in text and len(text) < 400, text
+    with psycopg.connect(database_url) as conn, conn.transaction():  # on the caller's connection, too
+        with pytest.raises(InvalidMessage, match="not a UUID"):
+            broker.enqueue_many([bad], conn=conn)
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue") == before
+
+
+def test_a_batch_holding_one_id_twice_is_refused_naming_it_and_nothing_is_written(broker, database_url):
+    before = scalar(database_url, "SELECT count(*) FROM dramatiq.queue")
+    twice = noop.message("twice")
+    for batch in ([noop.message("a"), twice, noop.message("b"), twice.copy(args=("again",))],
+                  [twice.copy(options={"unique_key": "u1"}), twice.copy(options={"unique_key": "u2"})]):
+        with pytest.raises(InvalidMessage) as refused:
+            broker.enqueue_many(batch)
+        assert twice.message_id in str(refused.value) and "twice" in str(refused.value)
+        with psycopg.connect(database_url) as conn, conn.transaction():
+            with pytest.raises(InvalidMessage, match="twice"):
+                broker.enqueue_many(batch, conn=conn)
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue") == before
+
+
 def test_an_unencodable_result_fails_the_job_with_the_reason_and_a_waiter_gets_it_at_once(
         broker, database_url, start_worker):
     start_worker(queues=["index"], threads=2)
