@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import dramatiq
@@ -56,7 +56,7 @@ from broker.engine import enqueue as writer
 from broker.engine import sql
 from broker.engine.codec import options_json, refuse_non_json_encoder, storable_text
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
-from broker.engine.hooks import RUN_SIGNALS, HookTable, MiddlewareList
+from broker.engine.hooks import RUN_SIGNALS, Hook, HookTable, MiddlewareList, applies
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
 from broker.engine.runs import disarm, run_signal
@@ -207,16 +207,17 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             middleware = self.middleware = MiddlewareList(middleware)
         return middleware
 
-    def _run_hooks(self, name: str, proxy: Any) -> list[Any]:
-        """The hooks of a run's signal ``name`` that apply to the run of ``proxy``: the
-        policies gated on options it does not set are skipped (:mod:`broker.engine.hooks`)."""
-        middleware = self._middleware_list()
-        present = getattr(proxy, "standmeet_gating", None)
-        if present is None:
-            actor = self.actors.get(proxy.actor_name)
-            present = proxy.standmeet_gating = self._hook_table.gating_options(
-                middleware, proxy.options, actor.options if actor is not None else {})
-        return self._hook_table.for_run(middleware, name, present)
+    def _run_hooks(self, name: str, proxy: Any, *, backwards: bool = False) -> Iterator[Hook]:
+        """The hooks of a run's signal ``name`` that apply to the run of ``proxy``, each
+        judged just before it is called, on the options the message and its actor have
+        then: a policy gated on options the run does not set is skipped
+        (:mod:`broker.engine.hooks`)."""
+        actor = self.actors.get(proxy.actor_name)
+        actor_options = actor.options if actor is not None else {}
+        planned = self._hook_table.for_run(self._middleware_list(), name)
+        for middleware, hook, gate in (reversed(planned) if backwards else planned):
+            if gate is None or applies(gate, middleware, proxy.options, actor_options):
+                yield middleware, hook
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
@@ -240,8 +241,8 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
 
     def _emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         name = "after_" + signal
-        hooks = self._run_hooks(name, args[0]) if name in RUN_SIGNALS else self._hooks(name)
-        for middleware, hook in reversed(hooks):
+        hooks = self._run_hooks(name, args[0], backwards=True) if name in RUN_SIGNALS else reversed(self._hooks(name))
+        for middleware, hook in hooks:
             try:
                 hook(self, *args, **kwargs)
             except Exception as exc:

@@ -9,17 +9,22 @@ of them the base class's no-ops. The broker calls only:
   a policy that acts on a run only when an option names it (a pipeline's next step, a
   callback, a group's completion, an age limit, a keyed lease) declares those options
   (:func:`options_gate`), and costs a run nothing unless its message or its actor sets
-  one of them. Which of the gating options a run has is read once, when it starts, so
-  its before- and after-hooks are the same policies' (:func:`gating_options`).
+  one of them. Whether it does is looked at just before each of its hooks would be
+  called, on the message and the actor as they are then: an option that an earlier
+  middleware, or the actor's own code, gave the run is seen by the hooks that follow,
+  as Dramatiq, which calls them all, would let them see it. A Dramatiq policy skipped
+  only under its own configuration (``AgeLimit`` without a ``max_age``) is looked at
+  as it is configured then, too.
 
-Both are rebuilt when the middleware list changes (:class:`MiddlewareList` counts its
-changes). A middleware of an application declares its own gate with a
-``runs_only_with_options`` attribute (a set of option names); one without is called
-for every run, as Dramatiq would.
+The table is rebuilt when the middleware list changes (:class:`MiddlewareList` counts
+its changes, and each list has a serial number of its own). A middleware of an
+application declares its own gate with a ``runs_only_with_options`` attribute (a set of
+option names); one without is called for every run, as Dramatiq would.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +39,11 @@ from dramatiq.middleware import (
 
 #: A middleware and one of its bound hook methods.
 Hook = tuple[Any, Callable[..., Any]]
+#: When a policy may be skipped: the options without which it does nothing, and the test
+#: of its own configuration under which that holds (None: always).
+Gate = tuple[frozenset[str], "Callable[[Any], bool] | None"]
+#: A hook of a run's signal with its policy's gate (None: called for every run).
+RunHook = tuple[Any, Callable[..., Any], "Gate | None"]
 
 #: The signals of a run whose hooks a gate can skip.
 RUN_SIGNALS = frozenset({"before_process_message", "after_process_message", "after_skip_message"})
@@ -41,32 +51,50 @@ RUN_SIGNALS = frozenset({"before_process_message", "after_process_message", "aft
 #: Dramatiq's policies that act on a run only when one of these options is set (on the
 #: message or its actor), given the middleware's own configuration. Only these exact
 #: classes: a subclass may do more.
-DRAMATIQ_GATES: dict[type, tuple[frozenset[str], Callable[[Any], bool]]] = {
-    Pipelines: (frozenset({"pipe_target"}), lambda m: True),
-    Callbacks: (frozenset({"on_success", "on_failure"}), lambda m: True),
-    GroupCallbacks: (frozenset({"group_completion_uuid"}), lambda m: True),
+DRAMATIQ_GATES: dict[type, Gate] = {
+    Pipelines: (frozenset({"pipe_target"}), None),
+    Callbacks: (frozenset({"on_success", "on_failure"}), None),
+    GroupCallbacks: (frozenset({"group_completion_uuid"}), None),
     AgeLimit: (frozenset({"max_age"}), lambda m: m.max_age is None),
     ShutdownNotifications: (frozenset({"notify_shutdown"}), lambda m: not m.notify_shutdown),
 }
 
 
-def options_gate(middleware: Any) -> frozenset[str] | None:
-    """The options without which ``middleware`` does nothing to a run (None: it acts on
-    every run)."""
+def options_gate(middleware: Any) -> Gate | None:
+    """When ``middleware`` does nothing to a run (None: it may act on every run): without
+    one of the gate's options, while its configuration passes the gate's test."""
     declared = getattr(middleware, "runs_only_with_options", None)
     if declared is not None:
-        return frozenset(declared)
-    gate = DRAMATIQ_GATES.get(type(middleware))
-    if gate is not None and gate[1](middleware):
-        return gate[0]
-    return None
+        return frozenset(declared), None
+    return DRAMATIQ_GATES.get(type(middleware))
+
+
+def applies(gate: Gate | None, middleware: Any, message_options: Mapping[str, Any],
+            actor_options: Mapping[str, Any]) -> bool:
+    """Whether the policy ``middleware`` of ``gate`` may act on a run whose message and
+    actor have these options now."""
+    if gate is None:
+        return True
+    options, configured_to_skip = gate
+    if configured_to_skip is not None and not configured_to_skip(middleware):
+        return True
+    return not (options.isdisjoint(message_options) and options.isdisjoint(actor_options))
 
 
 class MiddlewareList(list):  # type: ignore[type-arg]
-    """The broker's middleware list, with a count of its changes: the hooks are worked
-    out again when it moves, not checked against a copy of the list on every signal."""
+    """The broker's middleware list, with a count of its changes and a serial number of
+    its own (a list made in place of another may live at the address the other had): the
+    hooks are worked out again when it moves, not checked against a copy of the list on
+    every signal."""
 
     version = 0
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.serial = next(_serials)
+
+
+_serials = itertools.count(1)
 
 
 def _counting(name: str) -> Callable[..., Any]:
@@ -86,22 +114,17 @@ for _mutator in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append",
 
 
 class HookTable:
-    """The hooks of one middleware list, by signal and, for a run, by its gating options."""
+    """The hooks of one middleware list, by signal, with the gates of a run's signals."""
 
     def __init__(self) -> None:
         self._version: tuple[int, int] = (0, -1)
         self._hooks: dict[str, list[Hook]] = {}
-        self._runs: dict[tuple[str, frozenset[str]], list[Hook]] = {}
-        self._gates: dict[int, frozenset[str] | None] = {}
-        #: every option some gate names
-        self.gating: frozenset[str] = frozenset()
+        self._runs: dict[str, list[RunHook]] = {}
 
     def _current(self, middleware: MiddlewareList) -> None:
-        version = (id(middleware), middleware.version)
+        version = (middleware.serial, middleware.version)
         if self._version != version:
             self._version, self._hooks, self._runs = version, {}, {}
-            self._gates = {id(m): options_gate(m) for m in middleware}
-            self.gating = frozenset().union(*(g for g in self._gates.values() if g is not None))
 
     def of(self, middleware: MiddlewareList, name: str) -> list[Hook]:
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in order."""
@@ -114,24 +137,12 @@ class HookTable:
             self._hooks[name] = hooks
         return hooks
 
-    def for_run(self, middleware: MiddlewareList, name: str, present: frozenset[str]) -> list[Hook]:
-        """The hooks of ``name`` (a run's signal) for a run whose gating options are ``present``."""
-        if self._version != (id(middleware), middleware.version):
+    def for_run(self, middleware: MiddlewareList, name: str) -> list[RunHook]:
+        """The hooks of ``name`` (a run's signal), each with its policy's gate: call one
+        only if :func:`applies` says so for the run as it is at that moment."""
+        if self._version != (middleware.serial, middleware.version):
             self._current(middleware)
-        key = (name, present)
-        planned = self._runs.get(key)
+        planned = self._runs.get(name)
         if planned is None:
-            hooks = self.of(middleware, name)
-            gates = self._gates
-            planned = [(m, hook) for m, hook in hooks
-                       if (gate := gates.get(id(m))) is None or not gate.isdisjoint(present)]
-            self._runs[key] = planned
+            planned = self._runs[name] = [(m, hook, options_gate(m)) for m, hook in self.of(middleware, name)]
         return planned
-
-    def gating_options(self, middleware: MiddlewareList, message_options: Mapping[str, Any],
-                       actor_options: Mapping[str, Any]) -> frozenset[str]:
-        """Which of the options some gate names a run has (on its message or its actor)."""
-        self._current(middleware)
-        if not self.gating:
-            return frozenset()
-        return frozenset(option for option in self.gating if option in message_options or option in actor_options)

@@ -6,7 +6,7 @@ from typing import Any
 
 from dramatiq.middleware import AgeLimit, Callbacks, Middleware, Pipelines, ShutdownNotifications
 
-from broker.engine.hooks import HookTable, MiddlewareList
+from broker.engine.hooks import HookTable, MiddlewareList, applies
 
 
 class Counting(Middleware):
@@ -25,39 +25,57 @@ class Always(Middleware):
         pass
 
 
-def _names(hooks: list[Any]) -> list[str]:
-    return [type(middleware).__name__ for middleware, _ in hooks]
+def _called(table: HookTable, middleware: MiddlewareList, name: str, message_options: dict[str, Any],
+            actor_options: dict[str, Any] | None = None) -> list[str]:
+    """The policies whose ``name`` hook a run with these options calls."""
+    return [type(m).__name__ for m, _, gate in table.for_run(middleware, name)
+            if applies(gate, m, message_options, actor_options or {})]
 
 
 def test_a_policy_gated_on_options_is_called_only_for_runs_that_set_one():
     table = HookTable()
     middleware = MiddlewareList([Pipelines(), Callbacks(), Counting(), Always()])
     # A run that sets none of the gating options calls only the ungated policy
-    none = table.gating_options(middleware, {}, {})
-    assert _names(table.for_run(middleware, "after_process_message", none)) == ["Always"]
+    assert _called(table, middleware, "after_process_message", {}) == ["Always"]
     # A pipeline's step, an actor with a callback, a run with the application's option
-    piped = table.gating_options(middleware, {"pipe_target": {}}, {})
-    assert _names(table.for_run(middleware, "after_process_message", piped)) == ["Pipelines", "Always"]
-    called_back = table.gating_options(middleware, {}, {"on_success": "done_cb"})
-    assert _names(table.for_run(middleware, "after_process_message", called_back)) == ["Callbacks", "Always"]
-    budgeted = table.gating_options(middleware, {"budget": 3}, {})
-    assert _names(table.for_run(middleware, "after_process_message", budgeted)) == ["Counting", "Always"]
+    assert _called(table, middleware, "after_process_message", {"pipe_target": {}}) == ["Pipelines", "Always"]
+    assert _called(table, middleware, "after_process_message", {}, {"on_success": "done_cb"}) == ["Callbacks", "Always"]
+    assert _called(table, middleware, "after_process_message", {"budget": 3}) == ["Counting", "Always"]
 
 
 def test_a_policy_configured_to_act_on_every_run_is_never_skipped():
     table = HookTable()
     middleware = MiddlewareList([AgeLimit(max_age=60_000), ShutdownNotifications(notify_shutdown=True),
                                  AgeLimit(), ShutdownNotifications()])
-    none = table.gating_options(middleware, {}, {})
-    hooks = table.for_run(middleware, "before_process_message", none)
-    assert [m for m, _ in hooks] == middleware[:2]
+    assert _called(table, middleware, "before_process_message", {}) == ["AgeLimit", "ShutdownNotifications"]
+
+
+def test_a_policy_configured_after_the_hooks_were_worked_out_is_judged_as_configured_now():
+    table = HookTable()
+    age_limit = AgeLimit()
+    middleware = MiddlewareList([age_limit])
+    assert _called(table, middleware, "before_process_message", {}) == []
+    age_limit.max_age = 1  # the list did not change: the table is the one worked out above
+    assert _called(table, middleware, "before_process_message", {}) == ["AgeLimit"]
 
 
 def test_the_hooks_follow_changes_of_the_middleware_list():
     table = HookTable()
     middleware = MiddlewareList([Always()])
-    assert _names(table.for_run(middleware, "after_process_message", frozenset())) == ["Always"]
+    assert _called(table, middleware, "after_process_message", {"budget": 1}) == ["Always"]
     middleware.append(Counting())
-    present = table.gating_options(middleware, {"budget": 1}, {})
-    assert present == frozenset({"budget"})
-    assert _names(table.for_run(middleware, "after_process_message", present)) == ["Always", "Counting"]
+    assert _called(table, middleware, "after_process_message", {"budget": 1}) == ["Always", "Counting"]
+
+
+def test_a_list_made_in_place_of_another_is_never_taken_for_it():
+    # Given a table worked out for a list, which then goes (its address free for another)
+    table = HookTable()
+    first = MiddlewareList([Always()])
+    assert _called(table, first, "after_process_message", {}) == ["Always"]
+    serial = first.serial
+    del first
+    # When a new list of other middleware is made, at the same version (0)
+    second = MiddlewareList([Counting()])
+    # Then it has a serial of its own and the table works its hooks out again
+    assert second.serial != serial and second.version == 0
+    assert _called(table, second, "after_process_message", {"budget": 1}) == ["Counting"]
