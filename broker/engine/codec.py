@@ -15,6 +15,7 @@ import logging
 import math
 import re
 import reprlib
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -65,6 +66,9 @@ def message_priority(message: Message | MessageProxy) -> int:
         broker = dramatiq.broker.global_broker
         actor = broker.actors.get(message.actor_name) if broker is not None else None
         value = actor.priority if actor is not None else 0
+        if not isinstance(value, int) or isinstance(value, bool) or not -MAX_PRIORITY - 1 <= value <= MAX_PRIORITY:
+            raise InvalidMessage(f"actor {message.actor_name!r} has the priority {_short.repr(value)}, not a whole "
+                                 f"number from {-MAX_PRIORITY - 1} to {MAX_PRIORITY}")
     return int(value)
 
 
@@ -81,9 +85,17 @@ NUMERIC_OPTIONS: dict[str, tuple[float, bool]] = {
 MAX_UNIQUE_KEY_CHARS = 1000
 #: Options that are true or false.
 BOOLEAN_OPTIONS = frozenset({"store_results", "pipe_ignore", "notify_shutdown"})
-#: Largest number an option may hold: ten years of milliseconds, and below ``int4``'s
-#: ceiling for ``priority``.
+#: Largest number an option may hold: ten years of milliseconds.
 MAX_OPTION_VALUE = 10 * 366 * 86_400_000
+#: The latest ``message_timestamp`` a message may carry (milliseconds since 1970): the year 9999.
+MAX_TIMESTAMP_MS = 253_402_300_799_999
+#: A priority is stored in an ``int4`` column: from ``-2**31`` to this.
+MAX_PRIORITY = 2 ** 31 - 1
+#: Options with a ceiling of their own, below MAX_OPTION_VALUE.
+OPTION_MAXIMA: dict[str, int] = {"priority": MAX_PRIORITY}
+#: An ``int`` of at most this many bits has fewer than 4,300 digits (Python's default
+#: limit for writing one as text, which JSON does): one longer is looked at closely.
+SHORT_INT_BITS = 14_000
 #: Deepest nesting of objects and lists a value may have (messages' arguments, events' payloads).
 MAX_JSON_DEPTH = 32
 #: In JSON text (ASCII, as Dramatiq's encoder writes it), what may be a value Postgres
@@ -135,8 +147,21 @@ def check_json_value(value: Any, *, what: str, error: type[Exception] = InvalidM
         elif isinstance(item, float):
             if not math.isfinite(item):
                 raise error(f"{what} holds {item!r} at {path}, which JSON cannot express")
-        elif item is not None and not isinstance(item, bool | int):
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if item.bit_length() > SHORT_INT_BITS and not _writable_int(item):
+                raise error(f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits at "
+                            f"{path}, more than this process writes as text")
+        elif item is not None and not isinstance(item, bool):
             raise error(f"{what} holds a {type(item).__name__} at {path}, not JSON")
+
+
+def _writable_int(value: int) -> bool:
+    """Whether ``value`` can be written as text here (``sys.set_int_max_str_digits``)."""
+    try:
+        int.__repr__(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _storable_json(value: Any) -> bool:
@@ -148,7 +173,10 @@ def _storable_json(value: Any) -> bool:
         if kind is str:
             if "\x00" in item or (not item.isascii() and _SURROGATE.search(item)):
                 return False
-        elif kind is int or kind is bool or item is None:
+        elif kind is int:
+            if item.bit_length() > SHORT_INT_BITS:
+                return False  # the careful walk writes it to see
+        elif kind is bool or item is None:
             continue
         elif kind is float:
             if not math.isfinite(item):
@@ -178,11 +206,12 @@ def check_options(message: Message | MessageProxy) -> None:
         if name in ("max_retries", "priority", "delay") and value is None:
             continue  # no cap on retries; the actor's priority; no delay
         minimum, whole = NUMERIC_OPTIONS[name]
+        maximum = OPTION_MAXIMA.get(name, MAX_OPTION_VALUE)
         kind = "a whole number" if whole else "a number"
         if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
-                or not math.isfinite(value) or not minimum <= value <= MAX_OPTION_VALUE):
-            raise InvalidMessage(f"option {name}={value!r} of a message to {message.actor_name!r} is not "
-                                 f"{kind} from {minimum:g} to {MAX_OPTION_VALUE}")
+                or not math.isfinite(value) or not minimum <= value <= maximum):
+            raise InvalidMessage(f"option {name}={_short.repr(value)} of a message to {message.actor_name!r} is not "
+                                 f"{kind} from {minimum} to {maximum}")
     for name in options.keys() & BOOLEAN_OPTIONS:
         if not isinstance(options[name], bool):
             raise InvalidMessage(f"option {name}={options[name]!r} of a message to {message.actor_name!r} "
@@ -217,6 +246,19 @@ def check_message_id(message: Message | MessageProxy) -> None:
                              "not a UUID as Dramatiq writes one (8-4-4-4-12 lowercase hexadecimal digits)")
 
 
+def check_message_fields(message: Message | MessageProxy) -> None:
+    """Refuse a message whose actor name is not a text Postgres stores or whose timestamp
+    is not a whole number of milliseconds (what Dramatiq writes), naming them."""
+    actor_name = message.actor_name
+    if type(actor_name) is not str or _bad_text(actor_name):
+        raise InvalidMessage(f"the actor name {_short.repr(actor_name)} of a message is not a text Postgres "
+                             "stores" + (f" (it holds {_bad_text(actor_name)})" if isinstance(actor_name, str) else ""))
+    timestamp = message.message_timestamp
+    if not isinstance(timestamp, int) or isinstance(timestamp, bool) or not 0 <= timestamp <= MAX_TIMESTAMP_MS:
+        raise InvalidMessage(f"the message_timestamp {_short.repr(timestamp)} of a message to {actor_name!r} is not "
+                             f"a whole number of milliseconds from 0 to {MAX_TIMESTAMP_MS}")
+
+
 def check_distinct_ids(messages: Sequence[Message | MessageProxy]) -> None:
     """Refuse a batch holding two messages with one id, naming it: one row per id."""
     ids = [m.message_id for m in messages]
@@ -236,6 +278,7 @@ def check_message(message: Message) -> None:
     Postgres stores (:func:`check_json_value`, as ``emit`` checks an event), naming the
     value and where it is."""
     check_message_id(message)
+    check_message_fields(message)
     check_options(message)
     if _storable_json((message.args, message.kwargs, message.options)):
         return
@@ -419,8 +462,11 @@ def check_message_quickly(message: Message) -> None:
     every check. Any other is checked by :func:`check_message` itself: the same refusals,
     with the same words (a batch's writer checks thousands of messages at once)."""
     kwargs, options, message_id = message.kwargs, message.options, message.message_id
+    actor_name, timestamp = message.actor_name, message.message_timestamp
     if type(kwargs) is not dict or kwargs or type(options) is not dict or options or \
-            not _plain_scalars(message.args) or type(message_id) is not str or _MESSAGE_ID.fullmatch(message_id) is None:
+            not _plain_scalars(message.args) or type(message_id) is not str or _MESSAGE_ID.fullmatch(message_id) is None \
+            or type(actor_name) is not str or not actor_name.isascii() or "\x00" in actor_name \
+            or type(timestamp) is not int or not 0 <= timestamp <= MAX_TIMESTAMP_MS:
         check_message(message)
 
 
@@ -430,7 +476,7 @@ def _plain_scalars(values: Any) -> bool:
         return False
     for value in values:
         kind = type(value)
-        if value is None or kind is int or kind is bool:
+        if value is None or kind is bool or (kind is int and value.bit_length() <= SHORT_INT_BITS):
             continue
         if kind is float:
             if not math.isfinite(value):

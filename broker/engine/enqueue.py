@@ -104,9 +104,10 @@ from broker.engine.unique import (
     unique_item,
     unique_key_of,
 )
-from broker.errors import DatabaseError
+from broker.errors import DatabaseError, MessageRefused
 from broker.observability import tracing
 from broker.pg.pool import DISCONNECTS
+from broker.pg.preflight import first_line
 from broker.services import current_broker
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -257,13 +258,19 @@ def _write_batch(conn: psycopg.Connection[Any], broker: StandmeetBroker, message
     limit = broker.settings.message_max_bytes
     delay_s = delay_seconds(delay_ms)
     items = [unique_item(messages[i], keys[i], max_bytes=limit) for i in keyed]  # type: ignore[arg-type]
+    plain_batch = None
     if len(keyed) < len(messages):
         plain = [m for m, k in zip(messages, keys, strict=True) if k is None] if keyed else messages
-        write_plain(conn, CopyBatch(plain, max_bytes=limit), delay_ms)
+        plain_batch = CopyBatch(plain, max_bytes=limit)
     written = list(messages)
     if not items:
+        assert plain_batch is not None
+        write_plain(conn, plain_batch, delay_ms)
         return written, {}
-    outcome = run_steps(conn, unique_write(items, delay_s))
+    with _all_or_nothing(conn):  # the plain rows and the keyed ones: all or none
+        if plain_batch is not None:
+            write_plain(conn, plain_batch, delay_ms)
+        outcome = run_steps(conn, unique_write(items, delay_s))
     for i, live in zip(keyed, live_messages([as_message(messages[i]) for i in keyed], outcome), strict=True):
         written[i] = live
     return written, outcome.skipped
@@ -296,6 +303,7 @@ def write_plain(conn: psycopg.Connection[Any], batch: CopyBatch, delay_ms: int |
         for start, end in batch.spans():
             conn.execute(sql_enqueue.ENQUEUE, enqueue_params(batch.messages[start:end], delay_ms,
                                                              max_bytes=batch.max_bytes))
+        _answered(conn)  # in a pipeline: a refusal raises here, while its savepoint can undo it
 
 
 @contextmanager
@@ -305,6 +313,10 @@ def _all_or_nothing(conn: psycopg.Connection[Any]) -> Iterator[None]:
     the transaction (begun, on a connection that is not autocommit, as any statement
     begins one), rolled back to if the block raises: nothing is left of it, and the
     caller's transaction is usable."""
+    _answered(conn)  # a pipeline's state is the server's once it has answered what came before
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+        raise MessageRefused("the connection's transaction has failed already (a statement before this one "
+                             "raised): roll it back first; nothing was written")
     if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         with conn.transaction():
             yield
@@ -318,10 +330,19 @@ def _all_or_nothing(conn: psycopg.Connection[Any]) -> Iterator[None]:
             try:
                 conn.execute(sql_enqueue.ROLLBACK_TO_SAVEPOINT)
                 conn.execute(sql_enqueue.RELEASE_SAVEPOINT)
+                _answered(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError):
                 pass  # the connection went, and the transaction with it: the first error says why
         raise
     conn.execute(sql_enqueue.RELEASE_SAVEPOINT)
+
+
+def _answered(conn: psycopg.Connection[Any]) -> None:
+    """On a connection in pipeline mode, send what is queued and wait for the server's
+    answers (raising a refusal now, not at the caller's next statement); else nothing."""
+    if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+        with conn.pipeline() as pipeline:
+            pipeline.sync()
 
 
 # -- the broker's sends ------------------------------------------------------------------
@@ -343,6 +364,8 @@ def send(broker: StandmeetBroker, message: Message, *, delay_ms: int | None = No
             message = live_messages([as_message(message)], outcome)[0]
     except DISCONNECTS as exc:
         raise BrokerConnectionError(f"could not enqueue {message.message_id}: {exc}") from exc
+    except psycopg.Error as exc:
+        raise DatabaseError(f"could not enqueue {message.message_id}: Postgres answered {type(exc).__name__}: {first_line(exc)}") from exc
     after_enqueue(broker, [message], delay_ms)
     return message
 
@@ -373,6 +396,8 @@ def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psy
                 write_plain(own, rows, delay_ms)
     except DISCONNECTS as exc:
         raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
+    except psycopg.Error as exc:
+        raise DatabaseError(f"could not enqueue {len(batch)} message(s): Postgres answered {type(exc).__name__}: {first_line(exc)}") from exc
     count_skips(skipped, broker)
     after_enqueue(broker, batch, delay_ms)
     return batch

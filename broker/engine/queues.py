@@ -14,6 +14,7 @@ from typing import Any
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
+from broker.errors import ConfigError
 from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
 
 #: Weight of the latest run in a queue's mean run time.
@@ -292,6 +293,26 @@ def claim_of(message: Message | MessageProxy) -> int | None:
     return getattr(message, "standmeet_claim", None) if isinstance(message, MessageProxy) else None
 
 
+#: Channel a consumer of queue Q listens on; a NOTIFY on it means "look again".
+ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
+#: Channel a final settle on an awaited queue notifies, with '<message id>:<state>'.
+RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
+#: Postgres's longest channel name, in bytes (NAMEDATALEN - 1): a NOTIFY on a longer one fails.
+MAX_CHANNEL_BYTES = 63
+
+
+def check_queue_name(queue_name: Any) -> None:
+    """Refuse a queue whose name its channels could not carry (Dramatiq's actors already
+    refuse names that are not letters, digits, ``.``, ``-`` and ``_``), naming the limit."""
+    if type(queue_name) is not str or not queue_name or "\x00" in queue_name:
+        raise ConfigError(f"queue name {queue_name!r} is not a text of letters, digits, '.', '-' and '_'")
+    longest = max(len(channel.format(queue=queue_name).encode()) for channel in (ENQUEUE_CHANNEL, RECEIPT_CHANNEL))
+    if longest > MAX_CHANNEL_BYTES:
+        limit = len(queue_name.encode()) - (longest - MAX_CHANNEL_BYTES)
+        raise ConfigError(f"queue name {queue_name[:80]!r} is {len(queue_name.encode())} bytes long; at most {limit} "
+                          f"(its Postgres notification channels are {MAX_CHANNEL_BYTES} bytes at most)")
+
+
 class DeclaredQueues:
     """How this runtime's brokers (the Postgres one and the memory one) declare queues:
     each with its settings (``STANDMEET_QUEUE_<NAME>_*`` over what ``broker.app`` declared),
@@ -307,6 +328,7 @@ class DeclaredQueues:
 
     def declare_queue(self, queue_name: str) -> None:
         if queue_name not in self.queues:
+            check_queue_name(queue_name)
             self.emit_before("declare_queue", queue_name)  # type: ignore[attr-defined]
             self.queues[queue_name] = self.new_queue(queue_name, self.settings.queue(queue_name))
             self.emit_after("declare_queue", queue_name)  # type: ignore[attr-defined]

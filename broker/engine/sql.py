@@ -15,13 +15,12 @@ which a test binds to the constants below.
 
 from __future__ import annotations
 
+from broker.engine import queues
 from broker.engine.sql_enqueue import FOLLOWUPS_OF_SETTLED
 from broker.engine.sql_history import RAN_OF_SETTLED, RECORD_RAN
 
-#: Channel a consumer of queue Q listens on; a NOTIFY on it means "look again".
-ENQUEUE_CHANNEL = "dramatiq.{queue}.enqueue"
-#: Channel a final settle on an awaited queue notifies, with '<message id>:<state>'.
-RECEIPT_CHANNEL = "standmeet_receipts_{queue}"
+#: A queue's channels (:mod:`broker.engine.queues`, which holds a queue's name to their length).
+ENQUEUE_CHANNEL, RECEIPT_CHANNEL = queues.ENQUEUE_CHANNEL, queues.RECEIPT_CHANNEL
 
 #: Claims commit asynchronously (no WAL flush wait): the claim statement turns
 #: ``synchronous_commit`` off for its own transaction (``set_config(…, true)``), never for

@@ -11,11 +11,13 @@ a test holds that no other module of the runtime spells such an INSERT or COPY. 
 
 from __future__ import annotations
 
-#: What ENQUEUE does with an id that exists: a queued message takes the new text; one
-#: that is running or has finished is never resurrected (a re-relayed event cannot run
-#: its job twice).
+#: What ENQUEUE does with an id that exists: a queued message takes the new one whole (its
+#: text, queue, due time, priority, and no unique key of the old); one that is running or
+#: has finished is never resurrected (a re-relayed event cannot run its job twice).
 _ON_CONFLICT_KEEP_STARTED = """    ON CONFLICT (message_id) DO UPDATE SET
-        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
+        queue_name = EXCLUDED.queue_name, message = EXCLUDED.message, eta = EXCLUDED.eta,
+        priority = EXCLUDED.priority, unique_key = EXCLUDED.unique_key, unique_states = EXCLUDED.unique_states,
+        mtime = now()
     WHERE q."state" = 'queued'"""
 
 _ENQUEUE_ROWS = """
@@ -82,9 +84,7 @@ WITH enqueued AS (
         (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
     VALUES (%(queue)s, %(message_id)s::uuid, 'queued', %(message)s::jsonb,
             now() + make_interval(secs => %(delay_s)s::float8), now(), now(), %(priority)s::int)
-    ON CONFLICT (message_id) DO UPDATE SET
-        message = EXCLUDED.message, eta = EXCLUDED.eta, priority = EXCLUDED.priority, mtime = now()
-    WHERE q."state" = 'queued'
+""" + _ON_CONFLICT_KEEP_STARTED + """
     RETURNING q.queue_name
 )
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
