@@ -16,7 +16,13 @@ import dramatiq
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
-from broker.engine.codec import MAX_OPTION_VALUE, checked_json, message_priority
+from broker.engine.codec import (
+    MAX_OPTION_VALUE,
+    as_message,
+    check_message,
+    checked_json,
+    message_priority,
+)
 from broker.errors import ConfigError
 
 #: Bits of ``unique_states``: the states in which a message holds its unique key.
@@ -110,6 +116,7 @@ def unique_key_of(message: Message | MessageProxy, broker: Any = None) -> Unique
     by = unique_of(actor) if actor is not None and "unique" in actor.options else None
     if by is None and "unique_key" not in options and "unique_period_s" not in options:
         return None
+    check_message(as_message(message))  # what the key is made of, refused in one line first
     return unique_key_for(message.actor_name, by, message.args, message.kwargs, options)
 
 

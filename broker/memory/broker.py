@@ -25,7 +25,6 @@ default middleware and installs it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
@@ -42,11 +41,12 @@ from dramatiq.message import Message
 from dramatiq.results import ResultBackend
 from dramatiq.worker import WorkerThread
 
-from broker.engine.codec import checked_json
+from broker.engine.codec import check_distinct_ids, checked_json, delay_seconds, message_priority
 from broker.engine.queues import DeclaredQueues
 from broker.engine.runs import disarm, run_signal
 from broker.engine.unique import unique_key_of
 from broker.errors import ConfigError
+from broker.memory.queue import MemoryQueue, Waiting
 from broker.memory.stores import Clock, MemoryCancellations
 from broker.settings import QueueSettings, Settings
 
@@ -86,36 +86,14 @@ class MemoryMessage(MessageProxy):
         """Kept for the test to read (see Dramatiq's ``_StubMessageProxy``)."""
 
 
-@dataclass(order=True)
-class _Waiting:
-    due: float
-    seq: int
-    message: Message = field(compare=False)
-
-
-class MemoryQueue:
-    """One queue: its waiting messages (due now or later) and how many are handed out."""
-
-    def __init__(self, settings: QueueSettings) -> None:
-        self.settings = settings
-        self.waiting: list[_Waiting] = []  # a heap, by due time then order of sending
-        self.handed_out = 0
-
-    @property
-    def name(self) -> str:
-        return self.settings.name
-
-    def next_due(self) -> float | None:
-        return self.waiting[0].due if self.waiting else None
-
-
 def as_message(message: Message | MessageProxy) -> Message:
     return message._message if isinstance(message, MessageProxy) else message  # type: ignore[attr-defined]
 
 
 def delay_ms_of(delay: Any) -> int:
-    """A send's ``delay`` (milliseconds, or None) as whole milliseconds, never negative."""
-    return max(0, int(delay or 0))
+    """A send's ``delay`` (milliseconds, or None) as whole milliseconds; refused as the
+    engine refuses it (:func:`broker.engine.codec.delay_seconds`)."""
+    return int(delay_seconds(delay) * 1000)
 
 
 class MemoryBroker(DeclaredQueues, dramatiq.Broker):
@@ -141,6 +119,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         self._unique: dict[tuple[bytes, float | None], tuple[Message, bool]] = {}
         self._key_of: dict[str, tuple[bytes, float | None]] = {}
         self._cancelled: set[str] = set()
+        #: ids handed out to run at least once: a send with one of them is never run again
+        self._ran_ids: set[str] = set()
         self._runs_without_outcome: defaultdict[str, int] = defaultdict(int)
         self._workers: list[Any] = []
         self._close_hooks: list[Callable[[], None]] = []
@@ -175,12 +155,13 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         if context is not None:
             if message.message_id == context.proxy.message_id:
                 context.requeue_delay_ms = delay_ms_of(delay)
-            else:
-                as_message(message).encode()  # refused here, as the engine refuses a bad follow-up
+            else:  # refused here, in the hook, as the engine refuses a bad follow-up
+                self._check(as_message(message), delay)
                 context.followups.append((as_message(message), delay))
         else:
+            self._check(as_message(message), delay)
             with self._cond:
-                live = self._keep(as_message(message), delay)
+                live = self._keep(as_message(message), delay, send=True)
             if live is not None:
                 return live
         self.emit_after("enqueue", message, delay)
@@ -192,16 +173,46 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         if conn is not None:
             raise ConfigError("the memory broker has no database: enqueue_many(conn=...) cannot write in a "
                               "transaction here; send without conn")
-        return [self.enqueue(message, delay=delay) for message in messages]
+        batch = list(messages)
+        for message in batch:
+            self._queue(message.queue_name)
+            message.options.pop("eta", None)
+        for message in batch:
+            self.emit_before("enqueue", message, delay)
+        check_distinct_ids(batch)  # every message checked before any is kept: all or none
+        for message in batch:
+            self._check(as_message(message), delay)
+        with self._cond:
+            written = [self._keep(as_message(m), delay, send=True) or m for m in batch]
+        for message in batch:
+            self.emit_after("enqueue", message, delay)
+        return written
 
-    def _keep(self, message: Message, delay: Any, *, keyed: bool = True) -> Message | None:
-        """Add ``message`` to its queue (the lock held); the live message when its unique
-        key is taken (then nothing is added)."""
-        # what the engine checks before it writes a row: options its run can use, arguments
-        # Postgres stores, at most STANDMEET_MESSAGE_MAX_BYTES encoded
+    def _check(self, message: Message, delay: Any) -> None:
+        """What the engine checks before it writes a row: options its run can use, arguments
+        Postgres stores, at most STANDMEET_MESSAGE_MAX_BYTES encoded, a priority its column
+        holds, a delay in range."""
         checked_json(message, max_bytes=self.settings.message_max_bytes)
+        message_priority(message)
+        delay_ms_of(delay)
+
+    def _keep(self, message: Message, delay: Any, *, send: bool = False, followup: bool = False) -> Message | None:
+        """Add ``message`` (checked) to its queue (the lock held). A ``send`` whose unique
+        key is taken returns the live message; one with the id of a waiting message
+        replaces it whole; one with the id of a message that ran is not run again (as the
+        engine's rows). A ``followup`` is never written over an existing id."""
         data = message.encode()
-        if keyed:
+        message_id = message.message_id
+        if send or followup:
+            waiting = next((w for q in self.queues.values() if (w := q.find(message_id)) is not None), None)
+            if message_id in self._ran_ids or (followup and waiting is not None):
+                return None
+            if waiting is not None:
+                if self._unique_key(message) is not None:
+                    return waiting.message  # the engine's keyed write never replaces a row
+                self._queue(waiting.message.queue_name).remove(waiting)
+                self._free_key(message_id, done=False)
+        if send:
             key = self._unique_key(message)
             if key is not None:
                 holder = self._unique.get(key)
@@ -211,8 +222,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                 self._unique[key] = (message, False)
                 self._key_of[message.message_id] = key
         due = self.clock.monotonic() + delay_ms_of(delay) / 1000
-        heapq.heappush(self._queue(message.queue_name).waiting,
-                       _Waiting(due, next(self._seq), Message.decode(data)))
+        self._queue(message.queue_name).push(
+            Waiting(due, next(self._seq), Message.decode(data), message_priority(message)))
         self._cond.notify_all()
         return None
 
@@ -274,20 +285,23 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             queue = self._queue(proxy.queue_name)
             queue.handed_out -= 1
             again = context is not None and context.requeue_delay_ms is not None
-            if again and message.message_id in self._cancelled:
-                rejected, again = True, False  # cancelled while it ran: not retried
-                proxy.options["error"] = "cancelled by an operator while it ran"
+            if message.message_id in self._cancelled and not rejected:
+                # cancelled while it ran: not retried, and rejected even if its run returned
+                returned = not again and context is not None and (context.returned or context.skipped)
+                rejected, again = True, False
+                proxy.options["error"] = ("cancelled by an operator: its run returned after the cancellation"
+                                          if returned else "cancelled by an operator while it ran")
             if rejected:
                 self._reject(proxy)
             elif again:
                 assert context is not None and context.requeue_delay_ms is not None
-                self._keep(message, context.requeue_delay_ms, keyed=False)
+                self._keep(message, context.requeue_delay_ms)
             elif context is not None and (context.returned or context.skipped):
                 self._done(message)
             else:
                 self._rerun(proxy)
             for followup, delay in context.followups if context is not None else []:
-                self._keep(followup, delay)
+                self._keep(followup, delay, followup=True)  # no unique key: the engine's follow-ups hold none
             self._cond.notify_all()
 
     def _done(self, message: Message) -> None:
@@ -311,7 +325,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._reject(proxy)
             return
         logger.error("message %s ended without an outcome; running it again", proxy.message_id)
-        self._keep(as_message(proxy), self.settings.min_backoff_ms, keyed=False)
+        self._keep(as_message(proxy), self.settings.min_backoff_ms)
 
     # -- handing out ------------------------------------------------------------------
 
@@ -327,16 +341,20 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         with self._cond:
             while True:
                 now = self.clock.monotonic()
-                best: MemoryQueue | None = None
+                best: tuple[MemoryQueue, Waiting] | None = None
                 for name in names:
                     queue = self._queue(name)
-                    if (self.claiming and queue.waiting and queue.waiting[0].due <= now
-                            and queue.handed_out < queue.settings.max_workers
-                            and (best is None or queue.waiting[0] < best.waiting[0])):
-                        best = queue
+                    if not self.claiming or queue.handed_out >= queue.settings.max_workers:
+                        continue
+                    first = queue.first_due(now)
+                    if first is not None and (best is None or first.claim_order < best[1].claim_order):
+                        best = queue, first
                 if best is not None:
-                    best.handed_out += 1
-                    return MemoryMessage(heapq.heappop(best.waiting).message, claim=next(self._claims))
+                    queue, first = best
+                    queue.remove(first)
+                    queue.handed_out += 1
+                    self._ran_ids.add(first.message.message_id)
+                    return MemoryMessage(first.message, claim=next(self._claims))
                 if now >= end:
                     return None
                 self._cond.wait(min(end - now, LOOK_AGAIN_S))
@@ -346,7 +364,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         with self._cond:
             for proxy in messages:
                 self._queue(proxy.queue_name).handed_out -= 1
-                self._keep(as_message(proxy), 0, keyed=False)
+                self._ran_ids.discard(proxy.message_id)  # given back unstarted: queued again, as the engine's row
+                self._keep(as_message(proxy), 0)
 
     def stop_claiming(self) -> None:
         with self._cond:
@@ -368,7 +387,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             queues = [self._queue(name) for name in queue_names]
             if any(q.handed_out for q in queues):
                 return False
-            dues = [q.next_due() for q in queues if q.waiting]
+            dues = [q.next_due() for q in queues if len(q)]
             if not dues:
                 return False
             ahead = min(d for d in dues if d is not None) - self.clock.monotonic()
@@ -416,13 +435,12 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         not retried (``"stopping"``); ``"unknown"`` when neither."""
         with self._cond:
             for queue in self.queues.values():
-                for waiting in queue.waiting:
-                    if waiting.message.message_id == message_id:
-                        queue.waiting.remove(waiting)
-                        heapq.heapify(queue.waiting)
-                        self._free_key(message_id, done=False)
-                        self._cond.notify_all()
-                        return "dropped"
+                waiting = queue.find(message_id)
+                if waiting is not None:
+                    queue.remove(waiting)
+                    self._free_key(message_id, done=False)
+                    self._cond.notify_all()
+                    return "dropped"
             self._cancelled.add(message_id)
         if self.cancellations.cancel(message_id):
             return "stopping"
@@ -438,15 +456,14 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
     def waiting(self, queue_name: str) -> list[Message]:
         """The messages of ``queue_name`` not handed out yet (due now or later), soonest first."""
         with self._cond:
-            return [w.message for w in sorted(self._queue(queue_name).waiting)]
+            return self._queue(queue_name).messages()
 
     def flush(self, queue_name: str) -> None:
         """Drop the messages of ``queue_name`` that wait (due now or later)."""
         with self._cond:
             queue = self._queue(queue_name)
-            for waiting in queue.waiting:
+            for waiting in queue.take_all():
                 self._free_key(waiting.message.message_id, done=False)
-            queue.waiting.clear()
             self._cond.notify_all()
 
     def flush_all(self) -> None:
@@ -472,7 +489,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         end = None if timeout is None else self.clock.monotonic() + timeout / 1000
         while True:
             with self._cond:
-                if not queue.waiting and not queue.handed_out:
+                if not len(queue) and not queue.handed_out:
                     break
                 now = self.clock.monotonic()
                 if end is not None and now >= end:

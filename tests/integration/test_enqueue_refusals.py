@@ -173,3 +173,15 @@ def test_an_id_sent_again_while_queued_takes_its_new_queue_and_drops_the_old_key
     assert again.message_id != keyed.message_id
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
           ([keyed.message_id, again.message_id],))
+
+
+@pytest.mark.parametrize(("value", "named"), [(float("nan"), "holds nan at $[0]"), ({1, 2}, "holds a set at $[0]")])
+def test_a_unique_actors_message_that_is_not_json_is_refused_in_one_line_before_its_key_is_made(
+        broker, database_url, value, named):
+    bad = unique_jobs.unique.message(value)
+    before = scalar(database_url, "SELECT count(*) FROM dramatiq.queue")
+    for send in _every_path(broker, database_url, bad):
+        with pytest.raises(InvalidMessage) as refused:
+            send()
+        assert named in str(refused.value) and "\n" not in str(refused.value)
+    assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue") == before
