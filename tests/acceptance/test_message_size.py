@@ -54,7 +54,7 @@ def test_a_message_over_the_limit_is_refused_at_send_enqueue_and_enqueue_many(br
             broker.enqueue_many([noop.message("small"), noop.message(TOO_LARGE)], conn=conn)
         conn.execute("SELECT 1")  # the transaction is still usable
     with pytest.raises(MessageTooLarge, match=SIZE_WORDS):
-        broker.enqueue_many([noop.message("small")] * 3 + [noop.message(TOO_LARGE)])
+        broker.enqueue_many([noop.message("small") for _ in range(3)] + [noop.message(TOO_LARGE)])
     assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue") == before
     # one just under the limit goes
     fits = noop.send("x" * (MIB - 300))

@@ -185,3 +185,11 @@ def test_a_unique_actors_message_that_is_not_json_is_refused_in_one_line_before_
             send()
         assert named in str(refused.value) and "\n" not in str(refused.value)
     assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue") == before
+
+
+def test_in_a_batch_of_thousands_one_id_twice_far_apart_is_refused_naming_it(broker, database_url):
+    messages = [mark.message(f"far-{n}") for n in range(2500)]
+    messages[2400] = messages[3].copy(args=("far-again",))
+    with pytest.raises(InvalidMessage, match=f"the message id '{messages[3].message_id}' is in this batch twice"):
+        enqueue_many(messages)
+    assert scalar(database_url, COUNT, (_ids(messages),)) == 0
