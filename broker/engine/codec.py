@@ -237,11 +237,19 @@ def delay_seconds(delay: Any) -> float:
 _MESSAGE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
+def _is_message_id(value: Any) -> bool:
+    return type(value) is str and _MESSAGE_ID.fullmatch(value) is not None
+
+
+def _is_timestamp(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TIMESTAMP_MS
+
+
 def check_message_id(message: Message | MessageProxy) -> None:
     """Refuse a message whose id is not a UUID in Dramatiq's form (8-4-4-4-12 lowercase
     hexadecimal digits), naming the id."""
     message_id = message.message_id
-    if type(message_id) is not str or _MESSAGE_ID.fullmatch(message_id) is None:
+    if not _is_message_id(message_id):
         raise InvalidMessage(f"the message id {_short.repr(message_id)} of a message to {message.actor_name!r} is "
                              "not a UUID as Dramatiq writes one (8-4-4-4-12 lowercase hexadecimal digits)")
 
@@ -254,7 +262,7 @@ def check_message_fields(message: Message | MessageProxy) -> None:
         raise InvalidMessage(f"the actor name {_short.repr(actor_name)} of a message is not a text Postgres "
                              "stores" + (f" (it holds {_bad_text(actor_name)})" if isinstance(actor_name, str) else ""))
     timestamp = message.message_timestamp
-    if not isinstance(timestamp, int) or isinstance(timestamp, bool) or not 0 <= timestamp <= MAX_TIMESTAMP_MS:
+    if not _is_timestamp(timestamp):
         raise InvalidMessage(f"the message_timestamp {_short.repr(timestamp)} of a message to {actor_name!r} is not "
                              f"a whole number of milliseconds from 0 to {MAX_TIMESTAMP_MS}")
 
@@ -473,12 +481,11 @@ def check_message_quickly(message: Message) -> None:
     surrogate) and whose keyword arguments and options are empty: such a message passes
     every check. Any other is checked by :func:`check_message` itself: the same refusals,
     with the same words (a batch's writer checks thousands of messages at once)."""
-    kwargs, options, message_id = message.kwargs, message.options, message.message_id
-    actor_name, timestamp = message.actor_name, message.message_timestamp
+    kwargs, options, actor_name = message.kwargs, message.options, message.actor_name
     if type(kwargs) is not dict or kwargs or type(options) is not dict or options or \
-            not _plain_scalars(message.args) or type(message_id) is not str or _MESSAGE_ID.fullmatch(message_id) is None \
+            not _plain_scalars(message.args) or not _is_message_id(message.message_id) \
             or type(actor_name) is not str or not actor_name.isascii() or "\x00" in actor_name \
-            or type(timestamp) is not int or not 0 <= timestamp <= MAX_TIMESTAMP_MS:
+            or not _is_timestamp(message.message_timestamp):
         check_message(message)
 
 

@@ -116,8 +116,11 @@ def unique_key_of(message: Message | MessageProxy, broker: Any = None) -> Unique
     by = unique_of(actor) if actor is not None and "unique" in actor.options else None
     if by is None and "unique_key" not in options and "unique_period_s" not in options:
         return None
-    check_message(as_message(message))  # what the key is made of, refused in one line first
-    return unique_key_for(message.actor_name, by, message.args, message.kwargs, options)
+    try:
+        return unique_key_for(message.actor_name, by, message.args, message.kwargs, options)
+    except (TypeError, ValueError):  # arguments JSON cannot write: the message's own check names them
+        check_message(as_message(message))
+        raise
 
 
 @dataclass(frozen=True)

@@ -203,24 +203,23 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         engine's rows). A ``followup`` is never written over an existing id."""
         data = message.encode()
         message_id = message.message_id
+        key = self._unique_key(message) if send else None
         if send or followup:
             waiting = next((w for q in self.queues.values() if (w := q.find(message_id)) is not None), None)
             if message_id in self._ran_ids or (followup and waiting is not None):
                 return None
             if waiting is not None:
-                if self._unique_key(message) is not None:
+                if key is not None:
                     return waiting.message  # the engine's keyed write never replaces a row
                 self._queue(waiting.message.queue_name).remove(waiting)
                 self._free_key(message_id, done=False)
-        if send:
-            key = self._unique_key(message)
-            if key is not None:
-                holder = self._unique.get(key)
-                if holder is not None:
-                    logger.debug("unique: %s skipped, %s holds its key", message.message_id, holder[0].message_id)
-                    return holder[0]
-                self._unique[key] = (message, False)
-                self._key_of[message.message_id] = key
+        if key is not None:
+            holder = self._unique.get(key)
+            if holder is not None:
+                logger.debug("unique: %s skipped, %s holds its key", message.message_id, holder[0].message_id)
+                return holder[0]
+            self._unique[key] = (message, False)
+            self._key_of[message.message_id] = key
         due = self.clock.monotonic() + delay_ms_of(delay) / 1000
         self._queue(message.queue_name).push(
             Waiting(due, next(self._seq), Message.decode(data), message_priority(message)))
