@@ -466,12 +466,14 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._cond.notify_all()
 
     def flush_all(self) -> None:
-        """Drop the waiting messages of every queue, the dead letters and the done list."""
+        """Drop the waiting messages of every queue, the dead letters and the done list
+        (and which ids ran: a message sent again after it runs again)."""
         for queue_name in list(self.queues):
             self.flush(queue_name)
         with self._cond:
             self.dead_letters_by_queue.clear()
             self.done.clear()
+            self._ran_ids.clear()  # what ran is forgotten with the done list: a test starts afresh
             self._unique.clear()
             self._key_of.clear()
 
