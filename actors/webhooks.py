@@ -42,7 +42,13 @@ from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, check_url
 from actors.reasons import MAX_REASON
 from broker import app, deadline
-from broker.engine.enqueue import build_message, enqueue_messages, finish_queued
+from broker.engine.enqueue import (
+    FINISH_ONE_QUEUED,
+    RECEIPT_OF_FINISHED,
+    build_message,
+    enqueue_messages,
+    finish_one_params,
+)
 from broker.errors import DeadlineExceeded, StandmeetError
 from broker.outbox import check_payload, emit
 from broker.pg import db
@@ -249,12 +255,14 @@ FROM unnest(%(ids)s::bigint[], %(messages)b::uuid[]) AS m(id, message_id) WHERE 
 """
 
 
-def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> list[str]:
-    """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
-    recorded on its delivery; their ids, in the same order."""
+def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int], *,
+                       delay_ms: int | None = None) -> list[str]:
+    """A ``webhook.deliver`` message for each delivery, in the caller's transaction, due
+    after ``delay_ms``, each recorded on its delivery; their ids, in the same order."""
     if not delivery_ids:
         return []
-    messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids])
+    messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids],
+                                delay_ms=delay_ms)
     message_ids = [m.message_id for m in messages]
     conn.execute(NAME_DELIVERY_MESSAGES, {"ids": list(delivery_ids), "messages": message_ids})
     return message_ids
@@ -272,7 +280,29 @@ targets AS (
 INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state)
 SELECT %(event)s, endpoint_id, CASE WHEN enabled THEN 'pending' ELSE 'skipped' END FROM targets
 ON CONFLICT (event_id, endpoint_id) DO NOTHING
-RETURNING id, state
+RETURNING id, state, endpoint_id
+"""
+#: The new deliveries (``FANOUT``'s rows) whose endpoint already has a delivery in hand,
+#: and how long until its lease expires: its lease is held (until its expiry), or a
+#: never-attempted pending delivery's message waits (queued, at any time) or runs
+#: (``webhook_deliveries_due_idx``, oldest first, one looked up per endpoint: the new
+#: deliveries have no message yet; a lease's length, ``%(lease_s)s``, which its waiter
+#: takes when it runs). Their messages are written due only then: the holder, or the waiter
+#: once it holds the lease, makes them in its batch (marking their messages done), or
+#: wakes the oldest when it gives the lease back, so they are not claimed only to find the
+#: endpoint busy. Should that chain break (a holder's crash, an operator's cancel), they
+#: run when the lease has expired, as a job that found it busy would have.
+WAITING_BEHIND = """
+SELECT d.id, CASE WHEN e.busy_until > now() THEN extract(epoch FROM e.busy_until - now())::float8
+                  ELSE %(lease_s)s::float8 END
+FROM unnest(%(ids)s::bigint[], %(endpoints)s::bigint[]) AS d(id, endpoint_id)
+JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
+LEFT JOIN LATERAL (
+    SELECT true AS found FROM standmeet.webhook_deliveries w
+    JOIN dramatiq.queue q ON q.message_id = w.message_id AND q."state" IN ('queued', 'consumed')
+    WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
+    ORDER BY w.id LIMIT 1) waiter ON true
+WHERE e.busy_until > now() OR waiter.found
 """
 
 
@@ -286,8 +316,15 @@ def fanout(event_id: int) -> None:
             return
         ping_endpoint = (event[1] or {}).get("endpoint_id") if event[0] == "webhook.ping" else None
         rows = conn.execute(FANOUT, {"event": event_id, "ping_endpoint": ping_endpoint}).fetchall()
-        # every deliver job in one statement, in the same transaction as the deliveries
-        enqueue_deliveries(conn, [int(delivery_id) for delivery_id, state in rows if state == "pending"])
+        pending = [(int(delivery_id), int(endpoint_id)) for delivery_id, state, endpoint_id in rows if state == "pending"]
+        behind = dict(conn.execute(WAITING_BEHIND, {
+            "ids": [d for d, _ in pending], "endpoints": [e for _, e in pending],
+            "lease_s": app_settings.current().webhook_lease_s}).fetchall()) if pending else {}
+        # the deliver jobs in the same transaction as the deliveries: due now, or, behind
+        # a delivery in hand, when the soonest of their endpoints' leases expires (woken sooner)
+        enqueue_deliveries(conn, [d for d, _ in pending if d not in behind])
+        if behind:
+            enqueue_deliveries(conn, sorted(behind), delay_ms=max(1, int(min(behind.values()) * 1000)))
 
 
 # -- delivery -----------------------------------------------------------------------------
@@ -325,7 +362,12 @@ WHERE q.message_id = (
               WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
 RETURNING q.queue_name
 """
-#: An attempt and its delivery's new state (the start of both statements below).
+#: An attempt and its delivery's new state (the start of both statements below); when the
+#: delivery reached its end (not retried later), the message that carries it is done in
+#: the same statement if still queued (``%(finish)s``: a batch's delivery; the job's own
+#: is running): a message is done exactly when its delivery's attempt is recorded, and
+#: no consumer claims it meanwhile to find its delivery made. (A delivery an operator
+#: replays has a new message of its own, which carries it again.)
 _ATTEMPT_AND_DELIVERY = """
 WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
@@ -337,7 +379,7 @@ WITH attempt AS (
     SET attempts = %(attempt)s::int, state = %(state)s::text, last_outcome = %(outcome)s::text,
         next_attempt_at = %(next)s::timestamptz, updated_at = now()
     WHERE id = %(made)s::bigint
-)"""
+), """ + FINISH_ONE_QUEUED
 #: The endpoint's health, from the attempt: 410 disables it; a healthy endpoint's row is
 #: not rewritten.
 _HEALTH = """
@@ -349,10 +391,10 @@ _HEALTH = """
 #: NULL token leaves idle, ~15 % less of the server's CPU than SETTLE_ATTEMPT (~300 µs
 #: against ~360 here). Scalar parameters: psycopg dumps a one-element array at ~15 times
 #: a value's CPU.
-RECORD_ATTEMPT = _ATTEMPT_AND_DELIVERY + """
-UPDATE standmeet.webhook_endpoints SET""" + _HEALTH + """
-WHERE id = %(endpoint)s::bigint AND (NOT %(healthy)s OR failing_since IS NOT NULL OR %(disabled_reason)s::text IS NOT NULL)
-"""
+RECORD_ATTEMPT = _ATTEMPT_AND_DELIVERY + """, endpoint AS (
+    UPDATE standmeet.webhook_endpoints SET""" + _HEALTH + """
+    WHERE id = %(endpoint)s::bigint AND (NOT %(healthy)s OR failing_since IS NOT NULL OR %(disabled_reason)s::text IS NOT NULL)
+)""" + RECEIPT_OF_FINISHED
 #: Everything that records an attempt, in one statement (one round trip, atomic): as
 #: RECORD_ATTEMPT, and, when the token is still ours, the endpoint's lease given back and
 #: its next waiter woken.
@@ -365,16 +407,7 @@ SETTLE_ATTEMPT = _ATTEMPT_AND_DELIVERY + """, endpoint AS (
                                  OR lease_token = %(token)s::uuid)
 ), woken AS (""" + _WAKE_NEXT_WAITER + """)
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM woken
-"""
-#: Of the messages of deliveries a batch recorded, those whose delivery still ended so and
-#: still names them (an operator's replay sets it pending with a new message), locked
-#: until the transaction that marks them done commits. Found by the deliveries' ids: no
-#: index holds the message ids, and scanning every delivery took ~1 ms per 3,000 rows.
-STILL_MADE = """
-SELECT message_id::text FROM standmeet.webhook_deliveries
-WHERE id = ANY(%(deliveries)s::bigint[]) AND message_id = ANY(%(messages)s::uuid[]) AND state <> 'pending'
-FOR UPDATE
-"""
+UNION ALL""" + RECEIPT_OF_FINISHED
 SETTLE_DELIVERY = """
 UPDATE standmeet.webhook_deliveries
 SET attempts = %(attempt)s, state = %(state)s, last_outcome = %(outcome)s,
@@ -553,8 +586,9 @@ ENDPOINT_LEASE = Lease(
 #: Deliveries one job makes while it holds its endpoint's lease: its own first, then the
 #: endpoint's next never-attempted pending ones, oldest first (TAKE_ENDPOINT reads up to
 #: BATCH_MAX - 1 of them), over one kept-alive connection. Each delivery keeps its own
-#: message until its attempt is recorded: then one still queued is marked done without
-#: running (``finish_queued``), and one already claimed finds its delivery made and ends.
+#: message until its attempt is recorded: then, in the same statement, one still queued is
+#: marked done without running (``FINISH_ONE_QUEUED``), and one already claimed finds its
+#: delivery made and ends.
 BATCH_MAX = 32
 #: A message whose delivery another job's batch tried, and scheduled for a retry later
 #: than this, snoozes until the retry is due (the retry schedule holds whichever job tried).
@@ -635,8 +669,6 @@ def deliver(delivery_id: int) -> None:
     todo = [_Due(delivery_id, int(attempts), int(event_id), event_type, payload, created_at), *batch]
     signing = open_secrets(list(secrets))
     own: _Attempt | None = None
-    finished: list[tuple[int, str]] = []  # (delivery, message) of batch deliveries recorded at their end,
-    #                                       their messages marked done with the last
     # 2. POST each holding no database connection, within the total deadline, ending early
     #    enough before the job's own limit that the attempts are always recorded, and
     #    record each before the next POST (a crash re-sends at most the one in flight);
@@ -655,25 +687,23 @@ def deliver(delivery_id: int) -> None:
             # the job's own limit fired during the request: still an attempt, a timeout
             deadline.set_deadline(RECORD_MARGIN_S)  # room to record it
             _settle(message, endpoint_id, token, _attempt(due, started, t0, Outcome(
-                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})")),
-                    finished)
+                "timeout", error=f"the job's time limit passed during the request ({type(exc).__name__})")))
             raise
         except Exception as exc:
             _settle(message, endpoint_id, token, _attempt(due, started, t0, Outcome(
-                "error", error=f"{type(exc).__name__}: {exc}")), finished)
+                "error", error=f"{type(exc).__name__}: {exc}")))
             raise
         made = _attempt(due, started, t0, outcome)
         own = own or made
         last = n == len(todo) - 1 or not outcome.ok or not _room_for_another(settings.webhook_http_timeout_s)
-        # 3. record it in one statement; after the last, also give the lease back and
-        #    mark done the queued messages of the batch's deliveries that reached their end
-        #    (one left queued by a crash meanwhile runs, finds its delivery made, and ends)
-        if made.due.message_id is not None and made.state != "pending":
-            finished.append((made.due.delivery_id, made.due.message_id))
+        # 3. record it in one statement, which also marks done the message of a batch's
+        #    delivery that reached its end, if still queued (one a consumer claimed
+        #    meanwhile runs, finds its delivery made, and ends); the last one's also gives
+        #    the lease back
         if last:
-            _settle(message, endpoint_id, token, made, finished)
+            _settle(message, endpoint_id, token, made)
             break
-        _settle(message, endpoint_id, None, made, [])
+        _settle(message, endpoint_id, None, made)
     assert own is not None
     if own.retry_in_s is not None:
         raise Retry(f"delivery {delivery_id}: {own.outcome.outcome} {own.outcome.status_code or ''}".strip(),
@@ -729,16 +759,12 @@ def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Atte
     return _Attempt(due, started, ms, outcome, new_state, retry_in)
 
 
-def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt,
-            finished: list[tuple[int, str]]) -> None:
-    """Record the attempt, the endpoint's health and the delivery's next try, and, with
-    the lease's token, give the lease back and wake the endpoint's next waiter (one
-    statement). ``finished``: deliveries (and their messages) whose attempts are recorded (now or
-    before) and reached their end (not one retried later, which its message carries; the
-    job's own is running), marked done while still queued, in the same transaction: a
-    message is never done unless its delivery's attempt is recorded, so a delivery sent
-    back to pending meanwhile (an operator's replay reusing that message) is never left
-    with nothing to carry it."""
+def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -> None:
+    """Record the attempt, the endpoint's health and the delivery's next try; mark done
+    the message of a batch's delivery that reached its end (not one retried later, which
+    its message carries; the job's own is running) if it is still queued; and, with the
+    lease's token, give the lease back and wake the endpoint's next waiter: one statement,
+    so a message is done exactly when its delivery's attempt is recorded."""
     outcome = made.outcome
     params = {
         "made": made.due.delivery_id, "attempt": made.due.attempts + 1, "started": made.started, "ms": made.ms,
@@ -749,17 +775,11 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt,
                                                                              timezone.utc),
         "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
         "holder": message.message_id if message is not None else None,
-        "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None}
+        "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None,
+        **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name)}
     record = RECORD_ATTEMPT if token is None else SETTLE_ATTEMPT  # (a NULL token gives nothing back)
     with db.connection() as conn:
-        if finished:  # one transaction, pipelined: two round trips; otherwise one autocommit statement
-            with conn.pipeline(), conn.transaction():
-                conn.execute(record, params)
-                still = [r[0] for r in conn.execute(STILL_MADE, {"deliveries": [d for d, _ in finished],
-                                                                 "messages": [m for _, m in finished]}).fetchall()]
-                finish_queued(conn, still)
-        else:
-            conn.execute(record, params)
+        conn.execute(record, params)
     if token is not None and message is not None:
         given_back(message)  # released by that statement: the middleware need not
 

@@ -51,7 +51,8 @@ Every way a message is written goes through this module, with one hook policy:
   take the hooks as above, the event's trace counting as the message's own; those that
   need no hook are written as JSON text straight from the route. Written in the relay
   pass's transaction; ``after_enqueue`` runs once the pass has committed.
-* :func:`finish_queued` writes no message (it marks queued ones done): no hook runs.
+* :func:`finish_queued` and :data:`FINISH_ONE_QUEUED` write no message (they mark queued
+  ones done): no hook runs.
 
 A message is checked before any statement runs, as ``emit`` checks an event (a batch's,
 every one of them before its first statement), so a refused one leaves the caller's
@@ -527,17 +528,18 @@ def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms
     return finish_send(prepared, outcome)
 
 
-def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message]) -> list[Message]:
+def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message], *,
+                     delay_ms: int | None = None) -> list[Message]:
     """Write many messages on ``conn``, in its transaction (copied, those with a unique
-    key in statements of their own: :func:`_write_batch`); each skipped one is replaced by
-    the live message of its key."""
+    key in statements of their own: :func:`_write_batch`), due after ``delay_ms``; each
+    skipped one is replaced by the live message of its key."""
     if not messages:
         return messages
     broker = current_broker()
-    before_enqueue(broker, messages, None)
-    written, skipped = _write_batch(conn, broker, messages, None)
+    before_enqueue(broker, messages, delay_ms)
+    written, skipped = _write_batch(conn, broker, messages, delay_ms)
     count_skips(skipped, broker)
-    after_enqueue(broker, written, None)
+    after_enqueue(broker, written, delay_ms)
     return written
 
 
@@ -578,6 +580,18 @@ async def enqueue_async(aconn: psycopg.AsyncConnection[Any], actor: dramatiq.Act
     the message on a psycopg ``AsyncConnection``, in its transaction, with the same checks
     and hooks."""
     return await enqueue_message_async(aconn, build_message(actor, args, kwargs, options), delay_ms=delay_ms)
+
+
+#: For a statement of the caller's that marks one queued message done as it records the
+#: work the message carried: its CTE and its receipt's SELECT (:data:`sql.FINISH_ONE_QUEUED`),
+#: with the parameters :func:`finish_one_params` gives.
+FINISH_ONE_QUEUED, RECEIPT_OF_FINISHED = sql.FINISH_ONE_QUEUED, sql.RECEIPT_OF_FINISHED
+
+
+def finish_one_params(message_id: str | None, queue_name: str) -> dict[str, Any]:
+    """The parameters of :data:`FINISH_ONE_QUEUED` for ``message_id`` (None: none) of
+    ``queue_name``. As :func:`finish_queued`, no hook runs for it."""
+    return {"finish": message_id, "finish_receipt": queue_name in app.awaited_queues()}
 
 
 def finish_queued(conn: psycopg.Connection[Any], message_ids: list[str]) -> None:

@@ -504,3 +504,18 @@ WITH settled AS (
     RETURNING queue_name, message_id, 'done' AS state
 )""" + RECEIPTS_OF_SETTLED
 
+#: The same for one message, inside a statement of the caller's own that records the work
+#: the message carried, so that it is done exactly when that work is recorded: a CTE,
+#: ``finished`` (``%(finish)s``: the message; NULL for none), and the SELECT that sends its
+#: receipt when its queue is awaited (``%(finish_receipt)s``), for the statement's end.
+#: Scalar parameters: a one-element array costs the caller ~15 times a value's CPU.
+FINISH_ONE_QUEUED = """finished AS (
+    UPDATE dramatiq.queue SET "state" = 'done', error = NULL, mtime = now()
+    WHERE message_id = %(finish)s::uuid AND "state" = 'queued' AND cancelled_at IS NULL
+    RETURNING queue_name, message_id
+)"""
+RECEIPT_OF_FINISHED = """
+SELECT pg_notify(standmeet.receipt_channel(queue_name), message_id::text || ':done')
+FROM finished WHERE %(finish_receipt)s::boolean
+"""
+

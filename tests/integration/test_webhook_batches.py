@@ -182,96 +182,141 @@ def test_the_messages_of_deliveries_a_batch_made_are_done_without_running_and_a_
         ("succeeded", 1), ("succeeded", 1), ("pending", 1), ("pending", 1)]
 
 
-def test_a_delivery_an_operator_replays_while_a_batch_records_it_is_made_again(
-    broker, database_url, start_worker, webhook_settings, monkeypatch
+def test_a_batch_deliverys_message_is_done_as_its_attempt_is_recorded_not_when_the_batch_ends(
+    broker, database_url, start_worker, webhook_settings
+):
+    seen: list[tuple[str, ...]] = []
+
+    with web_server() as site:
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["recorded"])
+        # Given three deliveries, the second's and third's jobs held back (so the first job's
+        # batch makes them, and no consumer claims their messages)
+        fanned_out(database_url, "recorded", 3)
+        messages = [m for (m,) in query(database_url, "SELECT message_id::text FROM standmeet.webhook_deliveries"
+                                                      " WHERE endpoint_id = %s ORDER BY id", (endpoint,))]
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour'"
+                            " WHERE message_id = ANY(%s::uuid[])", (messages[1:],))
+
+        def ok(request):
+            # (the POST waits for this answer: what the batch has recorded so far)
+            seen.append(tuple(state for (state,) in query(
+                database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
+                              " ORDER BY array_position(%s::uuid[], message_id)", (messages, messages))))
+            return Reply(200, b"")
+
+        site.on("POST", "/hook", ok)
+        # When the first job runs its batch
+        start_worker(queues=["webhook"], threads=1)
+        wait_for(lambda: len(seen) == 3 and query(database_url, RAN_OR_READY) == [(0,)], timeout_s=15,
+                 what="the batch to be made and recorded")
+    # Then while the third delivery was being posted, the second's message was done already
+    # (its attempt recorded), the third's still queued: a consumer could not claim the second
+    # only to find its delivery made
+    assert seen[2] == ("consumed", "done", "queued"), seen
+    assert query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+                 (messages,)) == [("done",)] * 3
+    assert [(s, a) for _, s, a in states(database_url, endpoint)] == [("succeeded", 1)] * 3
+
+
+def test_a_delivery_an_operator_replays_after_a_batch_recorded_it_is_made_again(
+    broker, database_url, start_worker, webhook_settings
 ):
     posted: list[str] = []
+    replays: list[str | None] = []
+
+    with web_server() as site:
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["replayed"])
+        # Given three deliveries, the second's and third's jobs held back so the first job's batch makes them
+        fanned_out(database_url, "replayed", 3)
+        (_, _), (second, second_message), (_, third_message) = query(
+            database_url, "SELECT id, message_id::text FROM standmeet.webhook_deliveries"
+                          " WHERE endpoint_id = %s ORDER BY id", (endpoint,))
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour'"
+                            " WHERE message_id = ANY(%s::uuid[])", ([second_message, third_message],))
+
+        def ok(request):
+            posted.append(request.headers["webhook-id"])
+            if len(posted) == 3:
+                # When an operator replays the second delivery (as the dashboard's button
+                # does) while the batch posts the third: the second's attempt is recorded
+                # and its message done by then
+                with psycopg.connect(database_url, application_name="operator") as op, op.transaction():
+                    replays.append(webhooks.replay_in(op, second))
+            return Reply(200, b"")
+
+        site.on("POST", "/hook", ok)
+        start_worker(queues=["webhook"], threads=1)
+        wait_for(lambda: len(posted) >= 3 and query(
+            database_url, "SELECT busy_until FROM standmeet.webhook_endpoints WHERE id = %s", (endpoint,)) == [(None,)],
+                 timeout_s=15, what="the batch to end")
+        # (the replay's message, when it found the endpoint busy, snoozes until the lease's
+        # expiry: the batch's end wakes only never-attempted deliveries; cut that wait short)
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = %s AND state = 'queued'",
+              (replays[0],))
+        # Then the replay is honoured: the second delivery is made once more, by its new message
+        wait_for(lambda: query(database_url, "SELECT state, attempts FROM standmeet.webhook_deliveries WHERE id = %s",
+                               (second,)) == [("succeeded", 2)], timeout_s=15, what="the replayed delivery to be made")
+        wait_for(lambda: query(database_url, RAN_OR_READY) == [(0,)], timeout_s=10, what="every job to end")
+    assert len(replays) == 1 and replays[0] not in (None, second_message)
+    assert query(database_url, "SELECT message_id::text FROM standmeet.webhook_deliveries WHERE id = %s",
+                 (second,)) == [(replays[0],)]
+    assert query(database_url, "SELECT message_id::text, state::text FROM dramatiq.queue WHERE message_id"
+                               " = ANY(%s::uuid[]) ORDER BY message_id = %s", ([second_message, replays[0]],
+                                                                              second_message)) \
+        == [(replays[0], "done"), (second_message, "done")]
+    assert len(posted) == 4 and posted.count(posted[1]) == 2, posted
+
+
+def test_deliveries_fanned_out_behind_a_waiting_one_are_made_by_its_batch_never_claimed(
+    broker, database_url, start_worker, webhook_settings
+):
+    with web_server() as site:
+        site.on("POST", "/hook", lambda request: Reply(200, b""))
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["behind"])
+        # Given three events fanned out before any worker runs: the first delivery's job due
+        # now, the two behind it written due only a lease's length later
+        fanned_out(database_url, "behind", 3)
+        due_in = [s for (s,) in query(
+            database_url, "SELECT extract(epoch FROM q.eta - d.updated_at)::float8 FROM standmeet.webhook_deliveries d"
+                          " JOIN dramatiq.queue q ON q.message_id = d.message_id WHERE d.endpoint_id = %s ORDER BY d.id",
+            (endpoint,))]
+        # When a worker runs
+        start_worker(queues=["webhook"], threads=4)
+        wait_for(lambda: [s for _, s, _ in states(database_url, endpoint)] == ["succeeded"] * 3, timeout_s=10,
+                 what="the three deliveries to be made")
+        wait_for(lambda: query(database_url, RAN_OR_READY) == [(0,)], timeout_s=10, what="every job to end")
+    lease_s = webhooks.app_settings.current().webhook_lease_s
+    assert due_in[0] < 1 and all(lease_s - 1 < s <= lease_s + 1 for s in due_in[1:]), due_in
+    # Then the first job's batch made all three; the two others' jobs were never claimed
+    assert [c for (c,) in query(database_url, "SELECT q.claims FROM standmeet.webhook_deliveries d JOIN dramatiq.queue q"
+                                              " ON q.message_id = d.message_id WHERE d.endpoint_id = %s ORDER BY d.id",
+                                (endpoint,))] == [1, 0, 0]
+
+
+def test_a_delivery_fanned_out_during_a_batch_is_woken_when_the_batch_gives_the_lease_back(
+    broker, database_url, start_worker, webhook_settings
+):
+    events: list[int] = []
 
     def ok(request):
-        posted.append(request.headers["webhook-id"])
+        if not events:  # during the batch's POST: another event for the endpoint
+            with psycopg.connect(database_url) as conn, conn.transaction():
+                events.append(webhooks.emit_event(conn, "woken", {"n": 1}))
+            webhooks.fanout.fn(events[0])
         return Reply(200, b"")
 
     with web_server() as site:
         site.on("POST", "/hook", ok)
-        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["replayed"])
-        # Given two deliveries, the second's own job held back so the first job's batch makes it
-        fanned_out(database_url, "replayed", 2)
-        (_, _), (second, second_message) = query(
-            database_url, "SELECT id, message_id::text FROM standmeet.webhook_deliveries"
-                          " WHERE endpoint_id = %s ORDER BY id", (endpoint,))
-        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour' WHERE message_id = %s",
-              (second_message,))
-        # When an operator replays the second delivery (as the dashboard's button does) just as the batch
-        # marks its message done (its attempt written). The batch's transaction holds the
-        # delivery's row, so the replay waits for it; the code before it committed the
-        # attempt alone, the replay was written before the finish, which the wait below
-        # lets commit first (so that order fails here instead of hanging)
-        real_finish = webhooks.finish_queued
-        replays: list[str | None] = []
-        holding, finishing = threading.Event(), threading.Event()
-
-        def waiting_on_a_lock(application: str) -> bool:
-            return query(database_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-                                       " AND wait_event_type = 'Lock'", (application,)) != [(0,)]
-
-        def message_done() -> bool:
-            return query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
-                         (second_message,)) == [("done",)]
-
-        def operator():
-            with psycopg.connect(database_url, application_name="operator", autocommit=True) as op:
-                with op.transaction():
-                    replays.append(webhooks.replay_in(op, second))
-                    holding.set()  # the replay is written, not yet committed
-                    wait_for(lambda: finishing.is_set() and (waiting_on_a_lock("standmeet-app") or message_done()),
-                             timeout_s=10, what="the batch to wait for the replay, or to have committed")
-
-        def finish_queued(conn, ids):
-            if replays or holding.is_set():
-                return real_finish(conn, ids)
-            threading.Thread(target=operator, daemon=True).start()
-            wait_for(lambda: holding.is_set() or waiting_on_a_lock("operator"), timeout_s=10,
-                     what="the operator's replay to be written or to wait for the batch")
-            finishing.set()
-            return real_finish(conn, ids)
-
-        monkeypatch.setattr(webhooks, "finish_queued", finish_queued)
-        start_worker(queues=["webhook"], threads=1)
-        # Then the replay is honoured: the second delivery is made once more
-        wait_for(lambda: query(database_url, "SELECT state, attempts FROM standmeet.webhook_deliveries WHERE id = %s",
-                               (second,)) == [("succeeded", 2)], timeout_s=15, what="the replayed delivery to be made")
-    # (a replay is a new delivery message, recorded on the delivery; the batch's is done)
-    assert len(replays) == 1 and replays[0] not in (None, second_message)
-    assert query(database_url, "SELECT message_id::text FROM standmeet.webhook_deliveries WHERE id = %s",
-                 (second,)) == [(replays[0],)]
-    assert len(posted) == 3 and posted.count(posted[1]) == 2, posted
-
-
-def _plan_nodes(node: dict) -> list[dict]:
-    return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
-
-
-def test_the_messages_a_batch_finishes_are_found_by_their_deliveries_ids_not_by_reading_every_delivery(
-    broker, database_url
-):
-    # Given a database that keeps the history of many deliveries (5,000 here)
-    with psycopg.connect(database_url) as conn, conn.transaction(force_rollback=True):
-        endpoint = conn.execute("INSERT INTO standmeet.webhook_endpoints (url, event_types, secrets)"
-                                " VALUES ('http://127.0.0.1:9/hook', '{history}', '{}') RETURNING id").fetchone()[0]
-        conn.execute("INSERT INTO standmeet.webhook_events (type, payload) SELECT 'history', '{}'"
-                     " FROM generate_series(1, 5000)")
-        made = conn.execute("INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state, message_id)"
-                            " SELECT id, %s, 'succeeded', gen_random_uuid() FROM standmeet.webhook_events"
-                            " WHERE type = 'history' ORDER BY id RETURNING id, message_id::text",
-                            (endpoint,)).fetchall()
-        conn.execute("ANALYZE standmeet.webhook_deliveries")
-        # When a batch's last record looks for the 31 messages it made
-        batch = made[-31:]
-        [(plan,)] = conn.execute("EXPLAIN (FORMAT JSON) " + webhooks.STILL_MADE,
-                                 {"deliveries": [d for d, _ in batch], "messages": [m for _, m in batch]}).fetchall()
-        found = conn.execute(webhooks.STILL_MADE, {"deliveries": [d for d, _ in batch],
-                                                   "messages": [m for _, m in batch]}).fetchall()
-    # Then it reads them by their ids (the primary key), not every delivery the table holds
-    scans = [n for n in _plan_nodes(plan[0]["Plan"]) if n.get("Relation Name") == "webhook_deliveries"]
-    assert scans and all(n["Node Type"] != "Seq Scan" for n in scans), scans
-    assert sorted(m for (m,) in found) == sorted(m for _, m in batch)
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["woken"])
+        # Given a delivery being made while its endpoint's lease is held
+        fanned_out(database_url, "woken", 1)
+        start_worker(queues=["webhook"], threads=4)
+        # When another delivery is fanned out during its POST (its job written due at the
+        # lease's expiry, 20 s away), then the batch ends and gives the lease back
+        wait_for(lambda: [s for _, s, _ in states(database_url, endpoint)] == ["succeeded"] * 2, timeout_s=10,
+                 what="the second delivery to be made, long before the lease would have expired")
+    # Then the second's job was woken by the lease's release and ran once, without snoozing
+    [(claims, options)] = query(database_url, "SELECT q.claims, q.message->'options' FROM standmeet.webhook_deliveries d"
+                                              " JOIN dramatiq.queue q ON q.message_id = d.message_id"
+                                              " WHERE d.event_id = %s", (events[0],))
+    assert claims == 1 and options.get("snoozes", 0) == 0, (claims, options)

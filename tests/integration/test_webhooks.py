@@ -101,12 +101,14 @@ def test_a_busy_endpoint_makes_deliveries_snooze_until_its_lease_expires_without
 ):
     with http_server() as (url, server):
         endpoint, _ = webhooks.add_endpoint(url, ["busy"])
-        # Given another worker holds the endpoint's lease for 1 s more (and dies: it never
-        # gives it back, so no release wakes the delivery)
+        # Given a delivery whose job is due now (fanned out while the endpoint was free)
+        event = emit(database_url, "busy", {})
+        webhooks.fanout.fn(event)
+        # and another worker that then took the endpoint's lease, for 1 s more (and dies: it
+        # never gives it back, so no release wakes the delivery)
         expiry = scalar(database_url, "UPDATE standmeet.webhook_endpoints SET busy_until = now() + interval '1 second',"
                                       " lease_token = gen_random_uuid() WHERE id = %s RETURNING busy_until", (endpoint,))
         start_worker(queues=["webhook"], threads=8)
-        event = emit(database_url, "busy", {})
         delivery_id, *_ = settled(database_url, event, endpoint, "succeeded")
     # Then the delivery snoozed until the lease expired (once, not every 50 ms of
     # STANDMEET_WEBHOOK_BUSY_SNOOZE_S), and made a single attempt after it
@@ -115,6 +117,36 @@ def test_a_busy_endpoint_makes_deliveries_snooze_until_its_lease_expires_without
     assert 1 <= options.get("snoozes", 0) <= 2, options
     assert options.get("retries", 0) == 0
     assert delivery(database_url, event, endpoint)[2] == 1
+    assert query(database_url, "SELECT started_at >= %s FROM standmeet.webhook_attempts WHERE delivery_id = %s",
+                 (expiry, delivery_id)) == [(True,)]
+    assert len(server.received) == 1
+
+
+def test_a_delivery_fanned_out_while_its_endpoint_is_busy_waits_for_the_lease_unclaimed(
+    broker, database_url, start_worker, webhook_settings
+):
+    with http_server() as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["held"])
+        # Given another worker holds the endpoint's lease for 1 s more (and dies: it never
+        # gives it back, so no release wakes the delivery)
+        expiry = scalar(database_url, "UPDATE standmeet.webhook_endpoints SET busy_until = now() + interval '1 second',"
+                                      " lease_token = gen_random_uuid() WHERE id = %s RETURNING busy_until", (endpoint,))
+        # When an event for it is fanned out
+        event = emit(database_url, "held", {})
+        webhooks.fanout.fn(event)
+        delivery_id, _, _, _ = delivery(database_url, event, endpoint)
+        eta = scalar(database_url, "SELECT q.eta FROM dramatiq.queue q JOIN standmeet.webhook_deliveries d"
+                                   " ON d.message_id = q.message_id WHERE d.id = %s", (delivery_id,))
+        start_worker(queues=["webhook"], threads=8)
+        settled(database_url, event, endpoint, "succeeded")
+    # Then its job was written due when the lease expires, and ran once, after it: never
+    # claimed only to find the endpoint busy (no snooze), one attempt
+    assert abs((eta - expiry).total_seconds()) < 0.5, (eta, expiry)
+    options = scalar(database_url, "SELECT message->'options' FROM dramatiq.queue WHERE message->>'actor_name' = 'webhook.deliver'"
+                                   " AND (message->'args'->>0)::bigint = %s", (delivery_id,))
+    assert options.get("snoozes", 0) == 0 and options.get("retries", 0) == 0, options
+    assert scalar(database_url, "SELECT claims FROM dramatiq.queue q JOIN standmeet.webhook_deliveries d"
+                                " ON d.message_id = q.message_id WHERE d.id = %s", (delivery_id,)) == 1
     assert query(database_url, "SELECT started_at >= %s FROM standmeet.webhook_attempts WHERE delivery_id = %s",
                  (expiry, delivery_id)) == [(True,)]
     assert len(server.received) == 1
