@@ -92,13 +92,16 @@ class Listener:
         self._by_message: dict[str, list[Waiter]] = {}
         self._waiters: set[int] = set()
         self._conn: psycopg.Connection[Any] | None = None
+        self._recheck = threading.Event()  # a waiter for messages that may have finished already
         self._connected = threading.Event()
         self._thread: detach.Detached | None = None
 
     # -- waiters --------------------------------------------------------------------
 
-    def add(self, message_ids: Iterable[str]) -> Waiter | None:
-        """Register a waiter, or None when the channel already holds its maximum."""
+    def add(self, message_ids: Iterable[str], *, committed: bool = False) -> Waiter | None:
+        """Register a waiter, or None when the channel already holds its maximum.
+        ``committed``: its messages were written before it was registered, so some may
+        have finished unheard: the listener asks the database once, on its next turn."""
         waiter = Waiter(pending=set(message_ids))
         with self._lock:
             if len(self._waiters) >= self.max_waiters:
@@ -110,6 +113,8 @@ class Listener:
                 self._by_message.setdefault(message_id, []).append(waiter)
         if not waiter.pending:
             waiter.event.set()
+        elif committed:
+            self._recheck.set()
         return waiter
 
     def remove(self, waiter: Waiter) -> None:
@@ -142,11 +147,14 @@ class Listener:
         where = listen_url(self.url)
         if self._conn is None or self._conn.closed:
             conn = connect(where or self.url, application_name="standmeet-receipts")
-            if where is not None:
-                conn.execute("LISTEN " + self.channel)
+            if where is not None:  # quoted: a queue's name may hold capitals, dots or dashes
+                conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
             self._conn = conn
             self._connected.set()
             self.recheck()  # receipts sent while we were not listening
+        if self._recheck.is_set():
+            self._recheck.clear()
+            self.recheck()
         if where is None:  # nothing can be heard: ask, while anyone waits
             if not stop.wait(poll_s(self.url)):
                 return self.recheck()
@@ -224,10 +232,11 @@ class Waiters:
             return self._listeners[channel]
 
     @contextmanager
-    def expect(self, channel: str, message_ids: Iterable[str]) -> Iterator[Waiter | None]:
-        """Register before committing; ``None`` means the channel is full (answer False)."""
+    def expect(self, channel: str, message_ids: Iterable[str], *, committed: bool = False) -> Iterator[Waiter | None]:
+        """Register before committing; ``None`` means the channel is full (answer False).
+        ``committed``: registered after its messages were committed (see :meth:`Listener.add`)."""
         listener = self.listener(channel)
-        waiter = listener.add(message_ids)
+        waiter = listener.add(message_ids, committed=committed)
         try:
             yield waiter
         finally:
@@ -235,9 +244,11 @@ class Waiters:
                 listener.remove(waiter)
 
     def wait(self, channel: str, keys: str | Iterable[str], timeout_s: float = DEFAULT_WAIT_S) -> bool:
-        """Wait up to ``timeout_s`` for the messages ``keys`` to be done; False at once if full."""
+        """Wait up to ``timeout_s`` for the messages ``keys`` (committed already) to be
+        done; False at once if full. One that finished before the call counts: the
+        listener asks the database for them once."""
         ids = [keys] if isinstance(keys, str) else list(keys)
-        with self.expect(channel, ids) as waiter:
+        with self.expect(channel, ids, committed=True) as waiter:
             return waiter is not None and waiter.wait(timeout_s)
 
     def close(self) -> None:

@@ -125,3 +125,34 @@ def test_a_job_that_fails_for_good_answers_false_without_waiting_out_the_timeout
     assert time.monotonic() - start < 5
     assert query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
                  (message.message_id,)) == [("rejected",)]
+
+
+def test_a_wait_for_a_job_that_finished_before_it_was_called_answers_true(broker, database_url, start_worker):
+    from tests.support.jobs import noop
+
+    start_worker(queues=["index"], threads=2)
+    # Given a job on an awaited queue that finished before anyone waited for it
+    message = noop.send("finished-before-the-wait")
+    wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                            (message.message_id,)) == "done", timeout_s=10, what="the job to finish")
+    # When a request waits for it (its receipt long sent, heard by nobody)
+    # Then the answer is that it is done, not a timeout
+    assert services.current().waiters.wait(INDEX, message.message_id, timeout_s=3) is True
+
+
+@pytest.mark.parametrize("queue", ["Reports", "reports.v2-eu"])
+def test_the_receipts_of_a_queue_named_with_capitals_dots_or_dashes_are_heard(broker, database_url, queue):
+    from broker.outbox.receipts import Listener
+
+    # Given a listener for the queue's channel, and a request waiting on it
+    listener = Listener(database_url, channel_for(queue)).start()
+    try:
+        message_id = str(uuid.uuid4())
+        waiter = listener.add([message_id])
+        assert waiter is not None
+        # When a settle sends the message's receipt (as the settle statement does)
+        query(database_url, "SELECT pg_notify(standmeet.receipt_channel(%s), %s)::text", (queue, f"{message_id}:done"))
+        # Then the waiter hears it
+        assert waiter.wait(5.0) is True
+    finally:
+        listener.stop()
