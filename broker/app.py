@@ -51,6 +51,10 @@ class QueueSpec:
     awaited: bool = False
 
 
+#: The longest interval of a periodic job (366 days): a rarer job is a cron one.
+INTERVAL_MOST_S = 366 * 86400.0
+
+
 @dataclass(frozen=True)
 class PeriodicJob:
     """Run ``actor`` once per period across all schedulers: every ``interval_s`` seconds,
@@ -68,8 +72,9 @@ class PeriodicJob:
         if (self.interval_s is None) == (self.cron is None):
             raise ConfigError(f"periodic job {self.name!r}: give interval_s or cron, one of them")
         if self.interval_s is not None:
-            if not 0 < self.interval_s < float("inf"):
-                raise ConfigError(f"periodic job {self.name!r}: interval_s must be > 0 and finite")
+            if not 0 < self.interval_s <= INTERVAL_MOST_S:
+                raise ConfigError(f"periodic job {self.name!r}: interval_s must be > 0 and at most"
+                                  f" {INTERVAL_MOST_S:,.0f} (366 days; a rarer job is a cron one), not {self.interval_s!r}")
             if self.timezone != "UTC":
                 raise ConfigError(f"periodic job {self.name!r}: a time zone applies to cron, not to interval_s")
             return

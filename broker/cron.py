@@ -112,7 +112,7 @@ def parse_cron(expression: str, zone: str = "UTC") -> Cron:
     field and the value that is wrong."""
     try:
         ZoneInfo(zone)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a folder of zones, "Europe"
         raise ConfigError(f"time zone {zone!r} is not a known IANA zone (e.g. Europe/Berlin, UTC)") from None
     parts = expression.strip().lower().split()
     if len(parts) != len(FIELDS):

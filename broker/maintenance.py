@@ -41,13 +41,16 @@ def prune_in_batches(query: str, *, retention_s: float, what: str) -> int:
 
 
 def prune_messages() -> None:
-    """Delete finished messages past the retention, the attempts and per-minute history past
-    theirs (STANDMEET_HISTORY_RETENTION_DAYS), and the rows of long-gone workers."""
+    """Delete finished messages past the retention, the attempts, per-minute history and
+    periodic jobs' claimed periods past theirs (STANDMEET_HISTORY_RETENTION_DAYS; each
+    job's latest period kept), and the rows of long-gone workers."""
     settings = current_broker().settings
     prune_in_batches(sql.PRUNE_FINISHED, retention_s=settings.retention_days * 86400, what="finished message(s)")
     prune_in_batches(sql_history.PRUNE_ATTEMPTS, retention_s=settings.history_retention_days * 86400, what="attempt(s)")
     prune_in_batches(sql_history.PRUNE_HISTORY, retention_s=settings.history_retention_days * 86400,
                      what="minute(s) of history")
+    prune_in_batches(sql_history.PRUNE_PERIODIC_RUNS, retention_s=settings.history_retention_days * 86400,
+                     what="claimed period(s) of periodic jobs")
     with db.connection() as conn:
         conn.execute(sql.PRUNE_WORKERS)
 

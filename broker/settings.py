@@ -316,7 +316,8 @@ class Settings(Declared):
     prune_batch: int = Field(5_000, ge=1, le=1_000_000, description="finished messages pruned per batch")
     history_retention_days: float = Field(
         14.0, ge=0, le=3_650, description="the per-minute history of each queue and actor (throughput, "
-        "failures, wait and run times) and every job's attempts are kept this long")
+        "failures, wait and run times), every job's attempts and the periodic jobs' claimed periods (each "
+        "job's latest kept) are kept this long")
     outbox_max_payload_bytes: int = Field(64 * 1024, ge=2, le=GIB, description="largest event payload `emit` accepts")
     relay_batch: int = Field(1000, ge=1, le=100_000, description="outbox rows per relay pass (one transaction)")
     relay_poll_s: float = Field(1.0, ge=0.01, le=3_600, description="the relay's fallback poll")

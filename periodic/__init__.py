@@ -9,7 +9,13 @@ job (:func:`trigger`); a tick enqueues the job's actor under a key for its perio
 therefore enqueue it once per period: a unique constraint, not a leader. The period is
 the database's, computed from its ``now()``: schedulers whose clocks disagree (by 90 s,
 or by hours) still agree on it, so a skewed clock moves when a scheduler ticks, never
-how often a job runs.
+how often a job runs. An interval job is ticked on each of its boundaries by the
+scheduler's clock and again every :func:`tick_every_s` between them (at most
+``CRON_TICK_S``, and at most half its interval): a tick that came just before the
+database's boundary (a clock a millisecond ahead) claimed the period already taken, one
+that failed (the database away past its checkout timeout) claimed nothing, and the next
+one within the period claims it. A scheduler whose clock steps (back or forward by more
+than ``CLOCK_STEP_S``) reschedules its ticks at once (``periodic.__main__``).
 
 A cron job's period starts at each of its fire times (:mod:`broker.cron`: wall-clock
 times in its zone, daylight-saving changes included). Its scheduler looks every
@@ -21,6 +27,9 @@ job of that night, and one down over a fire time for longer skips it.
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
@@ -33,6 +42,7 @@ from broker.pg import db
 from broker.services import current_broker
 
 if TYPE_CHECKING:  # APScheduler is imported by the scheduler process only (``trigger``)
+    from apscheduler.schedulers.base import BaseScheduler
     from apscheduler.triggers.base import BaseTrigger
 
 logger = logging.getLogger("standmeet.periodic")
@@ -42,13 +52,16 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-__all__ = ["CLAIM_DATABASE_PERIOD", "CLAIM_FIRE_TIME", "PeriodicJob", "cron_period", "periodic_jobs",
-           "publish_schedules", "tick", "tick_or_say", "trigger", "utcnow"]
+__all__ = ["CLAIM_DATABASE_PERIOD", "CLAIM_FIRE_TIME", "ClockWatch", "PeriodicJob", "cron_period", "periodic_jobs",
+           "publish_schedules", "reschedule_if_stepped", "tick", "tick_every_s", "tick_or_say", "trigger", "utcnow"]
 
 #: How often a scheduler looks whether a cron job's fire time has come (by the database's clock).
 CRON_TICK_S = 15.0
 #: A cron fire time is claimed at most this long after it (or half the gap to the next).
 CRON_GRACE_MOST_S = 3600.0
+#: A wall clock that moves this much against the monotonic one has been stepped: the
+#: scheduler's ticks, timed by the wall clock, are rescheduled from the new time.
+CLOCK_STEP_S = 1.0
 
 #: Claim the period the database's clock is in (its start: ``now()`` floored to a
 #: multiple of the interval since the epoch); a row back means this scheduler enqueues
@@ -87,10 +100,11 @@ def publish_schedules(jobs: list[PeriodicJob]) -> None:
     """Record the schedules of ``jobs`` in the database, so that any process shows them."""
     if not jobs:
         return
-    with db.connection() as conn:
+    with db.connection() as conn:  # (an interval given as 60 or 60.0: one type for the array)
         conn.execute(PUBLISH_SCHEDULE, {
             "job": [j.name for j in jobs], "actor": [j.actor for j in jobs],
-            "interval_s": [j.interval_s for j in jobs], "cron": [j.cron for j in jobs],
+            "interval_s": [None if j.interval_s is None else float(j.interval_s) for j in jobs],
+            "cron": [j.cron for j in jobs],
             "timezone": [j.timezone for j in jobs]})
 
 
@@ -108,15 +122,53 @@ def cron_period(job: PeriodicJob, now: datetime) -> datetime | None:
     return fired if (now - fired).total_seconds() <= grace_s else None
 
 
+def tick_every_s(job: PeriodicJob) -> float:
+    """How often a scheduler ticks ``job``: every ``CRON_TICK_S`` for cron; for an
+    interval, its interval divided into equal parts of at most ``CRON_TICK_S``, at least
+    two (so each boundary is ticked, and the period again before it ends)."""
+    if job.schedule is not None or job.interval_s is None:
+        return CRON_TICK_S
+    return job.interval_s / max(2, math.ceil(job.interval_s / CRON_TICK_S))
+
+
 def trigger(job: PeriodicJob, now: datetime) -> BaseTrigger:
-    """When a scheduler ticks ``job``: on each interval boundary (aligned with the
-    database's periods), or every ``CRON_TICK_S`` for a cron job."""
+    """When a scheduler ticks ``job`` (:func:`tick_every_s`): from its interval's
+    boundary (aligned with the database's periods), or from ``CRON_TICK_S`` on for cron."""
     from apscheduler.triggers.interval import IntervalTrigger
 
     if job.schedule is not None:
         return IntervalTrigger(seconds=CRON_TICK_S, start_date=now + timedelta(seconds=CRON_TICK_S))
-    assert job.interval_s is not None
-    return IntervalTrigger(seconds=job.interval_s, start_date=job.period_start(now))
+    return IntervalTrigger(seconds=tick_every_s(job), start_date=job.period_start(now))
+
+
+class ClockWatch:
+    """Notices a stepped wall clock (NTP's step, a restored virtual machine): the wall
+    clock's offset from the monotonic one changed by more than ``CLOCK_STEP_S``."""
+
+    def __init__(self, *, wall: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._wall, self._monotonic = wall, monotonic
+        self._offset = wall() - monotonic()
+
+    def stepped_s(self) -> float | None:
+        """The step since the last call (seconds; negative: back), or None when none."""
+        offset = self._wall() - self._monotonic()
+        step, self._offset = offset - self._offset, offset
+        return step if abs(step) > CLOCK_STEP_S else None
+
+
+def reschedule_if_stepped(scheduler: BaseScheduler, jobs: list[PeriodicJob], clock: ClockWatch) -> float | None:
+    """After a step of the wall clock, which times the ticks (back: none would come for as
+    long), reschedule each job's ticks from the new time (the periods stay the
+    database's); returns the step, or None when there was none."""
+    stepped_s = clock.stepped_s()
+    if stepped_s is None:
+        return None
+    now = utcnow()
+    logger.warning("the clock stepped %+.0f s: periodic ticks rescheduled from %s", stepped_s,
+                   now.isoformat(timespec="seconds"))
+    for job in jobs:
+        scheduler.reschedule_job(job.name, trigger=trigger(job, now))
+    return stepped_s
 
 
 def tick(job: PeriodicJob) -> str | None:
@@ -151,7 +203,8 @@ def tick(job: PeriodicJob) -> str | None:
 def tick_or_say(job: PeriodicJob) -> str | None:
     """:func:`tick`, with a database that went away said once for the process (its
     outage: one line when it goes, one when it is back), never as a traceback. The
-    period's claim went with the failed transaction: the next tick claims it again."""
+    period's claim went with the failed transaction: the next tick, within the period
+    (:func:`tick_every_s`), claims it again."""
     outage = current_broker().outage
     try:
         enqueued = tick(job)

@@ -66,7 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    from periodic import CRON_TICK_S, periodic_jobs, publish_schedules, tick_or_say, trigger, utcnow
+    from periodic import (
+        ClockWatch,
+        periodic_jobs,
+        publish_schedules,
+        reschedule_if_stepped,
+        tick_every_s,
+        tick_or_say,
+        trigger,
+        utcnow,
+    )
 
     try:
         settings = Settings.from_env()
@@ -76,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         # The budget of the queues a worker of these modules serves: the one `run` checks.
         budget = check_budget(settings, served_queues())
         jobs = load_jobs(args.jobs) if args.jobs else periodic_jobs()
+        unknown = [f"{job.name} ({job.actor})" for job in jobs if job.actor not in broker.actors]
+        if unknown:  # it could never be enqueued: every tick would fail
+            raise ConfigError(f"periodic job(s) for an actor no loaded module declares: {', '.join(unknown)}")
     except ConfigError as exc:
         return refuse("periodic", str(exc), args.refusal_fd)
     except StandmeetError as exc:
@@ -104,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.add_job(  # on its interval's boundaries, or every CRON_TICK_S for a cron job
             tick_or_say, trigger(job, now),
             args=[job], id=job.name, name=job.name, max_instances=1, coalesce=True,
-            misfire_grace_time=max(1, int((job.interval_s or CRON_TICK_S) / 2)),
+            misfire_grace_time=max(1, int(tick_every_s(job) / 2)),
         )
     scheduler.start()
     logger.info("scheduler running %d periodic job(s)", len(jobs))
-    stop.wait()
+    clock = ClockWatch()
+    while not stop.wait(1.0):
+        reschedule_if_stepped(scheduler, jobs, clock)
     logger.info("stopping: the relay first, then the scheduler")
     services.current().stop_relay()
     scheduler.shutdown(wait=True)

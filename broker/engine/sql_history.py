@@ -89,6 +89,19 @@ WHERE ctid = ANY(ARRAY(
 ))
 """
 
+#: Delete one batch of the periodic jobs' claimed periods older than the retention, each
+#: job's latest kept (what ``status`` shows). A period is claimed only while current (an
+#: interval's) or up to an hour after its fire time (cron's): the retention is at least a day.
+PRUNE_PERIODIC_RUNS = """
+DELETE FROM standmeet.periodic_runs
+WHERE ctid = ANY(ARRAY(
+    SELECT r.ctid FROM standmeet.periodic_runs r
+    WHERE r.period_start < now() - make_interval(secs => greatest(%(retention_s)s, 86400))
+      AND r.period_start < (SELECT max(l.period_start) FROM standmeet.periodic_runs l WHERE l.job = r.job)
+    LIMIT %(batch)s
+))
+"""
+
 #: Delete one batch of per-minute history older than its retention.
 PRUNE_HISTORY = """
 DELETE FROM standmeet.queue_history

@@ -134,13 +134,22 @@ ORDER BY (w.stopped_at IS NULL AND w.heartbeat_at > now() - make_interval(secs =
 """
 
 PERIODIC_OVERVIEW = """
-SELECT DISTINCT ON (r.job) r.job, r.period_start, r.message_id::text,
+WITH RECURSIVE jobs AS (  -- each job once, skipping along the primary key (job, period_start)
+    (SELECT job FROM standmeet.periodic_runs ORDER BY job LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.job FROM standmeet.periodic_runs r WHERE r.job > jobs.job ORDER BY r.job LIMIT 1)
+    FROM jobs WHERE jobs.job IS NOT NULL
+)
+SELECT j.job, r.period_start, r.message_id::text,
        CASE WHEN q."state" = 'queued' AND q.eta > now() THEN 'delayed'
             WHEN q."state" = 'consumed' THEN 'running'
             ELSE q."state"::text END
-FROM standmeet.periodic_runs r
+FROM jobs j
+CROSS JOIN LATERAL (SELECT period_start, message_id FROM standmeet.periodic_runs
+                    WHERE job = j.job ORDER BY period_start DESC LIMIT 1) r
 LEFT JOIN dramatiq.queue q ON q.message_id = r.message_id
-ORDER BY r.job, r.period_start DESC
+WHERE j.job IS NOT NULL
+ORDER BY j.job
 """
 
 

@@ -130,3 +130,12 @@ def test_two_schedulers_side_by_side_enqueue_each_period_once(broker, database_u
     total = scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message->>'actor_name' = 'test.tick'")
     assert total == periods
     assert scalar(database_url, "SELECT count(DISTINCT queue_name) FROM dramatiq.queue WHERE message->>'actor_name' = 'test.tick'") == 1
+
+
+def test_a_scheduler_refuses_a_periodic_job_for_an_actor_no_module_declares(broker, subprocess_env, tmp_path):
+    cmd = [sys.executable, "-m", "periodic", "--jobs", "tests.support.periodic_jobs:GHOST"]
+    done = subprocess.run(cmd, env=subprocess_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # Then it refuses to start, in one line naming the job and its actor (not a traceback at every tick)
+    assert done.returncode == 78, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "test-ghost (test.no_such_actor)" in done.stderr.strip().splitlines()[-1], done.stderr

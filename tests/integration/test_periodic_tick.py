@@ -126,3 +126,34 @@ def test_a_scheduler_started_hours_after_a_cron_fire_time_does_not_run_it(broker
     # Then nothing is enqueued: that night's run was missed, not run in the afternoon
     assert tick(job) is None
     assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = %s", (job.name,)) == 0
+
+
+def test_schedules_given_as_whole_and_fractional_seconds_are_all_recorded(broker, database_url):
+    from periodic import publish_schedules
+
+    # Given jobs whose intervals are written 60.0 and 30 (a float beside an int)
+    jobs = [PeriodicJob("float-minute", "test.tick", interval_s=60.0), PeriodicJob("int-half", "test.tick", interval_s=30)]
+    # When a scheduler records them
+    publish_schedules(jobs)
+    # Then both are shown
+    assert query(database_url, "SELECT job, interval_s FROM standmeet.periodic_schedules"
+                               " WHERE job IN ('float-minute', 'int-half') ORDER BY job") == [("float-minute", 60.0), ("int-half", 30.0)]
+
+
+def test_claimed_periods_past_the_retention_are_pruned_and_each_jobs_latest_is_kept(broker, database_url):
+    from broker.maintenance import prune_messages
+
+    # Given a job's periods claimed over 40 days, and another job that last ran 30 days ago
+    query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id)"
+                        " SELECT 'pruned-daily', now() - make_interval(days => d), gen_random_uuid()"
+                        " FROM generate_series(0, 40) AS d")
+    query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id)"
+                        " VALUES ('pruned-gone', now() - interval '30 days', gen_random_uuid()),"
+                        "        ('pruned-gone', now() - interval '31 days', gen_random_uuid())")
+    # When the retention job runs (history kept 14 days)
+    prune_messages()
+    # Then the first job keeps its last 14 days of periods, the other its latest alone
+    days = [d for (d,) in query(database_url, "SELECT extract(day FROM now() - period_start)::int FROM standmeet.periodic_runs"
+                                              " WHERE job = 'pruned-daily' ORDER BY period_start DESC")]
+    assert days == list(range(0, 15)) or days == list(range(0, 14)), days
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = 'pruned-gone'") == 1

@@ -4,3 +4,6 @@ import tests.support.jobs  # noqa: F401  (declares test.tick)
 from periodic import PeriodicJob
 
 JOBS = [PeriodicJob("test-every-second", "test.tick", interval_s=1.0, kwargs={"label": "periodic"})]
+
+#: A job for an actor no module declares: the scheduler refuses it at start.
+GHOST = [PeriodicJob("test-ghost", "test.no_such_actor", interval_s=5.0)]

@@ -111,7 +111,7 @@ def test_a_job_takes_an_interval_or_a_cron_expression_not_both_nor_neither():
         PeriodicJob("neither", "a.b")
     with pytest.raises(ConfigError, match="a time zone applies to cron"):
         PeriodicJob("zoned", "a.b", interval_s=60, timezone="Europe/Berlin")
-    with pytest.raises(ConfigError, match="must be > 0 and finite"):
+    with pytest.raises(ConfigError, match="must be > 0 and at most"):
         PeriodicJob("forever", "a.b", interval_s=float("inf"))
 
 
@@ -126,3 +126,15 @@ def test_a_fire_time_is_claimed_within_half_the_gap_to_the_next_and_no_later():
     start = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
     assert cron_period(minutely, start + timedelta(seconds=29)) == start
     assert cron_period(minutely, start + timedelta(seconds=31)) is None
+
+
+@pytest.mark.parametrize("zone", ["Europe", "America/"])
+def test_a_zone_that_names_a_folder_of_zones_is_refused_as_not_a_zone(zone):
+    with pytest.raises(ConfigError, match="is not a known IANA zone"):
+        PeriodicJob("folder", "a.b", cron="0 3 * * *", timezone=zone)
+
+
+@pytest.mark.parametrize("interval_s", [1e12, 366 * 86400 + 1, float("inf"), 0, -1])
+def test_an_interval_beyond_a_year_or_not_positive_is_refused_in_one_line(interval_s):
+    with pytest.raises(ConfigError, match="interval_s must be > 0 and at most 31,622,400"):
+        PeriodicJob("rare", "a.b", interval_s=interval_s)
