@@ -255,14 +255,12 @@ FROM unnest(%(ids)s::bigint[], %(messages)b::uuid[]) AS m(id, message_id) WHERE 
 """
 
 
-def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int], *,
-                       delay_ms: int | None = None) -> list[str]:
-    """A ``webhook.deliver`` message for each delivery, in the caller's transaction, due
-    after ``delay_ms``, each recorded on its delivery; their ids, in the same order."""
+def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> list[str]:
+    """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
+    recorded on its delivery; their ids, in the same order."""
     if not delivery_ids:
         return []
-    messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids],
-                                delay_ms=delay_ms)
+    messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids])
     message_ids = [m.message_id for m in messages]
     conn.execute(NAME_DELIVERY_MESSAGES, {"ids": list(delivery_ids), "messages": message_ids})
     return message_ids
@@ -280,35 +278,51 @@ targets AS (
 INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state)
 SELECT %(event)s, endpoint_id, CASE WHEN enabled THEN 'pending' ELSE 'skipped' END FROM targets
 ON CONFLICT (event_id, endpoint_id) DO NOTHING
-RETURNING id, state, endpoint_id
+RETURNING id, state
 """
-#: The new deliveries (``FANOUT``'s rows) whose endpoint already has a delivery in hand,
-#: and how long until its lease expires: its lease is held (until its expiry), or a
-#: never-attempted pending delivery's message waits (queued, at any time) or runs
-#: (``webhook_deliveries_due_idx``, oldest first, one looked up per endpoint: the new
-#: deliveries have no message yet; a lease's length, ``%(lease_s)s``, which its waiter
-#: takes when it runs). Their messages are written due only then: the holder, or the waiter
-#: once it holds the lease, makes them in its batch (marking their messages done), or
-#: wakes the oldest when it gives the lease back, so they are not claimed only to find the
-#: endpoint busy. Should that chain break (a holder's crash, an operator's cancel), they
-#: run when the lease has expired, as a job that found it busy would have.
-WAITING_BEHIND = """
-SELECT d.id, CASE WHEN e.busy_until > now() THEN extract(epoch FROM e.busy_until - now())::float8
-                  ELSE %(lease_s)s::float8 END
-FROM unnest(%(ids)s::bigint[], %(endpoints)s::bigint[]) AS d(id, endpoint_id)
-JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
+#: The messages of new deliveries (``%(ids)s``, just committed, due now) that are still
+#: queued, locked first: the statements below never wait for a lock (``NOWAIT``: a
+#: conflict ends the attempt, and those messages simply stay due), so parking takes part
+#: in no deadlock.
+PARK_LOCK_MESSAGES = """
+SELECT q.message_id FROM standmeet.webhook_deliveries d JOIN dramatiq.queue q ON q.message_id = d.message_id
+WHERE d.id = ANY(%(ids)s::bigint[]) AND d.state = 'pending' AND d.attempts = 0 AND q."state" = 'queued'
+FOR UPDATE OF q NOWAIT
+"""
+#: Of those, the ones whose endpoint already has a delivery in hand, and until when to
+#: park them: its lease is held (until it expires), or an older never-attempted
+#: delivery's message is queued and due (``webhook_deliveries_due_idx``: a lease's length,
+#: which that job takes when it runs). The endpoint's row and that message's are read
+#: locked (``FOR SHARE NOWAIT``): a holder giving the lease back, or a consumer claiming
+#: that message, meanwhile either ended before (its outcome read here) or waits for this
+#: transaction (and then finds these messages parked: the holder's release wakes the
+#: oldest). A running waiter does not count (it may be ending: nothing would wake these).
+PARK_BEHIND = """
+SELECT d.message_id, CASE WHEN e.busy_until > now() THEN e.busy_until
+                          ELSE now() + make_interval(secs => %(lease_s)s) END
+FROM standmeet.webhook_deliveries d
+JOIN LATERAL (SELECT id, busy_until FROM standmeet.webhook_endpoints WHERE id = d.endpoint_id
+              FOR SHARE NOWAIT) e ON true
 LEFT JOIN LATERAL (
-    SELECT true AS found FROM standmeet.webhook_deliveries w
-    JOIN dramatiq.queue q ON q.message_id = w.message_id AND q."state" IN ('queued', 'consumed')
+    SELECT q.message_id FROM standmeet.webhook_deliveries w
+    JOIN dramatiq.queue q ON q.message_id = w.message_id AND q."state" = 'queued' AND q.eta <= now()
     WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
-    ORDER BY w.id LIMIT 1) waiter ON true
-WHERE e.busy_until > now() OR waiter.found
+      AND w.id <> ALL(%(ids)s::bigint[])
+    ORDER BY w.id LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
+WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
+  AND (e.busy_until > now() OR waiter.message_id IS NOT NULL)
+"""
+PARK = """
+UPDATE dramatiq.queue q SET eta = p.until, mtime = now()
+FROM unnest(%(messages)s::uuid[], %(until)s::timestamptz[]) AS p(message_id, until)
+WHERE q.message_id = p.message_id AND q."state" = 'queued'
 """
 
 
 @dramatiq.actor(actor_name="webhook.fanout", queue_name="webhook", time_limit=30_000)
 def fanout(event_id: int) -> None:
-    """One delivery per subscribed endpoint; a deliver job for each enabled one."""
+    """One delivery per subscribed endpoint; a deliver job for each enabled one (written
+    with the deliveries, in one transaction); then those behind a delivery in hand parked."""
     with db.connection() as conn, conn.transaction():
         event = conn.execute("SELECT type, payload FROM standmeet.webhook_events WHERE id = %s", (event_id,)).fetchone()
         if event is None:
@@ -316,15 +330,33 @@ def fanout(event_id: int) -> None:
             return
         ping_endpoint = (event[1] or {}).get("endpoint_id") if event[0] == "webhook.ping" else None
         rows = conn.execute(FANOUT, {"event": event_id, "ping_endpoint": ping_endpoint}).fetchall()
-        pending = [(int(delivery_id), int(endpoint_id)) for delivery_id, state, endpoint_id in rows if state == "pending"]
-        behind = dict(conn.execute(WAITING_BEHIND, {
-            "ids": [d for d, _ in pending], "endpoints": [e for _, e in pending],
-            "lease_s": app_settings.current().webhook_lease_s}).fetchall()) if pending else {}
-        # the deliver jobs in the same transaction as the deliveries: due now, or, behind
-        # a delivery in hand, when the soonest of their endpoints' leases expires (woken sooner)
-        enqueue_deliveries(conn, [d for d, _ in pending if d not in behind])
-        if behind:
-            enqueue_deliveries(conn, sorted(behind), delay_ms=max(1, int(min(behind.values()) * 1000)))
+        # every deliver job in one statement, in the same transaction as the deliveries
+        pending = [int(delivery_id) for delivery_id, state in rows if state == "pending"]
+        enqueue_deliveries(conn, pending)
+    if pending:
+        park_behind(pending)
+
+
+def park_behind(delivery_ids: list[int]) -> int:
+    """Park the due messages of ``delivery_ids`` whose endpoint already has a delivery in
+    hand until that lease would expire (:data:`PARK_BEHIND`): the holder's batch makes
+    them (marking their messages done), or its release wakes the oldest, so they are not
+    claimed only to find the endpoint busy; should that chain break (a holder's crash, an
+    operator's cancel), they run when the lease has expired, as a job that found it busy
+    would. After the deliveries' commit, so a release never misses them. Best effort: on
+    a lock held elsewhere they stay due. Returns how many were parked."""
+    try:
+        with db.connection() as conn, conn.transaction():
+            locked = [m for (m,) in conn.execute(PARK_LOCK_MESSAGES, {"ids": delivery_ids}).fetchall()]
+            if not locked:
+                return 0
+            parked = conn.execute(PARK_BEHIND, {"ids": delivery_ids, "locked": locked,
+                                                "lease_s": app_settings.current().webhook_lease_s}).fetchall()
+            if parked:
+                conn.execute(PARK, {"messages": [m for m, _ in parked], "until": [u for _, u in parked]})
+            return len(parked)
+    except psycopg.errors.LockNotAvailable:
+        return 0  # a lease given back or a message claimed this moment: they stay due
 
 
 # -- delivery -----------------------------------------------------------------------------

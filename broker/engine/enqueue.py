@@ -528,18 +528,17 @@ def enqueue_message(conn: psycopg.Connection[Any], message: Message, *, delay_ms
     return finish_send(prepared, outcome)
 
 
-def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message], *,
-                     delay_ms: int | None = None) -> list[Message]:
+def enqueue_messages(conn: psycopg.Connection[Any], messages: list[Message]) -> list[Message]:
     """Write many messages on ``conn``, in its transaction (copied, those with a unique
-    key in statements of their own: :func:`_write_batch`), due after ``delay_ms``; each
-    skipped one is replaced by the live message of its key."""
+    key in statements of their own: :func:`_write_batch`); each skipped one is replaced by
+    the live message of its key."""
     if not messages:
         return messages
     broker = current_broker()
-    before_enqueue(broker, messages, delay_ms)
-    written, skipped = _write_batch(conn, broker, messages, delay_ms)
+    before_enqueue(broker, messages, None)
+    written, skipped = _write_batch(conn, broker, messages, None)
     count_skips(skipped, broker)
-    after_enqueue(broker, written, delay_ms)
+    after_enqueue(broker, written, None)
     return written
 
 

@@ -315,8 +315,10 @@ def test_a_delivery_fanned_out_during_a_batch_is_woken_when_the_batch_gives_the_
         # lease's expiry, 20 s away), then the batch ends and gives the lease back
         wait_for(lambda: [s for _, s, _ in states(database_url, endpoint)] == ["succeeded"] * 2, timeout_s=10,
                  what="the second delivery to be made, long before the lease would have expired")
-    # Then the second's job was woken by the lease's release and ran once, without snoozing
+    # Then the second's job was woken by the lease's release (it was parked until the lease's
+    # expiry, 20 s away): it ran once; or, claimed in the instant between its commit and its
+    # parking, it found the endpoint busy, snoozed once, and was woken all the same
     [(claims, options)] = query(database_url, "SELECT q.claims, q.message->'options' FROM standmeet.webhook_deliveries d"
                                               " JOIN dramatiq.queue q ON q.message_id = d.message_id"
                                               " WHERE d.event_id = %s", (events[0],))
-    assert claims == 1 and options.get("snoozes", 0) == 0, (claims, options)
+    assert (claims, options.get("snoozes", 0)) in ((1, 0), (2, 1)), (claims, options)
