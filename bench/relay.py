@@ -46,8 +46,8 @@ def _backlog(url: str, n: int) -> None:
     from broker.engine import sql
 
     with psycopg.connect(url) as conn, conn.cursor() as cur:
-        cur.executemany(sql.EMIT, [{"topic": "document.written", "payload": f'{{"document_id": {i}}}'}
-                                   for i in range(1, n + 1)])
+        cur.executemany(sql.EMIT, [{"topic": "document.written", "payload": f'{{"document_id": {i}}}',
+                                    "routes": '["corpus.index"]'} for i in range(1, n + 1)])
 
 
 def _cpu_of(pid: int) -> float:

@@ -479,7 +479,7 @@ OUTBOX_CHANNEL = "standmeet_outbox"
 
 EMIT = """
 WITH inserted AS (
-    INSERT INTO standmeet.outbox (topic, payload) VALUES (%(topic)s, %(payload)s::jsonb)
+    INSERT INTO standmeet.outbox (topic, payload, routes) VALUES (%(topic)s, %(payload)s::jsonb, %(routes)s::jsonb)
     RETURNING id
 )
 SELECT id, pg_notify(standmeet.outbox_channel(), '') FROM inserted

@@ -82,14 +82,17 @@ def outbox_lag_s(conn: psycopg.Connection[Any]) -> float | None:
 # -- the outbox and its relays -----------------------------------------------------------
 
 #: The topics live relays route (a fresh heartbeat, not stopped).
-_ROUTED_TOPICS = """
-SELECT DISTINCT t.topic FROM standmeet.relays r, unnest(r.topics) AS t(topic)
-WHERE r.stopped_at IS NULL AND r.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
-"""
+#: Whether a live relay can take the event ``o``: one routes its topic, to each of the
+#: actors its emitter routed it to (an older release's relay, which knows fewer, leaves it).
+_TAKEN_BY_A_LIVE_RELAY = """EXISTS (
+    SELECT 1 FROM standmeet.relays r
+    WHERE r.stopped_at IS NULL AND r.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
+      AND o.topic = ANY(r.topics) AND (o.routes IS NULL OR r.routes IS NULL OR r.routes -> o.topic @> o.routes))"""
 
-#: Each pending topic that no live relay routes, with its events and the oldest's age.
-#: The pending topics are found by skipping from one to the next on the (topic, id)
-#: index, not by reading every pending event; only unrouted topics' events are counted.
+#: Each pending topic with events no live relay can take (no live relay routes the topic,
+#: or none to all the actors their emitter routed it to), with those events and the
+#: oldest's age. The pending topics are found by skipping from one to the next on the
+#: (topic, id) index, not by reading every pending event.
 UNROUTED_TOPICS = """
 WITH RECURSIVE topics AS (
     (SELECT topic FROM standmeet.outbox WHERE relayed_at IS NULL AND error IS NULL ORDER BY topic LIMIT 1)
@@ -98,15 +101,15 @@ WITH RECURSIVE topics AS (
             WHERE o.relayed_at IS NULL AND o.error IS NULL AND o.topic > t.topic
             ORDER BY o.topic LIMIT 1)
     FROM topics t WHERE t.topic IS NOT NULL
-), routed AS (""" + _ROUTED_TOPICS + """)
+)
 SELECT t.topic, counted.events, counted.oldest_age_s
 FROM topics t
 CROSS JOIN LATERAL (
     SELECT count(*) AS events, EXTRACT(EPOCH FROM now() - min(o.created_at))::float8 AS oldest_age_s
     FROM standmeet.outbox o
-    WHERE o.topic = t.topic AND o.relayed_at IS NULL AND o.error IS NULL
+    WHERE o.topic = t.topic AND o.relayed_at IS NULL AND o.error IS NULL AND NOT """ + _TAKEN_BY_A_LIVE_RELAY + """
 ) counted
-WHERE t.topic IS NOT NULL AND NOT EXISTS (SELECT 1 FROM routed WHERE routed.topic = t.topic)
+WHERE t.topic IS NOT NULL AND counted.events > 0
 ORDER BY t.topic
 """
 
@@ -121,13 +124,12 @@ FROM standmeet.relays r
 ORDER BY alive DESC, r.started_at DESC, r.id
 """
 
-#: Events not relayed, oldest first: pending, unrouted (no live relay routes their topic),
-#: or failed (with the reason).
+#: Events not relayed, oldest first: pending, unrouted (no live relay can take them:
+#: :data:`_TAKEN_BY_A_LIVE_RELAY`), or failed (with the reason).
 LIST_OUTBOX_EVENTS = """
-WITH routed AS (""" + _ROUTED_TOPICS + """)
 SELECT o.id, o.topic,
        CASE WHEN o.error IS NOT NULL THEN 'failed'
-            WHEN NOT EXISTS (SELECT 1 FROM routed WHERE routed.topic = o.topic) THEN 'unrouted'
+            WHEN NOT """ + _TAKEN_BY_A_LIVE_RELAY + """ THEN 'unrouted'
             ELSE 'pending' END,
        o.created_at, EXTRACT(EPOCH FROM now() - o.created_at)::float8, o.error
 FROM standmeet.outbox o

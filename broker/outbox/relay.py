@@ -12,6 +12,7 @@ enqueue hooks run). :class:`Relay` is the loop of one process.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import socket
@@ -35,7 +36,7 @@ from broker.engine.codec import check_encoded_size, checked_json, compact_json
 from broker.engine.unique import UniqueBy, UniqueItem, unique_key_for, unique_of
 from broker.errors import UnknownTopic
 from broker.observability import tracing
-from broker.outbox.routes import ROUTES, Route, routed_topics, routes_for
+from broker.outbox.routes import ROUTES, Route, route_actors, routed_topics, routes_for
 from broker.pg import pool as pgpool
 from broker.pg.pool import DISCONNECTS, Outage, close_quietly
 from broker.services import current_broker
@@ -142,6 +143,7 @@ SET relayed_at = now(), relay_txid = txid_current(), relayed_by = %(relay_id)s::
     messages = (%(counts)s::jsonb ->> o.topic)::int
 FROM (SELECT id FROM standmeet.outbox
       WHERE relayed_at IS NULL AND error IS NULL AND topic = ANY(%(topics)s::text[])
+        AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes)
         AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
                    CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
                                        WHERE p.topic = t.topic AND p.relayed_at IS NULL AND p.error IS NULL
@@ -235,6 +237,13 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
     state.messages += len(pending)
 
 
+def known_routes(topics: Sequence[str]) -> str:
+    """What this process routes each of ``topics`` to, as the relays' and the claim's
+    JSON object (``{"topic": ["actor", …]}``): it takes an event only if these are all
+    the routes its emitter knew (a process of an older release leaves a newer event alone)."""
+    return "{" + ",".join(f"{json.dumps(t)}:{route_actors(ROUTES.get(t, []))}" for t in topics) + "}"
+
+
 def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: int = RELAY_CHUNK_ROWS,
                topics: Sequence[str] | None = None, relay_id: str | None = None,
                claimed_ids: list[int] | None = None) -> RelayResult:
@@ -257,7 +266,8 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     if not wanted:
         return RelayResult(0, 0)
     counts = Jsonb({topic: len(routes) for topic, routes in ROUTES.items()})
-    params: dict[str, Any] = {"counts": counts, "topics": wanted, "relay_id": relay_id}
+    params: dict[str, Any] = {"counts": counts, "topics": wanted, "relay_id": relay_id,
+                              "routes": known_routes(wanted)}
     state: _Pass | None = None
     claimed = 0
     with conn.pipeline(), conn.transaction():
@@ -289,9 +299,10 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
 
 #: Register a relay with the topics it routes, or prove it alive (the database's clock).
 RELAY_HEARTBEAT = """
-INSERT INTO standmeet.relays AS r (id, hostname, pid, topics)
-VALUES (%(id)s::uuid, %(hostname)s, %(pid)s, %(topics)s::text[])
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, topics = EXCLUDED.topics
+INSERT INTO standmeet.relays AS r (id, hostname, pid, topics, routes)
+VALUES (%(id)s::uuid, %(hostname)s, %(pid)s, %(topics)s::text[], %(routes)s::jsonb)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, topics = EXCLUDED.topics,
+    routes = EXCLUDED.routes
 """
 #: A relay that stopped routes nothing any more.
 RELAY_STOPPED = "UPDATE standmeet.relays SET stopped_at = now() WHERE id = %(id)s::uuid"
@@ -374,8 +385,10 @@ class Relay:
 
     def heartbeat(self) -> None:
         """Record this relay alive, with the topics it routes (by the database's clock)."""
+        topics = self.topics
         self._connection().execute(RELAY_HEARTBEAT, {"id": self.id, "hostname": socket.gethostname(),
-                                                     "pid": os.getpid(), "topics": self.topics})
+                                                     "pid": os.getpid(), "topics": topics,
+                                                     "routes": known_routes(topics)})
 
     def run(self, stop: threading.Event) -> None:
         backoff = Backoff(start_s=0.1, cap_s=5.0)

@@ -57,6 +57,11 @@ def routed_topics(broker: Any | None = None) -> list[str]:
                   if routes and all(r.actor in actors for r in routes))
 
 
+def route_actors(routes: list[Route]) -> str:
+    """The actors of ``routes``, as the JSON array an event and a relay record (sorted)."""
+    return json.dumps(sorted(r.actor for r in routes), separators=(",", ":"))
+
+
 def routes_for(topic: str) -> list[Route]:
     routes = ROUTES.get(topic)
     if not routes:
@@ -105,7 +110,8 @@ def emit_params(topic: str, payload: dict[str, Any], *, max_payload_bytes: int |
                                                  "messaging.destination.name": topic})
     if carrier:  # the relay moves it to the event's messages (outbox → relay → actors)
         text = json.dumps({**payload, tracing.OUTBOX_KEY: carrier}, separators=(",", ":"))
-    return {"topic": topic, "payload": text}
+    # the routes this process knows: a relay that knows fewer leaves the event to one that knows them all
+    return {"topic": topic, "payload": text, "routes": route_actors(routes)}
 
 
 def emit(conn: psycopg.Connection[Any], topic: str, payload: dict[str, Any], *,

@@ -37,7 +37,8 @@ RUNS = "SELECT label, count(*), min(pid), max(pid) FROM test_runs WHERE label LI
 
 def _reports_event(conn: psycopg.Connection[Any], label: str) -> int:
     """What the reports application's ``emit`` writes (this test process does not load it)."""
-    row = conn.execute(sql.EMIT, {"topic": REPORT, "payload": json.dumps({"label": label})}).fetchone()
+    row = conn.execute(sql.EMIT, {"topic": REPORT, "payload": json.dumps({"label": label}),
+                                  "routes": '["reports.record"]'}).fetchone()
     assert row is not None
     return int(row[0])
 

@@ -203,10 +203,12 @@ def test_a_database_migrated_before_the_split_records_the_applications_history_a
     env = {**subprocess_env, "DATABASE_URL": url}
     done = subprocess.run(MIGRATE, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    # Then nothing runs: the application's migrations are recorded, each as the one it replaces
+    # Then only the runtime's migrations written since run; the application's are recorded,
+    # each as the one it replaces, not run
     actors = package_migrations(ACTORS[0])
-    assert done.stdout.splitlines() == [f"recorded actors {m.file_name} (the runtime's {m.replaces} applied it)"
-                                        for m in actors]
+    since = [f"applied {m.file_name}" for m in available_migrations() if m.version > 24]
+    assert done.stdout.splitlines() == since + [f"recorded actors {m.file_name} (the runtime's {m.replaces} applied it)"
+                                                for m in actors]
     assert testdb.query(url, "SELECT package, version, name, replaced FROM standmeet.package_migrations "
                              "ORDER BY version") == [("actors", m.version, m.name, m.replaces) for m in actors]
     # nothing was created again, nothing was lost, and the schema is a fresh database's

@@ -351,7 +351,7 @@ def test_status_says_which_queue_has_no_worker_and_which_topic_no_process_routes
         query(database_url, sql_enqueue.ENQUEUE, enqueue_params(
             [Message(queue_name="reports_nobody", actor_name="reports.none", args=(i,), kwargs={}, options={})
              for i in range(3)]))
-        query(database_url, sql.EMIT, {"topic": "nobody.routes", "payload": "{}"})
+        query(database_url, sql.EMIT, {"topic": "nobody.routes", "payload": "{}", "routes": None})
         try:
             text = ok(cli(env, "status"))
             doc = json.loads(ok(cli(env, "status", "--json")))

@@ -503,7 +503,7 @@ def test_the_outbox_page_shows_unrouted_topics_and_failed_events_and_retries_the
 
     # Given an event of a topic no live process routes, and a failed event of one this process routes
     query(database_url, "DELETE FROM standmeet.outbox")
-    query(database_url, sql.EMIT, {"topic": "dash.elsewhere", "payload": "{}"})
+    query(database_url, sql.EMIT, {"topic": "dash.elsewhere", "payload": "{}", "routes": None})
     (failed_id,) = query(database_url, "INSERT INTO standmeet.outbox (topic, payload, error)"
                                        " VALUES ('test.ping', '{\"label\": \"dash-retried\"}',"
                                        " 'UnknownTopic: no route') RETURNING id")[0]

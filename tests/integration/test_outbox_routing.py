@@ -66,7 +66,8 @@ def relays() -> Iterator[list[Relay]]:
 
 def _foreign_event(conn: psycopg.Connection[Any], label: str) -> int:
     """What another module set's ``emit`` writes (this process has no route for it)."""
-    row = conn.execute(sql.EMIT, {"topic": FOREIGN, "payload": f'{{"label": "{label}"}}'}).fetchone()
+    row = conn.execute(sql.EMIT, {"topic": FOREIGN, "payload": f'{{"label": "{label}"}}',
+                                "routes": '["elsewhere.record"]'}).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -145,7 +146,7 @@ def test_an_event_no_live_relay_routes_is_shown_unrouted_until_one_that_routes_i
     assert samples[("standmeet_relays_alive", ())] >= 1
     # When a relay of a process that routes the topic registers (another module set's)
     conn.execute(outbox.RELAY_HEARTBEAT, {"id": str(uuid.uuid4()), "hostname": "reports-host", "pid": 1,
-                                          "topics": [FOREIGN]})
+                                          "topics": [FOREIGN], "routes": None})
     # Then the topic is routed: pending, not unrouted
     assert ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S) == []
     assert {e.state for e in ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S)} == {"pending"}
@@ -249,3 +250,51 @@ def _scrape(database_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     text = generate_latest(registry).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_an_event_a_newer_release_routes_to_more_actors_is_left_to_a_relay_that_knows_them_all(
+        broker, database_url, clean, conn, relays):
+    from broker.outbox.routes import ROUTES
+
+    # Given this process's relay alive, routing test.ping to its actors
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    ours = sorted(r.actor for r in ROUTES["test.ping"])
+    newer = [*ours, "test.mark"]
+    # and two events of test.ping: one emitted here, one by a newer release that also routes it
+    # to another actor (as a rolling deploy has them side by side)
+    with conn.transaction():
+        same = emit(conn, "test.ping", {"label": "same-routes"})
+        ahead = conn.execute(sql.EMIT, {"topic": "test.ping", "payload": '{"label": "newer-routes"}',
+                                        "routes": route_actors_of(newer)}).fetchone()[0]
+    # When a relay pass runs here (beside this process's running relay)
+    relay_once(conn, limit=200)
+    # Then the event whose routes it knows is relayed, and the newer one left pending,
+    # untouched (relaying it would write no message for the actor it does not know)
+    wait_for(lambda: _event(database_url, same)[:2] == (True, None), timeout_s=10, what="the known event relayed")
+    assert scalar(database_url, "SELECT messages FROM standmeet.outbox WHERE id = %s", (same,)) == len(ours)
+    assert _event(database_url, ahead) == (False, None, None)
+    # and operators see it unrouted: no live relay knows all its routes
+    assert [(t.topic, t.events) for t in ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S)] == [("test.ping", 1)]
+    assert [e.state for e in ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S)] == ["unrouted"]
+    # When a relay of the newer release is alive, it is pending for it, and a pass there takes it
+    conn.execute(outbox.RELAY_HEARTBEAT, {"id": str(uuid.uuid4()), "hostname": "newer-host", "pid": 1,
+                                          "topics": ["test.ping"],
+                                          "routes": '{"test.ping": ' + route_actors_of(newer) + "}"})
+    assert ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S) == []
+    from tests.support.jobs import _ping
+
+    route("test.ping", "test.mark", _ping)  # (this process becomes the newer release)
+    try:
+        relayed = relay_once(conn, limit=200, topics=["test.ping"])
+    finally:
+        ROUTES["test.ping"] = [r for r in ROUTES["test.ping"] if r.actor != "test.mark"]
+    assert (relayed.claimed, relayed.messages) == (1, 2) and _event(database_url, ahead)[:2] == (True, None)
+    assert sorted(r.actor for r in ROUTES["test.ping"]) == ours
+
+
+def route_actors_of(actors: list[str]) -> str:
+    import json
+
+    return json.dumps(sorted(actors), separators=(",", ":"))
