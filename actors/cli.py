@@ -20,6 +20,7 @@ from actors.webhook_views import MAX_ROW_ID
 from broker import app, ops
 from broker.boot import bounded_int
 from broker.cli import output as cliout
+from broker.cli.common import ascii_number
 from broker.errors import StandmeetError
 from broker.services import current_broker
 from broker.settings import Settings
@@ -47,6 +48,12 @@ def cmd_emit(args: argparse.Namespace) -> int:
     except (json.JSONDecodeError, RecursionError) as exc:
         what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         print(f"standmeet-jobs: --payload is not JSON: {what}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # JSON, but a number Python refuses to read (an integer past its digit limit)
+        limit = sys.get_int_max_str_digits()
+        what = (f"it holds an integer of more than {limit} digits: give it as a string" if "limit" in str(exc)
+                else (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+        print(f"standmeet-jobs: --payload cannot be read: {what}", file=sys.stderr)
         return 1
     if not isinstance(payload, dict):
         print("standmeet-jobs: --payload must be a JSON object", file=sys.stderr)
@@ -421,8 +428,9 @@ def _setup_webhooks(p: argparse.ArgumentParser) -> None:
     q.add_argument("--count", type=int, default=1)
     q.set_defaults(func=cmd_webhooks_ping)
     q = wh.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
-    q.add_argument("endpoint", type=bounded_int(low=1, high=MAX_ROW_ID), nargs="?", help="only this endpoint's")
-    q.add_argument("--limit", type=bounded_int(low=1, high=ops.MAX_LIMIT), default=100,
+    q.add_argument("endpoint", type=ascii_number(bounded_int(low=1, high=MAX_ROW_ID)), nargs="?",
+                   help="only this endpoint's")
+    q.add_argument("--limit", type=ascii_number(bounded_int(low=1, high=ops.MAX_LIMIT)), default=100,
                    help=f"at most this many (1 to {ops.MAX_LIMIT}; default 100)")
     q.add_argument("--json", action="store_true", help="a JSON list")
     q.set_defaults(func=cmd_webhooks_deliveries)

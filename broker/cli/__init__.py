@@ -2,7 +2,8 @@
 
     standmeet-jobs migrate [MODULE …]      create or update the schema (idempotent): the
                                            runtime's tables, then the modules' own
-    standmeet-jobs check [MODULE …]        the start-up checks (the connection budget…)
+    standmeet-jobs check [MODULE …]        the start-up checks (the connection budget…, the
+                                           database reachable and its schema current)
     standmeet-jobs run [MODULE …]          check the connections, migrate, then supervise
                                            worker processes (python -m broker.worker
                                            MODULE …) and the scheduler until Ctrl-C / SIGTERM
@@ -30,7 +31,6 @@ from collections.abc import Callable, Sequence
 from broker.boot import (
     APP_MODULES_VARIABLE,
     DEFAULT_APP_MODULES,
-    OneLineParser,
     app_modules,
     boot,
     bounded_int,
@@ -39,7 +39,14 @@ from broker.boot import (
 
 # Only what ``--help`` needs is imported here (it answers without Dramatiq, psycopg's pools,
 # Starlette or the application): each command imports what it uses.
-from broker.cli.common import PROCESSES_MOST, check_counts, say, threads_per_worker
+from broker.cli.common import (
+    PROCESSES_MOST,
+    CommandLineParser,
+    ascii_number,
+    check_counts,
+    say,
+    threads_per_worker,
+)
 
 __all__ = ["PROCESSES_MOST", "check_counts", "main", "say", "threads_per_worker"]
 
@@ -48,7 +55,8 @@ LOG_FORMATS = ("text", "json")
 #: The runtime's own commands (built here) and their one-line help.
 OWN_COMMANDS = {
     "migrate": "create or update the database schema",
-    "check": "the start-up checks (connection budget, declared rules); exit 1 when one fails",
+    "check": "the start-up checks (connection budget, declared rules, the database reachable and migrated); "
+             "exit 1 when one fails",
     "run": "migrate, then run the workers and the scheduler",
     "dashboard": "serve the web dashboard (see and steer the jobs in a browser)",
     "db": "the database in use; stop the embedded server",
@@ -98,10 +106,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from broker.errors import StandmeetError
 
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away is met here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        if not _stdout_broken():
+            raise
+        return _stdout_closed()
     except StandmeetError as exc:
         say(str(exc))
         return 1
+    except UnicodeEncodeError:  # an argument no parser type checked (every one is, as it is read)
+        bad = _not_utf8_arguments(argv)
+        if not bad:
+            raise
+        say(f"{bad[0]} is not valid UTF-8 text: give it in UTF-8")
+        return 2
     except Exception as exc:  # a database error past the preflight: one line, no traceback
         import psycopg
 
@@ -113,11 +133,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _stdout_closed() -> int:
+    """What a command does when whoever read its output went away (``… --json | head -1``):
+    as rich does for the tables, nothing more is written to stdout and it exits 1 quietly (the
+    rest of the output, still buffered, goes to the null device at the interpreter's exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return 1
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout is a pipe nobody reads any more (a broken pipe met elsewhere, on a
+    socket, is not this)."""
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR is always reported
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no stdout: take it as said
+        return True
+
+
+def _not_utf8_arguments(argv: Sequence[str]) -> list[str]:
+    """The arguments of ``argv`` that are not valid UTF-8, each named with its option."""
+    named = []
+    for i, word in enumerate(argv):
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError:
+            option, equals, _ = word.partition("=")
+            if word.startswith("--") and equals:
+                named.append(f"argument {option} {word!r}")
+            elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1]:
+                named.append(f"argument {argv[i - 1]} {word!r}")
+            else:
+                named.append(f"argument {word!r}")
+    return named
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line, built in full for ``command`` only (every command is listed):
     ``--help`` and each runtime command import nothing they do not use."""
-    parser = OneLineParser(
+    parser = CommandLineParser(
         prog="standmeet-jobs", description=__doc__.split("\n")[0],
         epilog=f"An application's commands (from the modules {APP_MODULES_VARIABLE} names, default {', '.join(DEFAULT_APP_MODULES)}) "
         "are loaded when named: standmeet-jobs COMMAND --help.",
@@ -203,7 +264,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; others need STANDMEET_DASHBOARD_PASSWORD)")
-    p.add_argument("--port", type=bounded_int(low=1, high=65535), default=8420, help="port (default 8420)")
+    p.add_argument("--port", type=ascii_number(bounded_int(low=1, high=65535)), default=8420, help="port (default 8420)")
     p.add_argument("--read-only", action="store_true", help="show everything, change nothing")
     p.set_defaults(func=cmd_dashboard)
 
@@ -246,6 +307,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         served_queues,
     )
     from broker.pg.embedded import resolve_database_url
+    from broker.pg.preflight import check_database
     from broker.settings import Settings, undeclared
 
     settings = Settings.from_env()
@@ -255,12 +317,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     budget = check_budget(settings, queues, threads=threads_per_worker(settings, queues, args.threads))
     for line in undeclared():  # the loaded modules' settings count as declared
         print(f"warning: {line}")
+    url = resolve_database_url(settings)
+    # What a worker meets at its start: the database reachable, its schema (the runtime's
+    # and the loaded modules') current; each failure one line, exit 1.
+    check_database(url)
     print(f"ok: {budget.describe()}")
     scheduler = scheduler_connections(settings)
     print(f"per process: {budget.process.describe()}")
     print(f"per process: {scheduler.describe()}")
     if args.processes is not None:
-        url = resolve_database_url(settings)
         fleet = Fleet(processes=args.processes, worker=budget.process, scheduler=scheduler,
                       supervisor=1 if settings.metrics_port is not None else 0)
         print(f"ok: {check_fleet(settings, url, fleet)}")

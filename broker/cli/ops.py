@@ -36,6 +36,7 @@ import psycopg
 
 from broker import app, ops
 from broker.boot import bounded_float, bounded_int
+from broker.cli.common import ascii_digits, ascii_hex, ascii_number, filter_text
 from broker.cli.output import (
     _age,
     _connect,
@@ -59,8 +60,8 @@ DEFAULT_MAX_AGE_S = 300.0
 #: What ``status`` sums of the history: the last hour.
 HISTORY_WINDOW = timedelta(hours=1)
 #: The page sizes and offsets the commands take.
-LIMIT = bounded_int(low=1, high=ops.MAX_LIMIT)
-OFFSET = bounded_int(low=0, high=ops.MAX_OFFSET)
+LIMIT = ascii_number(bounded_int(low=1, high=ops.MAX_LIMIT))
+OFFSET = ascii_number(bounded_int(low=0, high=ops.MAX_OFFSET))
 
 
 class UsageError(StandmeetError):
@@ -75,7 +76,7 @@ def add_commands(sub: Any) -> None:
                    help="exit 1 when a due job waited too long, due work has no live worker "
                    "(STANDMEET_QUEUE_UNSERVED_MAX_AGE_S), a queue has no live worker, or outbox events no "
                    "live process routes waited too long (STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S): health probes")
-    p.add_argument("--max-age-s", type=bounded_float(low=0, high=MONTH_S), default=DEFAULT_MAX_AGE_S,
+    p.add_argument("--max-age-s", type=ascii_number(bounded_float(low=0, high=MONTH_S)), default=DEFAULT_MAX_AGE_S,
                    help=f"with --check: the longest a due job may wait (default {DEFAULT_MAX_AGE_S:g})")
     p.add_argument("--queues", nargs="*",
                    help="with --check: the queues that need a live worker even with nothing due (default: the "
@@ -86,10 +87,10 @@ def add_commands(sub: Any) -> None:
     jobs = p.add_subparsers(metavar="ACTION")
     q = jobs.add_parser("list", help="jobs, newest first")
     q.add_argument("--state", choices=ops.JOB_STATES)
-    q.add_argument("--queue")
-    q.add_argument("--actor")
+    q.add_argument("--queue", type=filter_text)
+    q.add_argument("--actor", type=filter_text)
     q.add_argument("--since", type=_since, help="enqueued since: an ISO time or an age (15m, 2h, 1d; at most 36500d)")
-    q.add_argument("--search", help="text in the job's arguments")
+    q.add_argument("--search", type=filter_text, help="text in the job's arguments")
     q.add_argument("--error", type=_error_text, help="text in the job's error or last traceback (case-insensitive, "
                    f"at most {ops.MAX_ERROR_SEARCH_CHARS} characters; reads every job the other filters leave)")
     q.add_argument("--limit", type=LIMIT, default=50, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 50)")
@@ -98,17 +99,18 @@ def add_commands(sub: Any) -> None:
     q.set_defaults(func=cmd_jobs_list)
 
     q = jobs.add_parser("show", help="one job: options, retries, error and traceback, timeline")
-    q.add_argument("id", help="the job's id, or a unique prefix of it (at least 8 hex digits)")
+    q.add_argument("id", type=ascii_hex, help="the job's id, or a unique prefix of it (at least 8 hex digits)")
     q.add_argument("--show-args", action="store_true", help="show its arguments (hidden by default)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_jobs_show)
 
     q = jobs.add_parser("retry", help="send rejected jobs back to their queue, retries reset; cancelled ones "
                         "only when named by id or with --include-cancelled")
-    q.add_argument("ids", nargs="*", metavar="ID", help="job ids, or unique prefixes of them (8+ hex digits)")
+    q.add_argument("ids", nargs="*", metavar="ID", type=ascii_hex,
+                   help="job ids, or unique prefixes of them (8+ hex digits)")
     q.add_argument("--state", choices=("rejected", "cancelled"), help="retry every job in this state …")
-    q.add_argument("--queue", help="… of this queue")
-    q.add_argument("--actor", help="… of this actor")
+    q.add_argument("--queue", type=filter_text, help="… of this queue")
+    q.add_argument("--actor", type=filter_text, help="… of this actor")
     q.add_argument("--since", type=_since, help="… enqueued since (an ISO time or an age: 15m, 2h, 1d)")
     q.add_argument("--error", type=_error_text, help="… whose error or last traceback contains this text")
     q.add_argument("--include-cancelled", action="store_true",
@@ -116,10 +118,11 @@ def add_commands(sub: Any) -> None:
     q.set_defaults(func=cmd_jobs_retry)
 
     q = jobs.add_parser("cancel", help="a queued or delayed job never runs; a running one is not retried")
-    q.add_argument("ids", nargs="*", metavar="ID", help="job ids, or unique prefixes of them (8+ hex digits)")
+    q.add_argument("ids", nargs="*", metavar="ID", type=ascii_hex,
+                   help="job ids, or unique prefixes of them (8+ hex digits)")
     q.add_argument("--state", choices=("queued", "delayed", "running"), help="cancel every job in this state …")
-    q.add_argument("--queue", help="… of this queue")
-    q.add_argument("--actor", help="… of this actor")
+    q.add_argument("--queue", type=filter_text, help="… of this queue")
+    q.add_argument("--actor", type=filter_text, help="… of this actor")
     q.add_argument("--since", type=_since, help="… enqueued since (an ISO time or an age)")
     q.add_argument("--error", type=_error_text, help="… whose error or last traceback contains this text")
     q.set_defaults(func=cmd_jobs_cancel)
@@ -141,15 +144,15 @@ def add_commands(sub: Any) -> None:
     q = outbox.add_parser("list", help="events not relayed, oldest first: pending, unrouted (no live process "
                           "routes their topic) or failed (with the reason)")
     q.add_argument("--failed", action="store_true", help="only failed events")
-    q.add_argument("--topic", help="only this topic's")
+    q.add_argument("--topic", type=filter_text, help="only this topic's")
     q.add_argument("--limit", type=LIMIT, default=50, help=f"at most this many (1 to {ops.MAX_LIMIT}; default 50)")
     q.add_argument("--json", action="store_true", help="a JSON list")
     q.set_defaults(func=cmd_outbox_list)
     q = outbox.add_parser("retry", help="failed events back to pending: a relay that routes their topic "
                           "relays them again")
-    q.add_argument("ids", nargs="*", metavar="ID")
+    q.add_argument("ids", nargs="*", metavar="ID", type=ascii_digits)
     q.add_argument("--failed", action="store_true", help="retry every failed event …")
-    q.add_argument("--topic", help="… of this topic")
+    q.add_argument("--topic", type=filter_text, help="… of this topic")
     q.set_defaults(func=cmd_outbox_retry)
 
 

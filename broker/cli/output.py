@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 
 from broker import ops
+from broker.cli.common import ascii_digits, filter_text
 from broker.errors import DatabaseUnavailable, StandmeetError
 from broker.pg import pool as pgpool
 from broker.pg.embedded import resolve_database_url
@@ -127,7 +128,9 @@ def _table(*columns: str, title: str | None = None) -> Any:
 
 
 def _error_text(value: str) -> str:
-    """An argparse ``type``: the text to search errors for, within its length (exit 2 past it)."""
+    """An argparse ``type``: the text to search errors for, not empty and within its length
+    (exit 2 past it)."""
+    filter_text(value)
     try:
         ops.job_filters(error=value)
     except ops.OpsError as exc:
@@ -136,7 +139,9 @@ def _error_text(value: str) -> str:
 
 
 def _since(value: str) -> str:
-    """An argparse ``type``: an ISO time or an age within range (checked, given on as typed)."""
+    """An argparse ``type``: an ISO time or an age within range, in ASCII digits (checked,
+    given on as typed)."""
+    ascii_digits(value)
     try:
         ops.parse_since(value)
     except ops.OpsError as exc:

@@ -200,12 +200,14 @@ def test_an_undeclared_variable_is_logged_once_per_process(caplog):
     assert logged == ["STANDMEET_RETENTION_DAY=3 is not a setting; did you mean STANDMEET_RETENTION_DAYS?"]
 
 
-def test_check_prints_an_undeclared_variable_and_still_passes():
+def test_check_prints_an_undeclared_variable_as_a_warning_before_it_checks_the_database():
     env = {**os.environ, "STANDMEET_HEARTBEAT": "3", "STANDMEET_QUEUE_INDEX_POLL_S": "2",
            "DATABASE_URL": "postgresql://check.invalid/none", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-m", "broker.cli", "check"], env=env, capture_output=True,
                             text=True, timeout=60, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
+    # (the warning does not fail it; the database it cannot reach does, in one line)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "check.invalid" in result.stderr.strip().splitlines()[-1], result.stderr
     assert "warning: STANDMEET_HEARTBEAT=3 is not a setting; did you mean STANDMEET_HEARTBEAT_S?" in result.stdout
     assert "QUEUE_INDEX_POLL_S" not in result.stdout + result.stderr
     assert result.stderr.count("STANDMEET_HEARTBEAT=3 is not a setting") == 1  # logged once
