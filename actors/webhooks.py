@@ -705,9 +705,13 @@ def deliver(delivery_id: int) -> None:
     #    enough before the job's own limit that the attempts are always recorded, and
     #    record each before the next POST (a crash re-sends at most the one in flight);
     #    the next one only after a success and while the whole HTTP timeout and the margin
-    #    still fit (a failing endpoint keeps its other deliveries for their own jobs). The
-    #    record of the last one also gives the lease back.
-    for n, due in enumerate(todo):
+    #    still fit (a failing endpoint keeps its other deliveries for their own jobs); once
+    #    a full batch is made, on with the endpoint's next ones, 32 at a time (:func:`_waiting`),
+    #    without a claim in between. The record of the last one also gives the lease back.
+    n = 0
+    full = len(batch) == BATCH_MAX - 1  # the lease statement read as many as it could: more may wait
+    while n < len(todo):
+        due = todo[n]
         timeout_s = request_budget(settings.webhook_http_timeout_s, margin_s=RECORD_MARGIN_S)
         started = datetime.now(timezone.utc)
         t0 = time.monotonic()
@@ -727,7 +731,13 @@ def deliver(delivery_id: int) -> None:
             raise
         made = _attempt(due, started, t0, outcome)
         own = own or made
-        last = n == len(todo) - 1 or not outcome.ok or not _room_for_another(settings.webhook_http_timeout_s)
+        going_on = outcome.ok and _room_for_another(settings.webhook_http_timeout_s)
+        if going_on and full and n == len(todo) - 1 and token is not None:
+            # a full batch made: the endpoint's next ones, while the lease is ours
+            more = _waiting(endpoint_id, token, made=[d.delivery_id for d in todo])
+            full = len(more) == BATCH_MAX
+            todo.extend(more)
+        last = n == len(todo) - 1 or not going_on
         # 3. record it in one statement, which also marks done the message of a batch's
         #    delivery that reached its end, if still queued (one a consumer claimed
         #    meanwhile runs, finds its delivery made, and ends); the last one's also gives
@@ -736,6 +746,7 @@ def deliver(delivery_id: int) -> None:
             _settle(message, endpoint_id, token, made)
             break
         _settle(message, endpoint_id, None, made)
+        n += 1
     assert own is not None
     if own.retry_in_s is not None:
         raise Retry(f"delivery {delivery_id}: {own.outcome.outcome} {own.outcome.status_code or ''}".strip(),
@@ -748,6 +759,28 @@ def deliver(delivery_id: int) -> None:
         if message is not None:
             message.options["error"] = f"DeliveryFailed: {failed}"[:MAX_REASON]
         raise failed
+
+
+#: The endpoint's next never-attempted pending deliveries (not those this job made), oldest
+#: first, with their events, while the lease is still ``%(token)s``: what a job that made a
+#: full batch goes on with (a backlog), without a claim in between.
+WAITING = """
+SELECT n.id, nev.id, nev.type, nev.payload, nev.created_at, n.message_id::text
+FROM (SELECT id, event_id, message_id FROM standmeet.webhook_deliveries
+      WHERE endpoint_id = %(endpoint)s AND state = 'pending' AND attempts = 0 AND id <> ALL(%(made)s::bigint[])
+      ORDER BY id LIMIT %(limit)s) n
+JOIN standmeet.webhook_events nev ON nev.id = n.event_id
+WHERE EXISTS (SELECT FROM standmeet.webhook_endpoints WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
+ORDER BY n.id
+"""
+
+
+def _waiting(endpoint_id: int, token: str, *, made: list[int]) -> list[_Due]:
+    """The next :data:`BATCH_MAX` deliveries of :data:`WAITING` (none once the lease is not ours)."""
+    with db.connection() as conn:
+        rows = conn.execute(WAITING, {"endpoint": endpoint_id, "token": token, "made": made,
+                                      "limit": BATCH_MAX}).fetchall()
+    return [_Due(int(i), 0, int(e), t, p, c, m) for i, e, t, p, c, m in rows]
 
 
 #: How a delivery that failed for good is logged, by its last outcome.

@@ -322,3 +322,29 @@ def test_a_delivery_fanned_out_during_a_batch_is_woken_when_the_batch_gives_the_
                                               " JOIN dramatiq.queue q ON q.message_id = d.message_id"
                                               " WHERE d.event_id = %s", (events[0],))
     assert (claims, options.get("snoozes", 0)) in ((1, 0), (2, 1)), (claims, options)
+
+
+def test_a_job_that_made_a_full_batch_goes_on_with_the_endpoints_next_deliveries_without_a_claim(
+    broker, database_url, start_worker, webhook_settings
+):
+    with web_server() as site:
+        site.on("POST", "/hook", lambda request: Reply(200, b""))
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["backlog"])
+        # Given a backlog of 40 deliveries, all but the first one's job held back an hour
+        fanned_out(database_url, "backlog", 40)
+        messages = [m for (m,) in query(database_url, "SELECT message_id::text FROM standmeet.webhook_deliveries"
+                                                      " WHERE endpoint_id = %s ORDER BY id", (endpoint,))]
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour'"
+                            " WHERE message_id = ANY(%s::uuid[])", (messages[1:],))
+        # When the first job runs
+        start_worker(queues=["webhook"], threads=1)
+        wait_for(lambda: [s for _, s, _ in states(database_url, endpoint)] == ["succeeded"] * 40, timeout_s=15,
+                 what="the 40 deliveries to be made")
+        wait_for(lambda: query(database_url, RAN_OR_READY) == [(0,)], timeout_s=10, what="every job to end")
+    # Then that one job made them all, in order, oldest first: its batch of 32, then the 8
+    # after it, every other job done without a claim
+    claims = dict(query(database_url, "SELECT message_id::text, claims FROM dramatiq.queue"
+                                      " WHERE message_id = ANY(%s::uuid[])", (messages,)))
+    assert [claims[m] for m in messages] == [1] + [0] * 39
+    assert query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
+                               " AND state = 'done'", (messages,)) == [(40,)]
