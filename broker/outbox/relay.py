@@ -141,9 +141,14 @@ RELAY_CLAIM_ROUTED = """
 UPDATE standmeet.outbox AS o
 SET relayed_at = now(), relay_txid = txid_current(), relayed_by = %(relay_id)s::uuid,
     messages = (%(counts)s::jsonb ->> o.topic)::int
-FROM (SELECT id FROM standmeet.outbox
+FROM (SELECT id FROM standmeet.outbox e
       WHERE relayed_at IS NULL AND error IS NULL AND topic = ANY(%(topics)s::text[])
-        AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes)
+        AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes
+             OR (created_at < now() - make_interval(secs => %(orphaned_after_s)s)
+                 AND NOT EXISTS (SELECT FROM standmeet.relays r
+                                 WHERE r.stopped_at IS NULL
+                                   AND r.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
+                                   AND r.routes -> e.topic @> e.routes)))
         AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
                    CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
                                        WHERE p.topic = t.topic AND p.relayed_at IS NULL AND p.error IS NULL
@@ -152,7 +157,7 @@ FROM (SELECT id FROM standmeet.outbox
       LIMIT %(limit)s
       FOR UPDATE SKIP LOCKED) AS pending
 WHERE o.id = pending.id
-RETURNING o.id, o.topic, o.payload
+RETURNING o.id, o.topic, o.payload, o.routes
 """
 
 #: An event that cannot become its messages, for a reason of its own: kept, with the
@@ -186,7 +191,7 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
     # in event order: a message's (JSON text, priority), a Message for the hooks, or a
     # message of a unique actor with its key
     pending: list[tuple[str, str] | Message[Any] | UniqueItem] = []
-    for event_id, topic, payload in rows:
+    for event_id, topic, payload, emitted_with in rows:
         pairs = state.routes.get(topic)
         if pairs is None:
             try:
@@ -196,6 +201,10 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                 conn.execute(RELAY_GIVE_BACK, {"id": event_id})
                 state.given_back += 1
                 continue
+        unknown = sorted(set(emitted_with or ()) - {r.actor for r, _ in pairs})
+        if unknown:  # no live process routes them, for longer than STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S
+            logger.warning("outbox event %s (%s) relayed without its routes to %s: no live process routes them",
+                           event_id, topic, ", ".join(unknown))
         try:
             built: list[tuple[str, str] | Message[Any] | UniqueItem] = []
             carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
@@ -266,8 +275,10 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     if not wanted:
         return RelayResult(0, 0)
     counts = Jsonb({topic: len(routes) for topic, routes in ROUTES.items()})
+    settings = current_broker().settings
     params: dict[str, Any] = {"counts": counts, "topics": wanted, "relay_id": relay_id,
-                              "routes": known_routes(wanted)}
+                              "routes": known_routes(wanted), "rescue_after_s": settings.rescue_after_s,
+                              "orphaned_after_s": settings.outbox_unrouted_max_age_s}
     state: _Pass | None = None
     claimed = 0
     with conn.pipeline(), conn.transaction():

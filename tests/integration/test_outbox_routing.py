@@ -298,3 +298,32 @@ def route_actors_of(actors: list[str]) -> str:
     import json
 
     return json.dumps(sorted(actors), separators=(",", ":"))
+
+
+def test_an_event_whose_routes_no_live_relay_knows_all_of_is_relayed_to_the_known_ones_once_old_enough(
+        broker, database_url, clean, conn, relays, caplog):
+    from broker.outbox.routes import ROUTES
+
+    # Given this process's relay alive, and events of test.ping emitted by a release that
+    # also routed it to an actor since removed (none of that release is left)
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    ours = sorted(r.actor for r in ROUTES["test.ping"])
+    with_removed = route_actors_of([*ours, "test.removed_since"])
+    with conn.transaction():
+        old = conn.execute(sql.EMIT, {"topic": "test.ping", "payload": '{"label": "old"}',
+                                      "routes": with_removed}).fetchone()[0]
+        young = conn.execute(sql.EMIT, {"topic": "test.ping", "payload": '{"label": "young"}',
+                                        "routes": with_removed}).fetchone()[0]
+        conn.execute("UPDATE standmeet.outbox SET created_at = now() - interval '1 hour' WHERE id = %s", (old,))
+    # When relay passes run
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker.outbox.relay"):
+        relay_once(conn, limit=200)
+        wait_for(lambda: _event(database_url, old)[0], timeout_s=10, what="the old event relayed")
+    # Then the one older than STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S (300 s) is relayed to the
+    # routes known, saying which it went without; the young one still waits (unrouted)
+    assert scalar(database_url, "SELECT messages FROM standmeet.outbox WHERE id = %s", (old,)) == len(ours)
+    assert any("relayed without its routes to test.removed_since" in r.getMessage() for r in caplog.records)
+    assert _event(database_url, young) == (False, None, None)
+    assert [e.id for e in ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S) if e.state == "unrouted"] == [young]
