@@ -293,10 +293,11 @@ FOR UPDATE OF q NOWAIT
 #: park them: its lease is held (until it expires), or an older never-attempted
 #: delivery's message is queued and due (``webhook_deliveries_due_idx``: a lease's length,
 #: which that job takes when it runs). The endpoint's row and that message's are read
-#: locked (``FOR SHARE NOWAIT``): a holder giving the lease back, or a consumer claiming
-#: that message, meanwhile either ended before (its outcome read here) or waits for this
-#: transaction (and then finds these messages parked: the holder's release wakes the
-#: oldest). A running waiter does not count (it may be ending: nothing would wake these).
+#: locked (``FOR SHARE NOWAIT``): a holder giving the lease back locks the endpoint's row
+#: first (:data:`LOCK_ENDPOINT`, in its own statement), so it either committed before
+#: (its outcome read here) or waits for this transaction and then, from a snapshot taken
+#: after it, wakes the oldest waiter, these parked ones included. A running waiter does not
+#: count (it may be ending: nothing would wake these).
 PARK_BEHIND = """
 SELECT d.message_id, CASE WHEN e.busy_until > now() THEN e.busy_until
                           ELSE now() + make_interval(secs => %(lease_s)s) END
@@ -608,10 +609,18 @@ def _delivery_of(message: Any) -> int | None:
     return int(message.args[0]) if message.args else None
 
 
+#: Taken first in the transaction of every statement that gives an endpoint's lease back
+#: (and so wakes its next waiter): the release's statement then reads a snapshot taken
+#: after any parking of the endpoint's jobs committed (:data:`PARK_BEHIND` reads this row
+#: locked too, without waiting), so a parked job is never left unwoken. (NO KEY: a
+#: fan-out inserting the endpoint's deliveries, whose key it references, is not held up.)
+LOCK_ENDPOINT = "SELECT 1 FROM standmeet.webhook_endpoints WHERE id = %(key)s FOR NO KEY UPDATE"
+
 ENDPOINT_LEASE = Lease(
     key=_delivery_of, take=TAKE_ENDPOINT, release=RELEASE_ENDPOINT,
     lease_s=lambda: app_settings.current().webhook_lease_s,
     busy_snooze_s=lambda: app_settings.current().webhook_busy_snooze_s,
+    release_lock=LOCK_ENDPOINT,
 )
 
 
@@ -762,15 +771,17 @@ def deliver(delivery_id: int) -> None:
 
 
 #: The endpoint's next never-attempted pending deliveries (not those this job made), oldest
-#: first, with their events, while the lease is still ``%(token)s``: what a job that made a
-#: full batch goes on with (a backlog), without a claim in between.
+#: first, with their events, while the lease is still ``%(token)s`` and the endpoint
+#: enabled: what a job that made a full batch goes on with (a backlog), without a claim
+#: in between.
 WAITING = """
 SELECT n.id, nev.id, nev.type, nev.payload, nev.created_at, n.message_id::text
 FROM (SELECT id, event_id, message_id FROM standmeet.webhook_deliveries
       WHERE endpoint_id = %(endpoint)s AND state = 'pending' AND attempts = 0 AND id <> ALL(%(made)s::bigint[])
       ORDER BY id LIMIT %(limit)s) n
 JOIN standmeet.webhook_events nev ON nev.id = n.event_id
-WHERE EXISTS (SELECT FROM standmeet.webhook_endpoints WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
+WHERE EXISTS (SELECT FROM standmeet.webhook_endpoints WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid
+              AND enabled)
 ORDER BY n.id
 """
 
@@ -842,9 +853,13 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -
         "holder": message.message_id if message is not None else None,
         "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None,
         **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name)}
-    record = RECORD_ATTEMPT if token is None else SETTLE_ATTEMPT  # (a NULL token gives nothing back)
     with db.connection() as conn:
-        conn.execute(record, params)
+        if token is None:  # (a NULL token gives nothing back)
+            conn.execute(RECORD_ATTEMPT, params)
+        else:  # the lease given back: its row locked first (LOCK_ENDPOINT), one round trip
+            with conn.pipeline(), conn.transaction():
+                conn.execute(LOCK_ENDPOINT, {"key": endpoint_id})
+                conn.execute(SETTLE_ATTEMPT, params)
     if token is not None and message is not None:
         given_back(message)  # released by that statement: the middleware need not
 

@@ -57,6 +57,9 @@ class Lease:
     release: str
     lease_s: Seconds
     busy_snooze_s: Seconds
+    #: Run first, in the release's transaction (e.g. to lock the key's row, so that the
+    #: release's statement, with a snapshot taken after that lock, sees what committed before).
+    release_lock: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,14 @@ class PostgresLeases:
         return row
 
     def release(self, held: Held, message_id: str) -> None:
+        params = {"key": held.key, "token": held.token, "message_id": message_id}
         with self._db.connection() as conn:
-            conn.execute(held.lease.release, {"key": held.key, "token": held.token, "message_id": message_id})
+            if held.lease.release_lock is None:
+                conn.execute(held.lease.release, params)
+                return
+            with conn.pipeline(), conn.transaction():  # one round trip
+                conn.execute(held.lease.release_lock, params)
+                conn.execute(held.lease.release, params)
 
 
 class KeyedLease(Middleware):

@@ -11,7 +11,7 @@ the database's, computed from its ``now()``: schedulers whose clocks disagree (b
 or by hours) still agree on it, so a skewed clock moves when a scheduler ticks, never
 how often a job runs. An interval job is ticked on each of its boundaries by the
 scheduler's clock and again every :func:`tick_every_s` between them (at most
-``CRON_TICK_S``, and at most half its interval): a tick that came just before the
+``CRON_TICK_S``, and at most a quarter of its interval): a tick that came just before the
 database's boundary (a clock a millisecond ahead) claimed the period already taken, one
 that failed (the database away past its checkout timeout) claimed nothing, and the next
 one within the period claims it. A scheduler whose clock steps (back or forward by more
@@ -125,10 +125,11 @@ def cron_period(job: PeriodicJob, now: datetime) -> datetime | None:
 def tick_every_s(job: PeriodicJob) -> float:
     """How often a scheduler ticks ``job``: every ``CRON_TICK_S`` for cron; for an
     interval, its interval divided into equal parts of at most ``CRON_TICK_S``, at least
-    two (so each boundary is ticked, and the period again before it ends)."""
+    four (so each boundary is ticked, and the period again three times before it ends: a
+    tick held up by an outage, for up to the pool's checkout timeout, leaves others)."""
     if job.schedule is not None or job.interval_s is None:
         return CRON_TICK_S
-    return job.interval_s / max(2, math.ceil(job.interval_s / CRON_TICK_S))
+    return job.interval_s / max(4, math.ceil(job.interval_s / CRON_TICK_S))
 
 
 def trigger(job: PeriodicJob, now: datetime) -> BaseTrigger:

@@ -116,6 +116,8 @@ class _Pass:
     hooked: list[Message[Any]] = field(default_factory=list)
     #: sends skipped because their unique key was live, per (queue, actor): counted after the pass
     skipped: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (topic, routes no live process knows) -> events relayed without them: said once a pass
+    without: dict[tuple[str, tuple[str, ...]], int] = field(default_factory=dict)
     messages: int = 0
     failed: int = 0
     given_back: int = 0
@@ -201,10 +203,9 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                 conn.execute(RELAY_GIVE_BACK, {"id": event_id})
                 state.given_back += 1
                 continue
-        unknown = sorted(set(emitted_with or ()) - {r.actor for r, _ in pairs})
+        unknown = tuple(sorted(set(emitted_with or ()) - {r.actor for r, _ in pairs}))
         if unknown:  # no live process routes them, for longer than STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S
-            logger.warning("outbox event %s (%s) relayed without its routes to %s: no live process routes them",
-                           event_id, topic, ", ".join(unknown))
+            state.without[(topic, unknown)] = state.without.get((topic, unknown), 0) + 1
         try:
             built: list[tuple[str, str] | Message[Any] | UniqueItem] = []
             carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
@@ -305,6 +306,9 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     if state is None:
         return RelayResult(0, 0)
     writer.relay_written(state.broker, state.hooked, state.skipped)
+    for (topic, unknown), events in state.without.items():
+        logger.warning("%d outbox event(s) of %s relayed without their routes to %s: no live process routes them",
+                       events, topic, ", ".join(unknown))
     return RelayResult(claimed, state.messages, state.failed, state.given_back)
 
 

@@ -348,3 +348,4 @@ def test_a_job_that_made_a_full_batch_goes_on_with_the_endpoints_next_deliveries
     assert [claims[m] for m in messages] == [1] + [0] * 39
     assert query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
                                " AND state = 'done'", (messages,)) == [(40,)]
+

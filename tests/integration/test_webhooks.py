@@ -186,8 +186,9 @@ def test_an_endpoint_that_never_answers_times_out_at_10_s_and_no_transaction_is_
 def test_a_delivery_makes_two_round_trips_of_its_own_beside_the_ones_that_set_its_deadline(
     broker, database_url, start_worker, webhook_settings, monkeypatch
 ):
-    """One statement takes the endpoint's lease and reads what the POST needs; one records
-    the attempt and gives the lease back. (A borrowed connection may also get its
+    """One statement takes the endpoint's lease and reads what the POST needs; one
+    pipelined transaction (its row locked, then one statement) records the attempt and
+    gives the lease back. (A borrowed connection may also get its
     statement_timeout, unless its session already holds one close enough: at most two
     more.) Counted on the worker threads that run the delivery, against the real database."""
     import threading
@@ -226,5 +227,7 @@ def test_a_delivery_makes_two_round_trips_of_its_own_beside_the_ones_that_set_it
         wait_for(lambda: scalar(database_url, "SELECT busy_until IS NULL FROM standmeet.webhook_endpoints WHERE id = %s",
                                 (endpoint,)), timeout_s=5, what="the lease given back")
     assert len(server.received) == 1
-    assert [c for c in counted if c != "set_config"] == ["WITH", "WITH"], counted  # take-and-read, record-and-release
+    # take-and-read; then record-and-release, pipelined in one transaction after the lock on
+    # the endpoint's row that keeps a parked job from missing its wake (one round trip)
+    assert [c for c in counted if c != "set_config"] == ["WITH", "BEGIN", "COMMIT", "SELECT", "WITH"], counted
     assert counted.count("set_config") <= 2, counted
