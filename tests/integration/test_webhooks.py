@@ -161,6 +161,10 @@ def test_an_endpoint_that_never_answers_times_out_at_10_s_and_no_transaction_is_
         start_worker(queues=["webhook"], threads=8)
         event = emit(database_url, "slow", {})
         wait_for(lambda: server.current() == 1, timeout_s=10, what="the POST to be pending")
+        # (the fan-out that made the delivery ends just after it: its parking's short transaction)
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM dramatiq.queue WHERE state <> 'done'"
+                                              " AND message->>'actor_name' = 'webhook.fanout'") == 0,
+                 timeout_s=10, what="the fan-out to end")
         # while the POST is pending, none of our connections is in a transaction
         in_tx = scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
                                      " AND application_name LIKE 'standmeet%%' AND xact_start IS NOT NULL"
