@@ -21,6 +21,7 @@ enqueued the work down to what the run sends in turn.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -161,14 +162,29 @@ class Consumed:
         otel_context.detach(self.token)
 
 
+#: How long "no SDK is OpenTelemetry's global provider" is taken as still true before it
+#: is looked at again (the API's lookup reads the environment: a job would pay it on every
+#: run). The global provider can be set only once, so one seen installed is remembered.
+GLOBAL_LOOK_S = 1.0
+_global_seen = False
+_global_look_at = 0.0
+
+
 def recording() -> bool:
     """Whether spans are recorded: a provider set here, or an SDK's installed as
-    OpenTelemetry's global one (the API alone hands out non-recording spans)."""
+    OpenTelemetry's global one (the API alone hands out non-recording spans). An SDK
+    installed globally while the process runs is seen within :data:`GLOBAL_LOOK_S`."""
+    global _global_seen, _global_look_at
     if trace is None:
         return False
-    if _provider is not None:
+    if _provider is not None or _global_seen:
         return True
-    return not isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
+    now = time.monotonic()
+    if now < _global_look_at:
+        return False
+    _global_seen = not isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
+    _global_look_at = now + GLOBAL_LOOK_S
+    return _global_seen
 
 
 def worth_a_span(carrier: Mapping[str, str] | None) -> bool:
