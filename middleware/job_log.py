@@ -56,5 +56,5 @@ class JobLog(Middleware):
         duration_ms = (time.monotonic() - started) * 1000
         queue, actor, message_id = message.queue_name, message.actor_name, message.message_id
         info_line(logger, f"job {outcome}: {queue} {actor} {message_id} in {duration_ms:.1f} ms (attempt {attempt})",
-                  {"actor": actor, "message_id": message_id, "queue": queue,
-                   "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt})
+                  lambda: {"actor": actor, "message_id": message_id, "queue": queue,
+                           "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt})

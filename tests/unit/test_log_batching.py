@@ -106,10 +106,23 @@ def test_a_job_line_written_straight_to_the_handler_is_the_line_logging_would_wr
         log, handler = _logger(stream, f"direct-{type(formatter).__name__}")
         handler.setFormatter(formatter)
         # When the same line goes through logging and straight to the handler
+        made: list[str] = []
+
+        def make_extra(made: list[str] = made, name: str = type(formatter).__name__) -> dict:
+            made.append(name)
+            return extra
+
         log.info("%s", "job done: q a.b m1 in 1.2 ms (attempt 2)", extra=extra)
         info_line(log, "job done: q a.b m1 in 1.2 ms (attempt 2)", extra)
+        info_line(log, "job done: q a.b m1 in 1.2 ms (attempt 2)", make_extra)
         handler.flush()
-        through_logging, direct = stream.getvalue().splitlines()
+        through_logging, direct, direct_made = stream.getvalue().splitlines()
+        # (the fields given as a function are made only for the format that shows them)
+        assert made == (["JsonFormatter"] if isinstance(formatter, JsonFormatter) else [])
+        if isinstance(formatter, JsonFormatter):
+            assert {**json.loads(direct_made), "ts": ""} == {**json.loads(direct), "ts": ""}
+        else:
+            assert direct_made[24:] == direct[24:]  # all but the time it was written
         # Then they are the same line, but for the time it was written
         if isinstance(formatter, JsonFormatter):
             through_logging, direct = (json.loads(line) for line in (through_logging, direct))
@@ -132,7 +145,7 @@ def test_a_job_line_goes_through_logging_when_anything_else_would_see_it():
     capture.emit = captured.append  # type: ignore[method-assign]
     log.addHandler(capture)
     # When a job line is written
-    info_line(log, "job done: q a.b m1 in 1.2 ms (attempt 1)", {"outcome": "done", "attempt": 1})
+    info_line(log, "job done: q a.b m1 in 1.2 ms (attempt 1)", lambda: {"outcome": "done", "attempt": 1})
     handler.flush()
     # Then both see it: the capturing handler as a record with its fields
     assert stream.getvalue() == "INFO job done: q a.b m1 in 1.2 ms (attempt 1)\n"
