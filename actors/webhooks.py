@@ -289,15 +289,29 @@ SELECT q.message_id FROM standmeet.webhook_deliveries d JOIN dramatiq.queue q ON
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.state = 'pending' AND d.attempts = 0 AND q."state" = 'queued'
 FOR UPDATE OF q NOWAIT
 """
+#: The turn of the waiting delivery ``w`` has come: its back-off has elapsed (a
+#: never-attempted or replayed one has none: it is due now). The expression
+#: ``webhook_deliveries_retry_due_idx`` holds, so that index serves it.
+_BACKOFF_ELAPSED = "coalesce(w.next_attempt_at, '-infinity'::timestamptz) <= now()"
+#: The endpoint's (``%(endpoint)s``) pending deliveries attempted before, retried or
+#: replayed, whose back-off has elapsed: a range of ``webhook_deliveries_retry_due_idx``,
+#: which reads neither the endpoint's delivered history nor its deliveries still in
+#: back-off. (``OFFSET 0``: planned on its own, so an ``ORDER BY id LIMIT 1`` around it
+#: is never served instead by walking the table's primary key.)
+_RETRIES_DUE = """
+SELECT w.id, w.message_id FROM standmeet.webhook_deliveries w
+WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
+OFFSET 0"""
 #: Of those, the ones whose endpoint already has a delivery in hand, and until when to
-#: park them: its lease is held (until it expires), or an older never-attempted
-#: delivery's message is queued and due (``webhook_deliveries_due_idx``: a lease's length,
-#: which that job takes when it runs). The endpoint's row and that message's are read
-#: locked (``FOR SHARE NOWAIT``): a holder giving the lease back locks the endpoint's row
-#: first (:data:`LOCK_ENDPOINT`, in its own statement), so it either committed before
-#: (its outcome read here) or waits for this transaction and then, from a snapshot taken
-#: after it, wakes the oldest waiter, these parked ones included. A running waiter does not
-#: count (it may be ending: nothing would wake these).
+#: park them: its lease is held (until it expires), or an older waiting delivery whose
+#: back-off has elapsed has its message queued and due (a lease's length, which that job
+#: takes when it runs): never attempted (``webhook_deliveries_due_idx``), or retried or
+#: replayed (``webhook_deliveries_retry_due_idx``). The endpoint's row and those
+#: messages' are read locked (``FOR SHARE NOWAIT``): a holder giving the lease back locks
+#: the endpoint's row first (:data:`LOCK_ENDPOINT`, in its own statement), so it either
+#: committed before (its outcome read here) or waits for this transaction and then, from
+#: a snapshot taken after it, wakes the oldest waiter, these parked ones included. A
+#: running waiter does not count (it may be ending: nothing would wake these).
 PARK_BEHIND = """
 SELECT d.message_id, CASE WHEN e.busy_until > now() THEN e.busy_until
                           ELSE now() + make_interval(secs => %(lease_s)s) END
@@ -308,10 +322,14 @@ LEFT JOIN LATERAL (
     SELECT q.message_id FROM standmeet.webhook_deliveries w
     JOIN dramatiq.queue q ON q.message_id = w.message_id AND q."state" = 'queued' AND q.eta <= now()
     WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
-      AND w.id <> ALL(%(ids)s::bigint[])
+      AND """ + _BACKOFF_ELAPSED + """ AND w.id <> ALL(%(ids)s::bigint[])
     ORDER BY w.id LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
+LEFT JOIN LATERAL (
+    SELECT q.message_id FROM (""" + _RETRIES_DUE.replace("%(endpoint)s", "d.endpoint_id") + """) r
+    JOIN dramatiq.queue q ON q.message_id = r.message_id AND q."state" = 'queued' AND q.eta <= now()
+    ORDER BY r.id LIMIT 1 FOR SHARE OF q NOWAIT) retried ON true
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
-  AND (e.busy_until > now() OR waiter.message_id IS NOT NULL)
+  AND (e.busy_until > now() OR waiter.message_id IS NOT NULL OR retried.message_id IS NOT NULL)
 """
 PARK = """
 UPDATE dramatiq.queue q SET eta = p.until, mtime = now()
@@ -369,27 +387,41 @@ JOIN standmeet.webhook_endpoints e ON e.id = d.endpoint_id
 JOIN standmeet.webhook_events ev ON ev.id = d.event_id
 WHERE d.id = %s
 """
-#: The endpoint's next waiting delivery is woken when its lease is given back: of its
-#: never-attempted pending deliveries (``webhook_deliveries_due_idx``), oldest first, the
-#: first whose message is queued or running (not the one just made, ``%(made)s``, nor the
-#: holder's own, ``%(holder)s``, whose retry must keep its back-off). A queued
-#: one snoozed until later is made due now; a running one (it may be finding the lease
-#: busy this very moment, its snooze not yet written) is marked woken, and its snooze's
-#: settle then makes it due at once (``woken_at``): no wake is lost to that race. Its
-#: queue's consumers are told. Only when the lease was ours (``%(token)s``: the
-#: statement's snapshot, before its release). Waiters therefore snooze until the lease's
-#: expiry (the holder's crash) rather than polling: one of them is woken per release.
+#: The endpoint's next waiting delivery whose turn has come is woken when its lease is
+#: given back: of its pending deliveries whose back-off has elapsed (:data:`_BACKOFF_ELAPSED`),
+#: never attempted (``webhook_deliveries_due_idx``) or attempted before, retried or
+#: replayed (``webhook_deliveries_retry_due_idx``), the oldest whose message is queued or
+#: running (not the one just made, ``%(made)s``, nor the holder's own, ``%(holder)s``,
+#: whose retry must keep its back-off). A delivery still waiting out its back-off is never
+#: woken: its message's eta is its retry. Neither index reads the endpoint's delivered
+#: history, nor its deliveries still in back-off. A queued one snoozed until later (it
+#: found the endpoint busy, or was parked behind it) is made due now; a running one (it
+#: may be finding the lease busy this very moment, its snooze not yet written) is marked
+#: woken, and its snooze's settle then makes it due at once (``woken_at``): no wake is lost
+#: to that race. Its queue's consumers are told. Only when the lease was ours
+#: (``%(token)s``: the statement's snapshot, before its release). Waiters therefore
+#: snooze until the lease's expiry (the holder's crash) rather than polling: one of them
+#: is woken per release.
 _WAKE_NEXT_WAITER = """
 UPDATE dramatiq.queue q
 SET eta = CASE WHEN q."state" = 'queued' THEN now() ELSE q.eta END,
     woken_at = CASE WHEN q."state" = 'consumed' THEN now() ELSE q.woken_at END,
     mtime = now()
 WHERE q.message_id = (
-        SELECT w.message_id FROM standmeet.webhook_deliveries w
-        JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" IN ('queued', 'consumed')
-        WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0
-          AND w.id IS DISTINCT FROM %(made)s::bigint AND w.message_id IS DISTINCT FROM %(holder)s::uuid
-        ORDER BY w.id LIMIT 1)
+        SELECT waiter.message_id FROM (
+            (SELECT w.id, w.message_id FROM standmeet.webhook_deliveries w
+             JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" IN ('queued', 'consumed')
+             WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0
+               AND """ + _BACKOFF_ELAPSED + """
+               AND w.id IS DISTINCT FROM %(made)s::bigint AND w.message_id IS DISTINCT FROM %(holder)s::uuid
+             ORDER BY w.id LIMIT 1)
+            UNION ALL
+            (SELECT r.id, r.message_id FROM (""" + _RETRIES_DUE + """) r
+             JOIN dramatiq.queue m ON m.message_id = r.message_id AND m."state" IN ('queued', 'consumed')
+             WHERE r.id IS DISTINCT FROM %(made)s::bigint AND r.message_id IS DISTINCT FROM %(holder)s::uuid
+             ORDER BY r.id LIMIT 1)
+        ) waiter
+        ORDER BY waiter.id LIMIT 1)
   AND (q."state" = 'consumed' OR (q."state" = 'queued' AND q.eta > now()))
   AND EXISTS (SELECT FROM standmeet.webhook_endpoints
               WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)

@@ -1,0 +1,226 @@
+"""A delivery attempted before (retried after a failure, or replayed by an operator) waits
+for its endpoint's lease as a never-attempted one does: once its back-off has elapsed, the
+job that gives the lease back wakes it (it does not wait out the lease), and a delivery
+fanned out behind it is parked; before its back-off has elapsed, nothing wakes it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from actors import settings as app_settings
+from actors import webhooks
+from middleware.keyed_lease import Held, PostgresLeases
+from tests.support.db import query, scalar, wait_for
+from tests.support.webserver import Reply, Request, Server, web_server
+
+#: How soon after the lease is given back a woken delivery must be attempted: well under
+#: the lease (20 s), whose expiry is when it would run if nothing woke it.
+WOKEN_WITHIN_S = 5.0
+
+
+def emit(database_url: str, event_type: str, count: int) -> list[int]:
+    """``count`` events, emitted in one transaction (the worker's relay fans them out)."""
+    with psycopg.connect(database_url) as conn, conn.transaction():
+        return [webhooks.emit_event(conn, event_type, {"n": n}) for n in range(count)]
+
+
+def delivery_of(database_url: str, event: int) -> tuple[Any, ...]:
+    """(id, state, attempts, message id, next_attempt_at) of the event's only delivery;
+    Nones until it is fanned out."""
+    rows = query(database_url, "SELECT id, state, attempts, message_id::text, next_attempt_at"
+                               " FROM standmeet.webhook_deliveries WHERE event_id = %s", (event,))
+    return rows[0] if rows else (None,) * 5
+
+
+def snoozed_until(database_url: str, message_id: str) -> datetime | None:
+    """When the message, queued after a snooze, is due; None while it has not snoozed."""
+    return scalar(database_url, "SELECT eta FROM dramatiq.queue WHERE message_id = %s AND state = 'queued'"
+                                " AND (message->'options'->>'snoozes')::int >= 1", (message_id,))
+
+
+@dataclass
+class HeldEndpoint:
+    """A loopback endpoint: the deliveries of ``target`` are answered from ``target_answers``
+    (then 200); the first POST of any other delivery (a job that took the endpoint's lease)
+    is held until :meth:`let_go`, every later one answered 200."""
+
+    site: Server
+    target: str = ""  # the webhook-id of the delivery under test
+    target_answers: list[int] = field(default_factory=list)
+    target_posted: list[float] = field(default_factory=list)  # monotonic times of its POSTs
+    holder_posting: threading.Event = field(default_factory=threading.Event)
+    _let_go: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def url(self) -> str:
+        return self.site.base + "/hook"
+
+    def let_go(self) -> None:
+        self._let_go.set()
+
+    def answer(self, request: Request) -> Reply:
+        if request.headers["webhook-id"] == self.target:
+            self.target_posted.append(time.monotonic())
+            return Reply(self.target_answers.pop(0) if self.target_answers else 200, b"")
+        if not self.holder_posting.is_set():
+            self.holder_posting.set()
+            # held while the lease's holder waits for its answer (under the POST's 10 s deadline)
+            self._let_go.wait(timeout=app_settings.current().webhook_http_timeout_s - 1)
+        return Reply(200, b"")
+
+
+@contextmanager
+def held_endpoint() -> Iterator[HeldEndpoint]:
+    with web_server() as site:
+        endpoint = HeldEndpoint(site)
+        site.on("POST", "/hook", endpoint.answer)
+        try:
+            yield endpoint
+        finally:
+            endpoint.let_go()  # never leave a worker's POST waiting
+
+
+def lease_held_by_a_batch(database_url: str, held: HeldEndpoint, endpoint: int, event_type: str) -> datetime:
+    """Other deliveries to the endpoint, the first job of which takes the lease and posts
+    (held); when that lease expires."""
+    emit(database_url, event_type, 3)
+    wait_for(held.holder_posting.is_set, timeout_s=15, what="a job holding the endpoint's lease to post")
+    until = scalar(database_url, "SELECT busy_until FROM standmeet.webhook_endpoints WHERE id = %s", (endpoint,))
+    assert until is not None
+    return until  # type: ignore[no-any-return]
+
+
+def test_a_retried_delivery_that_found_its_endpoint_busy_is_attempted_when_the_lease_is_given_back(
+    broker, database_url, start_worker, webhook_settings
+):
+    with held_endpoint() as held:
+        endpoint, _ = webhooks.add_endpoint(held.url, ["retried"])
+        start_worker(queues=["webhook"], threads=4)
+        # Given a delivery whose first attempt failed (500): retried after its back-off (5 s)
+        [event] = emit(database_url, "retried", 1)
+        held.target, held.target_answers = f"msg_{event}_{endpoint}", [500]
+        wait_for(lambda: delivery_of(database_url, event)[2] == 1, timeout_s=15, what="the first attempt")
+        delivery, state, _, message, backoff_ends = delivery_of(database_url, event)
+        assert state == "pending" and backoff_ends is not None
+        # and a job holding the endpoint's lease, making other deliveries, when the retry comes due
+        lease_expires = lease_held_by_a_batch(database_url, held, endpoint, "retried")
+        # When the retry, due, finds the endpoint busy (it snoozes until the lease's expiry)
+        backoff_s = webhooks.SCHEDULE[0] * 1.1
+        snoozed = wait_for(lambda: snoozed_until(database_url, message), timeout_s=backoff_s + 5,
+                           what="the retry to find the endpoint busy and snooze")
+        assert snoozed >= lease_expires - timedelta(seconds=1), (snoozed, lease_expires)
+        # and the job holding the lease gives it back
+        released = time.monotonic()
+        held.let_go()
+        # Then the retry is woken and attempted at once, not when the lease would have expired
+        wait_for(lambda: delivery_of(database_url, event)[1:3] == ("succeeded", 2), timeout_s=WOKEN_WITHIN_S,
+                 what=f"the retried delivery to be made once the lease was given back (unwoken, it waits for "
+                      f"the lease's expiry, {lease_expires:%H:%M:%S}, about {app_settings.current().webhook_lease_s:g} s "
+                      "after the holder took it)")
+        assert len(held.target_posted) == 2 and held.target_posted[1] - released < WOKEN_WITHIN_S
+        # and never before its back-off had elapsed
+        [(started,)] = query(database_url, "SELECT started_at FROM standmeet.webhook_attempts"
+                                           " WHERE delivery_id = %s AND attempt = 2", (delivery,))
+        assert backoff_ends <= started < lease_expires, (backoff_ends, started, lease_expires)
+        # (and the endpoint's other deliveries are all made: the wake chain goes on)
+        wait_for(lambda: query(database_url, "SELECT count(*) FROM standmeet.webhook_deliveries"
+                                             " WHERE endpoint_id = %s AND state <> 'succeeded'", (endpoint,)) == [(0,)],
+                 timeout_s=WOKEN_WITHIN_S, what="every delivery to the endpoint to be made")
+
+
+def test_a_replayed_delivery_that_found_its_endpoint_busy_is_made_when_the_lease_is_given_back(
+    broker, database_url, start_worker, webhook_settings
+):
+    with held_endpoint() as held:
+        endpoint, _ = webhooks.add_endpoint(held.url, ["replayed"])
+        start_worker(queues=["webhook"], threads=4)
+        # Given a delivery made already (200)
+        [event] = emit(database_url, "replayed", 1)
+        held.target = f"msg_{event}_{endpoint}"
+        wait_for(lambda: delivery_of(database_url, event)[1] == "succeeded", timeout_s=15, what="the delivery")
+        delivery = delivery_of(database_url, event)[0]
+        # and a job holding the endpoint's lease, making other deliveries
+        lease_expires = lease_held_by_a_batch(database_url, held, endpoint, "replayed")
+        # When an operator replays it, and its new job finds the endpoint busy (it snoozes)
+        message = webhooks.replay(delivery)
+        wait_for(lambda: snoozed_until(database_url, message), timeout_s=10,
+                 what="the replay's job to find the endpoint busy and snooze")
+        # and the job holding the lease gives it back
+        held.let_go()
+        # Then the replay is woken and made at once, not when the lease would have expired
+        wait_for(lambda: delivery_of(database_url, event)[1:3] == ("succeeded", 2), timeout_s=WOKEN_WITHIN_S,
+                 what=f"the replayed delivery to be made once the lease was given back (unwoken, it waits for "
+                      f"the lease's expiry, {lease_expires:%H:%M:%S})")
+        assert len(held.target_posted) == 2
+
+
+def retried_waiter(database_url: str, event: int, *, backoff_ends_in_s: float, due_in_s: float) -> str:
+    """Make the event's delivery one retried after a failure, whose back-off ends in
+    ``backoff_ends_in_s`` (negative: elapsed), its message due in ``due_in_s``; its message."""
+    [(message,)] = query(
+        database_url,
+        "WITH d AS (UPDATE standmeet.webhook_deliveries SET attempts = 1, last_outcome = 'http',"
+        " next_attempt_at = now() + make_interval(secs => %(backoff)s) WHERE event_id = %(event)s"
+        " RETURNING message_id)"
+        " UPDATE dramatiq.queue q SET eta = now() + make_interval(secs => %(due)s) FROM d"
+        " WHERE q.message_id = d.message_id RETURNING q.message_id::text",
+        {"event": event, "backoff": backoff_ends_in_s, "due": due_in_s})
+    return message  # type: ignore[no-any-return]
+
+
+def eta_in_s(database_url: str, message: str) -> float:
+    return scalar(database_url, "SELECT extract(epoch FROM eta - now())::float8 FROM dramatiq.queue"
+                                " WHERE message_id = %s", (message,))  # type: ignore[no-any-return]
+
+
+def fanned_out_now(database_url: str, event_type: str, count: int) -> list[int]:
+    """``count`` events fanned out at once, in this process (no worker runs)."""
+    events = emit(database_url, event_type, count)
+    for event in events:
+        webhooks.fanout.fn(event)
+    return events
+
+
+def test_a_release_wakes_a_retried_delivery_whose_back_off_has_elapsed_never_one_still_in_it(
+    broker, database_url, webhook_settings
+):
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["released"])
+    holder_event, waiting_event, due_event = fanned_out_now(database_url, "released", 3)
+    # Given two retried deliveries that found the endpoint busy and snoozed (until its
+    # lease's expiry, 20 s): the older still in its back-off, the other's back-off elapsed
+    lease_s = app_settings.current().webhook_lease_s
+    in_backoff = retried_waiter(database_url, waiting_event, backoff_ends_in_s=3600, due_in_s=3600)
+    due = retried_waiter(database_url, due_event, backoff_ends_in_s=-1, due_in_s=lease_s)
+    # and a job holding the endpoint's lease (taken as the middleware takes it)
+    lease = webhooks.ENDPOINT_LEASE
+    holder = delivery_of(database_url, holder_event)
+    taken = PostgresLeases().take(lease, holder[0])
+    assert taken is not None and taken[0] is not None and taken[1] == endpoint, taken
+    # When the holder gives the lease back
+    PostgresLeases().release(Held(lease, taken[1], str(taken[0]), tuple(taken[2:])), holder[3])
+    # Then the one whose back-off has elapsed is due now; the one still in it keeps its retry
+    assert eta_in_s(database_url, due) <= 0
+    assert eta_in_s(database_url, in_backoff) > 3500
+
+
+def test_a_delivery_fanned_out_behind_a_due_retry_waits_parked_for_its_job_unclaimed(
+    broker, database_url, webhook_settings
+):
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["behind.retry"])
+    # Given a delivery whose retry is due, its job queued and due (it takes the lease when it runs)
+    [retried_event] = fanned_out_now(database_url, "behind.retry", 1)
+    retried_waiter(database_url, retried_event, backoff_ends_in_s=-1, due_in_s=0)
+    # When another delivery to the endpoint is fanned out
+    [event] = fanned_out_now(database_url, "behind.retry", 1)
+    # Then its job is parked until a lease's length from now: the retry's job's batch makes
+    # it, or its release wakes it; it is not claimed only to find the endpoint busy
+    lease_s = app_settings.current().webhook_lease_s
+    assert lease_s - 2 < eta_in_s(database_url, delivery_of(database_url, event)[3]) <= lease_s
