@@ -56,7 +56,6 @@ from broker.engine import enqueue as writer
 from broker.engine import sql
 from broker.engine.codec import options_json, refuse_non_json_encoder, storable_text
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
-from broker.engine.handoff import adopt_work_queue, taking_it_myself, will_take_next
 from broker.engine.hooks import RUN_SIGNALS, Hook, HookTable, MiddlewareList, applies
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
@@ -227,7 +226,6 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         elif signal == "worker_boot" and args:
             # before its threads start: a job may end before Worker.start() returns
             self._workers = [*self._workers, args[0]]
-            adopt_work_queue(args[0])
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
         # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
@@ -367,11 +365,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         """Put a claim taken from the buffer on the worker's work queue, as its consumer
         thread would (the same method); if that fails, it goes back to the buffer."""
         try:
-            if will_take_next(consumer_thread.work_queue):  # this worker thread runs it next
-                with taking_it_myself():
-                    consumer_thread.handle_message(self.proxy_for(claim))
-            else:
-                consumer_thread.handle_message(self.proxy_for(claim))
+            consumer_thread.handle_message(self.proxy_for(claim))
         except Exception:
             logger.exception("queue %r: could not start message %s here; the consumer will",
                              state.name, claim.message.message_id)

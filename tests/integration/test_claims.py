@@ -466,37 +466,6 @@ def test_a_buffered_job_is_started_by_the_thread_that_finished_the_one_before_no
     assert [by_consumer for _, by_consumer in seen] == [True, False, False, False]
 
 
-def test_a_thread_whose_job_ended_runs_the_next_buffered_job_itself_and_wakes_no_other_thread(
-        broker, database_url, start_worker, monkeypatch):
-    import threading
-
-    from broker import enqueue_many
-    from tests.support.db import wait_for
-
-    # Given a queue with one slot, a worker of four threads, and every wake-up its work
-    # queue gives a waiting thread recorded with who gave it
-    assert broker.settler.flush(5)
-    state = broker.queue_states["index"]
-    monkeypatch.setattr(state, "limit", 1)
-    monkeypatch.setattr(state, "prefetch", 3)
-    worker = start_worker(queues=["index"], threads=4)
-    wakes: list[str] = []
-    real_notify = worker.work_queue.not_empty.notify
-
-    def notify(n: int = 1) -> None:
-        wakes.append(type(threading.current_thread()).__name__)
-        real_notify(n)
-
-    monkeypatch.setattr(worker.work_queue.not_empty, "notify", notify)
-    seen = _hand_outs(monkeypatch)
-    # When four messages are drained, the last three handed on by the thread whose job ended
-    ids = [m.message_id for m in enqueue_many([mark.message(f"self-{i}") for i in range(4)])]
-    wait_for(lambda: _done(database_url, ids), timeout_s=10)
-    assert [by_consumer for _, by_consumer in seen] == [True, False, False, False]
-    # Then only the consumer's hand-out woke a waiting thread: the three hand-offs woke none
-    assert wakes and set(wakes) == {"ConsumerThread"}
-
-
 def test_a_buffered_job_that_its_finishing_thread_could_not_start_is_started_by_the_consumer(
         broker, database_url, start_worker, monkeypatch):
     from dramatiq.worker import ConsumerThread
