@@ -378,8 +378,8 @@ class Settings(Declared):
         "(web requests, operators, migrations) when it checks `--processes`")
     outbox_unrouted_max_age_s: float = Field(
         300.0, ge=0, le=MONTH_S, description="an outbox event that no live process routes for this long fails "
-        "`status --check`; one whose emitter routed it to actors no live process knows all of is then relayed "
-        "to the routes known, with a warning")
+        "`status --check`; one whose emitter routed it to actors no process has known all of for this long "
+        "(running, or stopped within it) is then relayed to the routes known, with a warning")
     queue_unserved_max_age_s: float = Field(
         60.0, ge=0, le=MONTH_S, description="due work of a queue that no live worker serves, this old, fails "
         "`status --check` and shows as \"no worker\"")

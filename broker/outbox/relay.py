@@ -139,6 +139,12 @@ def _begin_pass() -> _Pass:
 #: are not touched: they wait for a process that routes them. The scan starts at the
 #: oldest pending event of these topics (one probe per topic on the (topic, id) index):
 #: a backlog of events no process here routes, older than ours, is not read at every pass.
+#: An event whose emitter routed it to actors this relay does not know (``routes``: a
+#: newer release's) is left to a relay that knows them all; only once it is older than
+#: ``orphaned_after_s`` and no relay that knows them all has been alive for as long
+#: (running, or stopped or silent within that time: a newer release's relay restarting
+#: in a rolling deploy still counts) is it taken, to the routes known (a release that
+#: removed a route).
 RELAY_CLAIM_ROUTED = """
 UPDATE standmeet.outbox AS o
 SET relayed_at = now(), relay_txid = txid_current(), relayed_by = %(relay_id)s::uuid,
@@ -148,8 +154,8 @@ FROM (SELECT id FROM standmeet.outbox e
         AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes
              OR (created_at < now() - make_interval(secs => %(orphaned_after_s)s)
                  AND NOT EXISTS (SELECT FROM standmeet.relays r
-                                 WHERE r.stopped_at IS NULL
-                                   AND r.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
+                                 WHERE coalesce(r.stopped_at, r.heartbeat_at)
+                                       > now() - make_interval(secs => %(orphaned_after_s)s)
                                    AND r.routes -> e.topic @> e.routes)))
         AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
                    CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
@@ -278,7 +284,7 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     counts = Jsonb({topic: len(routes) for topic, routes in ROUTES.items()})
     settings = current_broker().settings
     params: dict[str, Any] = {"counts": counts, "topics": wanted, "relay_id": relay_id,
-                              "routes": known_routes(wanted), "rescue_after_s": settings.rescue_after_s,
+                              "routes": known_routes(wanted),
                               "orphaned_after_s": settings.outbox_unrouted_max_age_s}
     state: _Pass | None = None
     claimed = 0

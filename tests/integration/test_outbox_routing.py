@@ -328,3 +328,40 @@ def test_an_event_whose_routes_no_live_relay_knows_all_of_is_relayed_to_the_know
         "1 outbox event(s) of test.ping relayed without their routes to test.removed_since: no live process routes them"]
     assert _event(database_url, young) == (False, None, None)
     assert [e.id for e in ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S) if e.state == "unrouted"] == [young]
+
+
+def test_an_old_event_is_not_relayed_without_a_route_while_a_relay_that_knows_it_was_alive_within_the_max_age(
+        broker, database_url, clean, conn, relays, caplog):
+    from broker.outbox.routes import ROUTES
+
+    # Given this process's relay alive (an older release's, in a rolling deploy), and a
+    # newer release's relay that routes test.ping to one more actor, stopped a moment ago
+    # (restarting)
+    relay = _start(relays, database_url)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.relays WHERE id = %s", (relay.id,)),
+             timeout_s=10, what="the relay to register")
+    newer = route_actors_of([*sorted(r.actor for r in ROUTES["test.ping"]), "test.newer_route"])
+    newer_relay = str(uuid.uuid4())
+    conn.execute(outbox.RELAY_HEARTBEAT, {"id": newer_relay, "hostname": "newer-host", "pid": 1,
+                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}"})
+    conn.execute(outbox.RELAY_STOPPED, {"id": newer_relay})
+    # and an event the newer release emitted an hour ago (a backlog older than the max age)
+    with conn.transaction():
+        event = conn.execute(sql.EMIT, {"topic": "test.ping", "payload": '{"label": "backlog"}',
+                                        "routes": newer}).fetchone()[0]
+        conn.execute("UPDATE standmeet.outbox SET created_at = now() - interval '1 hour' WHERE id = %s", (event,))
+    # When a relay pass runs here
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker.outbox.relay"):
+        relay_once(conn, limit=200)
+    # Then the event waits for the newer release's relay: it is not relayed without its route
+    assert _event(database_url, event) == (False, None, None)
+    assert not [r for r in caplog.records if "relayed without" in r.getMessage()]
+    # When that relay has been gone for longer than the max age (the release was rolled back)
+    conn.execute("UPDATE standmeet.relays SET stopped_at = now() - interval '1 hour',"
+                 " heartbeat_at = now() - interval '1 hour' WHERE id = %s", (newer_relay,))
+    # Then the next pass relays it to the routes known, saying which it went without
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker.outbox.relay"):
+        relay_once(conn, limit=200)
+        wait_for(lambda: _event(database_url, event)[0], timeout_s=10, what="the event relayed without its route")
+    assert [r.getMessage() for r in caplog.records if "relayed without" in r.getMessage()] == [
+        "1 outbox event(s) of test.ping relayed without their routes to test.newer_route: no live process routes them"]
