@@ -9,7 +9,7 @@ Where things are:
 * ``settler.py``: how a run ended (``Outcome``), and the one writer of outcomes.
 * ``liveness.py``: heartbeat, stepping down and up, crash rescue.
 * ``enqueue.py``: the one writer of message rows, and its enqueue-hook policy
-  (``enqueue``, ``enqueue_message(s)``, ``build_message``, ``finish_queued``; the broker's
+  (``enqueue``, ``enqueue_message(s)``, ``build_message``, ``FINISH_ONE_QUEUED``; the broker's
   sends, the relay's messages).
 * ``codec.py``: a message's JSON text and priority, and the checks before it is written.
 * ``unique.py``: unique-job keys (``UniqueBy``); no database code, as ``codec.py``: the

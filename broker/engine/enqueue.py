@@ -51,8 +51,7 @@ Every way a message is written goes through this module, with one hook policy:
   take the hooks as above, the event's trace counting as the message's own; those that
   need no hook are written as JSON text straight from the route. Written in the relay
   pass's transaction; ``after_enqueue`` runs once the pass has committed.
-* :func:`finish_queued` and :data:`FINISH_ONE_QUEUED` write no message (they mark queued
-  ones done): no hook runs.
+* :data:`FINISH_ONE_QUEUED` writes no message (it marks a queued one done): no hook runs.
 
 A message is checked before any statement runs, as ``emit`` checks an event (a batch's,
 every one of them before its first statement), so a refused one leaves the caller's
@@ -589,16 +588,6 @@ FINISH_ONE_QUEUED, RECEIPT_OF_FINISHED = sql.FINISH_ONE_QUEUED, sql.RECEIPT_OF_F
 
 def finish_one_params(message_id: str | None, queue_name: str) -> dict[str, Any]:
     """The parameters of :data:`FINISH_ONE_QUEUED` for ``message_id`` (None: none) of
-    ``queue_name``. As :func:`finish_queued`, no hook runs for it."""
-    return {"finish": message_id, "finish_receipt": queue_name in app.awaited_queues()}
-
-
-def finish_queued(conn: psycopg.Connection[Any], message_ids: list[str]) -> None:
-    """Mark done the messages of ``message_ids`` still queued, without running them: their
-    work was done by another job. Call it in the transaction that records that work, so a
-    message is never done unless its work is recorded. No hook runs for them (no callback,
-    pipeline step, result or job log line): only for messages that have none. A message
-    already claimed, or cancelled, is left as it is (a claimed one must find its work made
-    and end)."""
-    if message_ids:
-        conn.execute(sql.FINISH_QUEUED, {"ids": message_ids, "awaited": app.awaited_queues()})
+    ``queue_name``. No hook runs for it: it writes no message, it marks one done."""
+    spec = app.queue_spec(queue_name)
+    return {"finish": message_id, "finish_receipt": spec is not None and spec.awaited}

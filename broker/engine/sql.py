@@ -494,17 +494,9 @@ WHERE id IN (
 )
 """
 
-#: Queued messages whose work another job did (a batch that did theirs too):
-#: done without running, only while still queued and not cancelled (one a consumer
-#: claimed runs, and finds its work made); receipts as in SETTLE.
-FINISH_QUEUED = """
-WITH settled AS (
-    UPDATE dramatiq.queue SET "state" = 'done', error = NULL, mtime = now()
-    WHERE message_id = ANY(%(ids)b::uuid[]) AND "state" = 'queued' AND cancelled_at IS NULL
-    RETURNING queue_name, message_id, 'done' AS state
-)""" + RECEIPTS_OF_SETTLED
-
-#: The same for one message, inside a statement of the caller's own that records the work
+#: A queued message whose work another job did (a batch that did its too), done without
+#: running, only while still queued and not cancelled (one a consumer claimed runs, and
+#: finds its work made): inside a statement of the caller's own that records the work
 #: the message carried, so that it is done exactly when that work is recorded: a CTE,
 #: ``finished`` (``%(finish)s``: the message; NULL for none), and the SELECT that sends its
 #: receipt when its queue is awaited (``%(finish_receipt)s``), for the statement's end.
