@@ -304,15 +304,12 @@ FOR UPDATE OF q NOWAIT
 #: never-attempted or replayed one has none: it is due now). The expression
 #: ``webhook_deliveries_retry_due_idx`` holds, so that index serves it.
 _BACKOFF_ELAPSED = "coalesce(w.next_attempt_at, '-infinity'::timestamptz) <= now()"
-#: The endpoint's (``%(endpoint)s``) pending deliveries attempted before, retried or
-#: replayed, whose back-off has elapsed: a range of ``webhook_deliveries_retry_due_idx``,
-#: which reads neither the endpoint's delivered history nor its deliveries still in
-#: back-off. (``OFFSET 0``: planned on its own, so an ``ORDER BY id LIMIT 1`` around it
-#: is never served instead by walking the table's primary key.)
-_RETRIES_DUE = """
-SELECT w.id, w.message_id FROM standmeet.webhook_deliveries w
-WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
-OFFSET 0"""
+#: Of an endpoint's pending deliveries attempted before (retried or replayed) whose
+#: back-off has elapsed, the one due the longest first: the order of
+#: ``webhook_deliveries_retry_due_idx``, read from its start for the first whose message
+#: qualifies (it reads neither the endpoint's delivered history, nor its deliveries still
+#: in back-off, nor all those due: an endpoint back from an outage may have thousands).
+_LONGEST_DUE_FIRST = "ORDER BY coalesce(w.next_attempt_at, '-infinity'::timestamptz) LIMIT 1"
 #: Of those, the ones whose endpoint already has a delivery in hand, and until when to
 #: park them: its lease is held (until it expires), or an older waiting delivery whose
 #: back-off has elapsed has its message queued and due (a lease's length, which that job
@@ -336,9 +333,10 @@ LEFT JOIN LATERAL (
       AND """ + _BACKOFF_ELAPSED + """ AND w.id <> ALL(%(ids)s::bigint[])
     ORDER BY w.id LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
 LEFT JOIN LATERAL (
-    SELECT q.message_id FROM (""" + _RETRIES_DUE.replace("%(endpoint)s", "d.endpoint_id") + """) r
-    JOIN dramatiq.queue q ON q.message_id = r.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-    ORDER BY r.id LIMIT 1 FOR SHARE OF q NOWAIT) retried ON true
+    SELECT q.message_id FROM standmeet.webhook_deliveries w
+    JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
+    WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
+    """ + _LONGEST_DUE_FIRST + """ FOR SHARE OF q NOWAIT) retried ON true
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
   AND (e.busy_until > now() OR waiter.message_id IS NOT NULL OR retried.message_id IS NOT NULL)
 """
@@ -401,8 +399,8 @@ WHERE d.id = %s
 #: The endpoint's next waiting delivery whose turn has come is woken when its lease is
 #: given back: of its pending deliveries whose back-off has elapsed (:data:`_BACKOFF_ELAPSED`),
 #: never attempted (``webhook_deliveries_due_idx``) or attempted before, retried or
-#: replayed (``webhook_deliveries_retry_due_idx``), the oldest whose message is queued or
-#: running (not the one just made, ``%(made)s``, nor the holder's own, ``%(holder)s``,
+#: replayed (``webhook_deliveries_retry_due_idx``, the one due the longest), the older of
+#: the two whose message is queued or running (not the one just made, ``%(made)s``, nor the holder's own, ``%(holder)s``,
 #: whose retry must keep its back-off). A delivery still waiting out its back-off is never
 #: woken: its message's eta is its retry. Neither index reads the endpoint's delivered
 #: history, nor its deliveries still in back-off. A queued one snoozed until later (it
@@ -427,10 +425,12 @@ WHERE q.message_id = (
                AND w.id IS DISTINCT FROM %(made)s::bigint AND w.message_id IS DISTINCT FROM %(holder)s::uuid
              ORDER BY w.id LIMIT 1)
             UNION ALL
-            (SELECT r.id, r.message_id FROM (""" + _RETRIES_DUE + """) r
-             JOIN dramatiq.queue m ON m.message_id = r.message_id AND m."state" IN ('queued', 'consumed')
-             WHERE r.id IS DISTINCT FROM %(made)s::bigint AND r.message_id IS DISTINCT FROM %(holder)s::uuid
-             ORDER BY r.id LIMIT 1)
+            (SELECT w.id, w.message_id FROM standmeet.webhook_deliveries w
+             JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" IN ('queued', 'consumed')
+             WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts > 0
+               AND """ + _BACKOFF_ELAPSED + """
+               AND w.id IS DISTINCT FROM %(made)s::bigint AND w.message_id IS DISTINCT FROM %(holder)s::uuid
+             """ + _LONGEST_DUE_FIRST + """)
         ) waiter
         ORDER BY waiter.id LIMIT 1)
   AND (q."state" = 'consumed' OR (q."state" = 'queued' AND q.eta > now()))
@@ -443,7 +443,10 @@ RETURNING q.queue_name
 #: the same statement if still queued (``%(finish)s``: a batch's delivery; the job's own
 #: is running): a message is done exactly when its delivery's attempt is recorded, and
 #: no consumer claims it meanwhile to find its delivery made. (A delivery an operator
-#: replays has a new message of its own, which carries it again.)
+#: replays has a new message of its own, which carries it again.) A batch's delivery that
+#: will be retried has its queued message made due at its retry (``%(reschedule)s``):
+#: that message was snoozed or parked behind the lease, and nothing else would bring it
+#: forward (a retry waited out a lease, ~20 s, instead of its 5 s back-off).
 _ATTEMPT_AND_DELIVERY = """
 WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
@@ -455,6 +458,9 @@ WITH attempt AS (
     SET attempts = %(attempt)s::int, state = %(state)s::text, last_outcome = %(outcome)s::text,
         next_attempt_at = %(next)s::timestamptz, updated_at = now()
     WHERE id = %(made)s::bigint
+), rescheduled AS (
+    UPDATE dramatiq.queue q SET eta = %(next)s::timestamptz, mtime = now()
+    WHERE q.message_id = %(reschedule)s::uuid AND """ + _STILL_QUEUED + """
 ), """ + FINISH_ONE_QUEUED
 #: The endpoint's health, from the attempt: 410 disables it; a healthy endpoint's row is
 #: not rewritten.
@@ -895,6 +901,7 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -
         "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
         "holder": message.message_id if message is not None else None,
         "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None,
+        "reschedule": made.due.message_id if made.state == "pending" else None,
         **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name)}
     with db.connection() as conn:
         if token is None:  # (a NULL token gives nothing back)

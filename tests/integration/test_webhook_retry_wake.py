@@ -224,3 +224,65 @@ def test_a_delivery_fanned_out_behind_a_due_retry_waits_parked_for_its_job_uncla
     # it, or its release wakes it; it is not claimed only to find the endpoint busy
     lease_s = app_settings.current().webhook_lease_s
     assert lease_s - 2 < eta_in_s(database_url, delivery_of(database_url, event)[3]) <= lease_s
+
+
+def test_a_batch_delivery_that_fails_is_retried_after_its_back_off_not_when_its_parked_job_comes_due(
+    broker, database_url, start_worker, webhook_settings
+):
+    with web_server() as site:
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["batch.retry"])
+        # Given two deliveries to one endpoint, the second's job held back (parked an hour)
+        # so that the first job's batch makes it; its first attempt fails (500)
+        first, second = fanned_out_now(database_url, "batch.retry", 2)
+        _, _, _, parked, _ = delivery_of(database_url, second)
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() + interval '1 hour' WHERE message_id = %s",
+              (parked,))
+        answers = {f"msg_{second}_{endpoint}": [500]}
+
+        def answer(request: Request) -> Reply:
+            queued = answers.get(request.headers["webhook-id"])
+            return Reply(queued.pop(0) if queued else 200, b"")
+
+        site.on("POST", "/hook", answer)
+        start_worker(queues=["webhook"], threads=2)
+        # When the batch records its failed attempt
+        wait_for(lambda: delivery_of(database_url, second)[2] == 1, timeout_s=15, what="the batch's attempt")
+        _, state, _, message, retry_at = delivery_of(database_url, second)
+        assert (state, message) == ("pending", parked)
+        # Then its job is due at its retry, not an hour later ...
+        eta = scalar(database_url, "SELECT eta FROM dramatiq.queue WHERE message_id = %s", (message,))
+        assert abs((eta - retry_at).total_seconds()) < 1, (eta, retry_at)
+        # ... and it is attempted again once its back-off has elapsed
+        wait_for(lambda: delivery_of(database_url, second)[1:3] == ("succeeded", 2),
+                 timeout_s=webhooks.SCHEDULE[0] * 1.1 + WOKEN_WITHIN_S, what="the retry after its back-off")
+
+
+def test_a_release_reads_one_due_retry_however_many_are_due(broker, database_url, webhook_settings):
+    import json
+
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["many.due"])
+    events = fanned_out_now(database_url, "many.due", 300)
+    # Given an endpoint back from an outage: 299 retried deliveries due (their back-off
+    # elapsed, the oldest due first), their jobs snoozed behind the lease
+    for n, event in enumerate(events[1:]):
+        retried_waiter(database_url, event, backoff_ends_in_s=-1 - n, due_in_s=60)
+    holder = delivery_of(database_url, events[0])
+    taken = PostgresLeases().take(webhooks.ENDPOINT_LEASE, holder[0])
+    assert taken is not None and taken[1] == endpoint
+    # When the lease is given back
+    with psycopg.connect(database_url) as conn:
+        try:
+            [(plan,)] = conn.execute(("EXPLAIN (ANALYZE, FORMAT JSON) " + webhooks.RELEASE_ENDPOINT).encode(),
+                                     {"key": endpoint, "token": str(taken[0]), "message_id": holder[3]}).fetchall()
+        finally:
+            conn.rollback()
+    # Then the due retries' index was read for one of them, not for every one
+    def nodes(node: dict) -> Iterator[dict]:
+        yield node
+        for child in node.get("Plans", []):
+            yield from nodes(child)
+
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    read = [n["Actual Rows"] * n["Actual Loops"] for n in nodes(plan[0]["Plan"])
+            if n.get("Index Name") == "webhook_deliveries_retry_due_idx"]
+    assert read and max(read) <= 2, read
