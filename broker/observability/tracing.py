@@ -162,28 +162,32 @@ class Consumed:
         otel_context.detach(self.token)
 
 
-#: How long "no SDK is OpenTelemetry's global provider" is taken as still true before it
-#: is looked at again (the API's lookup reads the environment: a job would pay it on every
-#: run). The global provider can be set only once, so one seen installed is remembered.
+#: How long "no provider is named by the environment" is taken as still true before the
+#: API is asked again: its lookup reads the environment (``OTEL_PYTHON_TRACER_PROVIDER``),
+#: which a job would otherwise pay on every run. A provider installed in code is seen at
+#: once; the global provider can be set only once, so one seen installed is remembered.
 GLOBAL_LOOK_S = 1.0
 _global_seen = False
 _global_look_at = 0.0
+_UNKNOWN = object()
 
 
 def recording() -> bool:
     """Whether spans are recorded: a provider set here, or an SDK's installed as
-    OpenTelemetry's global one (the API alone hands out non-recording spans). An SDK
-    installed globally while the process runs is seen within :data:`GLOBAL_LOOK_S`."""
+    OpenTelemetry's global one (the API alone hands out non-recording spans)."""
     global _global_seen, _global_look_at
     if trace is None:
         return False
     if _provider is not None or _global_seen:
         return True
-    now = time.monotonic()
-    if now < _global_look_at:
-        return False
+    # The API's own record of a provider set in code (read where the API keeps it: with
+    # none set, only the environment can name one, and that is looked at once a second).
+    if getattr(trace, "_TRACER_PROVIDER", _UNKNOWN) is None:
+        now = time.monotonic()
+        if now < _global_look_at:
+            return False
+        _global_look_at = now + GLOBAL_LOOK_S
     _global_seen = not isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
-    _global_look_at = now + GLOBAL_LOOK_S
     return _global_seen
 
 
