@@ -255,14 +255,22 @@ FROM unnest(%(ids)s::bigint[], %(messages)b::uuid[]) AS m(id, message_id) WHERE 
 """
 
 
-def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int]) -> list[str]:
+def enqueue_deliveries(conn: psycopg.Connection[Any], delivery_ids: list[int], *,
+                       named: list[str] | None = None) -> list[str]:
     """A ``webhook.deliver`` message for each delivery, in the caller's transaction, each
-    recorded on its delivery; their ids, in the same order."""
+    recorded on its delivery; their ids, in the same order. ``named``: the ids the
+    deliveries were written with (the fan-out's), which the messages take; a delivery is
+    written again only where its message came out with another id (an enqueue hook's)."""
     if not delivery_ids:
         return []
-    messages = enqueue_messages(conn, [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids])
-    message_ids = [m.message_id for m in messages]
-    conn.execute(NAME_DELIVERY_MESSAGES, {"ids": list(delivery_ids), "messages": message_ids})
+    built = [build_message("webhook.deliver", (delivery_id,)) for delivery_id in delivery_ids]
+    if named is not None:
+        built = [message.copy(message_id=message_id) for message, message_id in zip(built, named, strict=True)]
+    message_ids = [m.message_id for m in enqueue_messages(conn, built)]
+    written_with: list[str | None] = list(named) if named is not None else [None] * len(delivery_ids)
+    renamed = [(d, m) for d, m, was in zip(delivery_ids, message_ids, written_with, strict=True) if m != was]
+    if renamed:
+        conn.execute(NAME_DELIVERY_MESSAGES, {"ids": [d for d, _ in renamed], "messages": [m for _, m in renamed]})
     return message_ids
 
 
@@ -275,10 +283,12 @@ targets AS (
     WHERE CASE WHEN event.type = 'webhook.ping' THEN e.id = %(ping_endpoint)s  -- a ping: its endpoint only
                ELSE e.event_types @> ARRAY[event.type] OR e.event_types @> ARRAY['*'] END
 )
-INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state)
-SELECT %(event)s, endpoint_id, CASE WHEN enabled THEN 'pending' ELSE 'skipped' END FROM targets
+INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state, message_id)
+SELECT %(event)s, endpoint_id, CASE WHEN enabled THEN 'pending' ELSE 'skipped' END,
+       CASE WHEN enabled THEN gen_random_uuid() END
+FROM targets
 ON CONFLICT (event_id, endpoint_id) DO NOTHING
-RETURNING id, state
+RETURNING id, state, message_id::text
 """
 #: A delivery's message row ``q``, read by its id (the primary key), is still queued.
 #: Written so that no plan reads the queue's claim index for it (partial, on the queued
@@ -358,11 +368,12 @@ def fanout(event_id: int) -> None:
             return
         ping_endpoint = (event[1] or {}).get("endpoint_id") if event[0] == "webhook.ping" else None
         rows = conn.execute(FANOUT, {"event": event_id, "ping_endpoint": ping_endpoint}).fetchall()
-        # every deliver job in one statement, in the same transaction as the deliveries
-        pending = [int(delivery_id) for delivery_id, state in rows if state == "pending"]
-        enqueue_deliveries(conn, pending)
+        # every deliver job in one statement, in the same transaction as the deliveries,
+        # with the message id each delivery was written with (not written a second time)
+        pending = [(int(delivery_id), message_id) for delivery_id, state, message_id in rows if state == "pending"]
+        enqueue_deliveries(conn, [d for d, _ in pending], named=[m for _, m in pending])
     if pending:
-        park_behind(pending)
+        park_behind([d for d, _ in pending])
 
 
 def park_behind(delivery_ids: list[int]) -> int:
