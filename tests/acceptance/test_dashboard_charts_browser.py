@@ -3,7 +3,7 @@ against a real ``standmeet-jobs dashboard`` process and a real worker process.""
 
 from __future__ import annotations
 
-from tests.acceptance.test_dashboard_process import chromium, dashboard_process  # noqa: F401  (fixtures)
+from tests.acceptance.test_dashboard_process import chromium, dashboard_process, refreshing_wait  # noqa: F401  (fixtures)
 from tests.support.db import scalar, wait_for
 from tests.support.procs import running, worker_cmd
 
@@ -13,16 +13,14 @@ DONE = "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) A
 
 def test_after_a_drain_with_failures_the_history_charts_show_them_and_the_job_page_lists_its_attempts(
         chromium, dashboard_process, broker, database_url, subprocess_env, tmp_path):  # noqa: F811
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as seen
-    from selenium.webdriver.support.ui import WebDriverWait
 
     import tests.support.dashboard_jobs as dashboard_jobs
     import tests.support.jobs as jobs
 
     driver = chromium
-    wait = WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,))
+    wait = refreshing_wait(driver)
     with running(worker_cmd("--queues", "index", "--threads", "2", module="tests.support.dashboard_jobs"),
                  subprocess_env, log=tmp_path / "worker.log"), dashboard_process() as base:
         # Given a drain: five jobs done, three rejected, one done after a failed run

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -163,6 +164,27 @@ def chromium(tmp_path: Path) -> Iterator[WebDriver]:
         shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)
 
 
+def refreshing_wait(driver: WebDriver, timeout_s: float = 30) -> Any:
+    """A wait for pages that refresh their rows in place: an element found a moment ago may
+    have been replaced since (Chromium says so as a stale reference, or as a node that "does
+    not belong to the document"); the wait looks again instead of failing on it."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    class Wait(WebDriverWait):  # type: ignore[type-arg]
+        def until(self, method: Any, message: str = "") -> Any:
+            def looked_again(d: WebDriver) -> Any:
+                try:
+                    return method(d)
+                except WebDriverException as exc:
+                    if isinstance(exc, StaleElementReferenceException) or "does not belong to the document" in str(exc):
+                        return False
+                    raise
+            return super().until(looked_again, message)
+
+    return Wait(driver, timeout_s)
+
+
 @pytest.mark.slow
 def test_an_operator_filters_to_a_failed_job_retries_it_in_a_browser_and_sees_it_done(
         chromium, dashboard_process, broker, database_url, subprocess_env, tmp_path):
@@ -170,14 +192,13 @@ def test_an_operator_filters_to_a_failed_job_retries_it_in_a_browser_and_sees_it
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as seen
     from selenium.webdriver.support.select import Select
-    from selenium.webdriver.support.ui import WebDriverWait
 
     import tests.support.dashboard_jobs as jobs
 
     driver = chromium
     # the pages refresh their rows in place: an element found a moment ago may have been
     # replaced since, so waits look again instead of failing on it
-    wait = WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,))
+    wait = refreshing_wait(driver)
 
     def click(locator: tuple[str, str]) -> None:
         """Click what ``locator`` finds, finding it again if a refresh replaced it first."""
