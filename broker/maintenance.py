@@ -62,11 +62,12 @@ def rescue() -> None:
 
 def prune_outbox() -> None:
     """Delete relayed outbox rows older than the retention, batch by batch, and the rows of
-    relays stopped or silent for a day."""
-    prune_in_batches(sql.PRUNE_OUTBOX, retention_s=current_broker().settings.outbox_retention_hours * 3600,
+    relays stopped or silent for a day (or for the unrouted events' max age, if longer)."""
+    settings = current_broker().settings
+    prune_in_batches(sql.PRUNE_OUTBOX, retention_s=settings.outbox_retention_hours * 3600,
                      what="relayed outbox row(s)")
     with db.connection() as conn:
-        conn.execute(PRUNE_RELAYS)
+        conn.execute(PRUNE_RELAYS, {"orphaned_after_s": settings.outbox_unrouted_max_age_s})
 
 
 def prune_expired() -> None:

@@ -143,8 +143,9 @@ def _begin_pass() -> _Pass:
 #: newer release's) is left to a relay that knows them all; only once it is older than
 #: ``orphaned_after_s`` and no relay that knows them all has been alive for as long
 #: (running, or stopped or silent within that time: a newer release's relay restarting
-#: in a rolling deploy still counts) is it taken, to the routes known (a release that
-#: removed a route).
+#: in a rolling deploy still counts; a running one counts as long as rescue would, should
+#: the setting be shorter than its heartbeat) is it taken, to the routes known (a release
+#: that removed a route).
 RELAY_CLAIM_ROUTED = """
 UPDATE standmeet.outbox AS o
 SET relayed_at = now(), relay_txid = txid_current(), relayed_by = %(relay_id)s::uuid,
@@ -154,8 +155,9 @@ FROM (SELECT id FROM standmeet.outbox e
         AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes
              OR (created_at < now() - make_interval(secs => %(orphaned_after_s)s)
                  AND NOT EXISTS (SELECT FROM standmeet.relays r
-                                 WHERE coalesce(r.stopped_at, r.heartbeat_at)
-                                       > now() - make_interval(secs => %(orphaned_after_s)s)
+                                 WHERE coalesce(r.stopped_at, r.heartbeat_at) > now() - make_interval(
+                                           secs => greatest(%(orphaned_after_s)s::float8, CASE WHEN r.stopped_at IS NULL
+                                                            THEN %(rescue_after_s)s::float8 ELSE 0 END))
                                    AND r.routes -> e.topic @> e.routes)))
         AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
                    CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
@@ -284,7 +286,7 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     counts = Jsonb({topic: len(routes) for topic, routes in ROUTES.items()})
     settings = current_broker().settings
     params: dict[str, Any] = {"counts": counts, "topics": wanted, "relay_id": relay_id,
-                              "routes": known_routes(wanted),
+                              "routes": known_routes(wanted), "rescue_after_s": settings.rescue_after_s,
                               "orphaned_after_s": settings.outbox_unrouted_max_age_s}
     state: _Pass | None = None
     claimed = 0
@@ -327,9 +329,12 @@ ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, topics =
 """
 #: A relay that stopped routes nothing any more.
 RELAY_STOPPED = "UPDATE standmeet.relays SET stopped_at = now() WHERE id = %(id)s::uuid"
-#: Forget the relays stopped or silent for a day.
+#: Forget the relays stopped or silent for a day, or for ``%(orphaned_after_s)s`` if longer
+#: (the relays whose routes an old event may still wait for).
 PRUNE_RELAYS = """
-DELETE FROM standmeet.relays WHERE coalesce(stopped_at, heartbeat_at) < now() - interval '1 day'
+DELETE FROM standmeet.relays
+WHERE coalesce(stopped_at, heartbeat_at)
+      < now() - greatest(interval '1 day', make_interval(secs => %(orphaned_after_s)s::float8))
 """
 LISTEN_OUTBOX = "LISTEN " + sql.OUTBOX_CHANNEL
 

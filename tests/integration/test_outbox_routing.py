@@ -365,3 +365,30 @@ def test_an_old_event_is_not_relayed_without_a_route_while_a_relay_that_knows_it
         wait_for(lambda: _event(database_url, event)[0], timeout_s=10, what="the event relayed without its route")
     assert [r.getMessage() for r in caplog.records if "relayed without" in r.getMessage()] == [
         "1 outbox event(s) of test.ping relayed without their routes to test.newer_route: no live process routes them"]
+
+
+def test_a_running_relay_that_knows_the_route_counts_while_rescue_would_even_with_a_max_age_below_its_heartbeat(
+        broker, database_url, clean, conn, relays, monkeypatch):
+    from broker.outbox.routes import ROUTES
+    from broker.settings import replace
+
+    # Given a max age of 2 s, below a relay's heartbeat, and rescue after 20 s
+    monkeypatch.setattr(broker, "settings", replace(broker.settings, outbox_unrouted_max_age_s=2.0,
+                                                    rescue_after_s=20.0))
+    # and a newer release's relay, running, that routes test.ping to one more actor: its
+    # last heartbeat 6 s ago (between two beats)
+    newer = route_actors_of([*sorted(r.actor for r in ROUTES["test.ping"]), "test.newer_route"])
+    newer_relay = str(uuid.uuid4())
+    conn.execute(outbox.RELAY_HEARTBEAT, {"id": newer_relay, "hostname": "newer-host", "pid": 1,
+                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}"})
+    conn.execute("UPDATE standmeet.relays SET heartbeat_at = now() - interval '6 seconds' WHERE id = %s",
+                 (newer_relay,))
+    # and an event it emitted a minute ago
+    with conn.transaction():
+        event = conn.execute(sql.EMIT, {"topic": "test.ping", "payload": '{"label": "between-beats"}',
+                                        "routes": newer}).fetchone()[0]
+        conn.execute("UPDATE standmeet.outbox SET created_at = now() - interval '1 minute' WHERE id = %s", (event,))
+    # When a relay pass of this (older) release runs
+    relay_once(conn, limit=200)
+    # Then the event waits for the running relay that knows its route
+    assert _event(database_url, event) == (False, None, None)

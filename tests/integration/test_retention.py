@@ -56,3 +56,31 @@ def test_relayed_outbox_rows_are_pruned_after_their_retention_and_pending_ones_k
                            (job.message_id,)) == [("done",)], timeout_s=15, what="the outbox prune job")
     left = {r[0] for r in query(database_url, "SELECT id FROM standmeet.outbox WHERE id = ANY(%s)", ([old, recent, pending],))}
     assert left == {recent, pending}
+
+
+def test_relays_gone_for_a_day_are_forgotten_unless_an_old_event_may_still_wait_for_their_routes(
+        broker, database_url, monkeypatch):
+    import uuid
+
+    from broker import maintenance
+
+    # Given relays stopped 2 and 4 days ago, and one stopped just now
+    relays = {name: str(uuid.uuid4()) for name in ("two_days", "four_days", "now")}
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for name, ago in (("two_days", "2 days"), ("four_days", "4 days"), ("now", "0 seconds")):
+            conn.execute("INSERT INTO standmeet.relays (id, hostname, pid, topics, heartbeat_at, stopped_at)"
+                         " VALUES (%s, 'h', 1, '{}', now() - %s::interval, now() - %s::interval)",
+                         (relays[name], ago, ago))
+    # When the outbox is pruned while unrouted events may wait three days
+    monkeypatch.setattr(broker, "settings", replace(broker.settings, outbox_unrouted_max_age_s=3 * 86_400.0))
+    maintenance.prune_outbox()
+    # Then only the relay gone for longer than that is forgotten
+    left = {r[0] for r in query(database_url, "SELECT id::text FROM standmeet.relays WHERE id = ANY(%s::uuid[])",
+                                (list(relays.values()),))}
+    assert left == {relays["two_days"], relays["now"]}
+    # and with the default (300 s), those gone for over a day are
+    monkeypatch.setattr(broker, "settings", replace(broker.settings, outbox_unrouted_max_age_s=300.0))
+    maintenance.prune_outbox()
+    left = {r[0] for r in query(database_url, "SELECT id::text FROM standmeet.relays WHERE id = ANY(%s::uuid[])",
+                                (list(relays.values()),))}
+    assert left == {relays["now"]}
