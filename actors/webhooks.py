@@ -320,6 +320,12 @@ _BACKOFF_ELAPSED = "coalesce(w.next_attempt_at, '-infinity'::timestamptz) <= now
 #: qualifies (it reads neither the endpoint's delivered history, nor its deliveries still
 #: in back-off, nor all those due: an endpoint back from an outage may have thousands).
 _LONGEST_DUE_FIRST = "ORDER BY coalesce(w.next_attempt_at, '-infinity'::timestamptz) LIMIT 1"
+#: How many of an endpoint's first waiting deliveries, never attempted and retried, parking
+#: looks at for one whose job is due: a few, not every one (an endpoint back from an outage
+#: has thousands of retries whose jobs snoozed behind its lease; reading them all for every
+#: delivery fanned out took a second). Parking only saves a claim: should those first few
+#: not be due, the new deliveries stay due, as before parking.
+_FIRST_IN_LINE = "8"
 #: Of those, the ones whose endpoint already has a delivery in hand, and until when to
 #: park them: its lease is held (until it expires), or an older waiting delivery whose
 #: back-off has elapsed has its message queued and due (a lease's length, which that job
@@ -337,16 +343,20 @@ FROM standmeet.webhook_deliveries d
 JOIN LATERAL (SELECT id, busy_until FROM standmeet.webhook_endpoints WHERE id = d.endpoint_id
               FOR SHARE NOWAIT) e ON true
 LEFT JOIN LATERAL (
-    SELECT q.message_id FROM standmeet.webhook_deliveries w
+    SELECT q.message_id FROM (
+        SELECT w.message_id FROM standmeet.webhook_deliveries w
+        WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
+          AND """ + _BACKOFF_ELAPSED + """ AND w.id <> ALL(%(ids)s::bigint[])
+        ORDER BY w.id LIMIT """ + _FIRST_IN_LINE + """) w
     JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-    WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
-      AND """ + _BACKOFF_ELAPSED + """ AND w.id <> ALL(%(ids)s::bigint[])
-    ORDER BY w.id LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
+    LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
 LEFT JOIN LATERAL (
-    SELECT q.message_id FROM standmeet.webhook_deliveries w
+    SELECT q.message_id FROM (
+        SELECT w.message_id FROM standmeet.webhook_deliveries w
+        WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
+        ORDER BY coalesce(w.next_attempt_at, '-infinity'::timestamptz) LIMIT """ + _FIRST_IN_LINE + """) w
     JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-    WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
-    """ + _LONGEST_DUE_FIRST + """ FOR SHARE OF q NOWAIT) retried ON true
+    LIMIT 1 FOR SHARE OF q NOWAIT) retried ON true
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
   AND (e.busy_until > now() OR waiter.message_id IS NOT NULL OR retried.message_id IS NOT NULL)
 """

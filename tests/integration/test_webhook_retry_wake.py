@@ -258,8 +258,6 @@ def test_a_batch_delivery_that_fails_is_retried_after_its_back_off_not_when_its_
 
 
 def test_a_release_reads_one_due_retry_however_many_are_due(broker, database_url, webhook_settings):
-    import json
-
     endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["many.due"])
     events = fanned_out_now(database_url, "many.due", 300)
     # Given an endpoint back from an outage: 299 retried deliveries due (their back-off
@@ -277,12 +275,42 @@ def test_a_release_reads_one_due_retry_however_many_are_due(broker, database_url
         finally:
             conn.rollback()
     # Then the due retries' index was read for one of them, not for every one
+    read = _rows_read_through(plan, "webhook_deliveries_retry_due_idx")
+    assert read and max(read) <= 2, read
+
+
+def _rows_read_through(plan: Any, index: str) -> list[int]:
+    """Rows each scan of ``index`` returned in an EXPLAIN (ANALYZE, FORMAT JSON) plan, all loops."""
+    import json
+
     def nodes(node: dict) -> Iterator[dict]:
         yield node
         for child in node.get("Plans", []):
             yield from nodes(child)
 
     plan = plan if isinstance(plan, list) else json.loads(plan)
-    read = [n["Actual Rows"] * n["Actual Loops"] for n in nodes(plan[0]["Plan"])
-            if n.get("Index Name") == "webhook_deliveries_retry_due_idx"]
-    assert read and max(read) <= 2, read
+    return [n["Actual Rows"] * n["Actual Loops"] for n in nodes(plan[0]["Plan"]) if n.get("Index Name") == index]
+
+
+def test_parking_reads_a_few_due_retries_however_many_wait_snoozed(broker, database_url, webhook_settings):
+    webhooks.add_endpoint("http://127.0.0.1:9/hook", ["park.many"])
+    events = fanned_out_now(database_url, "park.many", 300)
+    # Given an endpoint back from an outage: 300 retried deliveries due, their jobs snoozed
+    # behind its lease (not due)
+    for n, event in enumerate(events):
+        retried_waiter(database_url, event, backoff_ends_in_s=-1 - n, due_in_s=60)
+    # When a new delivery to it is fanned out and parked
+    [event] = emit(database_url, "park.many", 1)
+    with psycopg.connect(database_url) as conn:
+        try:
+            rows = conn.execute(webhooks.FANOUT, {"event": event, "ping_endpoint": None}).fetchall()
+            ids = [int(r[0]) for r in rows]
+            webhooks.enqueue_deliveries(conn, ids, named=[r[2] for r in rows])
+            locked = [m for (m,) in conn.execute(webhooks.PARK_LOCK_MESSAGES, {"ids": ids}).fetchall()]
+            [(plan,)] = conn.execute(("EXPLAIN (ANALYZE, FORMAT JSON) " + webhooks.PARK_BEHIND).encode(),
+                                     {"ids": ids, "locked": locked, "lease_s": 20}).fetchall()
+        finally:
+            conn.rollback()
+    # Then it read a few of the due retries, not every one
+    read = _rows_read_through(plan, "webhook_deliveries_retry_due_idx")
+    assert read and max(read) <= 8, read
