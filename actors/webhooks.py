@@ -960,3 +960,53 @@ def webhook_health() -> None:
 
 
 app.periodic("webhook-health", "maintenance.webhook_health", interval_s=3600)
+
+#: Pending deliveries whose job ended without making them: an operator cancelled it, or
+#: it was rejected for good (it crashed its worker too often, ran out of retries of its
+#: own) a while ago (``%(grace_s)s``), or it is gone (pruned). Nothing would ever make
+#: them: they are failed, so that they show among the failures and an operator can
+#: replay them. (A job rejected a moment ago is left a grace, in case it is replayed.)
+#: At most ``%(limit)s`` a pass, each read by its message's id.
+FAIL_ABANDONED = """
+WITH abandoned AS MATERIALIZED (
+    SELECT d.id, d.message_id, q.error
+    FROM standmeet.webhook_deliveries d
+    LEFT JOIN dramatiq.queue q ON q.message_id = d.message_id
+    WHERE d.state = 'pending' AND d.message_id IS NOT NULL
+      AND (q.message_id IS NULL
+           OR (q."state"::text = 'rejected' AND q.mtime < now() - make_interval(secs => %(grace_s)s)))
+    LIMIT %(limit)s
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE standmeet.webhook_deliveries d
+SET state = 'failed', last_outcome = 'error', next_attempt_at = NULL, updated_at = now()
+FROM abandoned a
+WHERE d.id = a.id AND d.state = 'pending' AND d.message_id = a.message_id
+RETURNING d.id, d.message_id::text, coalesce(a.error, 'its job is gone')
+"""
+#: How long after its job was rejected a pending delivery is failed.
+ABANDONED_GRACE_S = 60.0
+#: Deliveries failed a statement (the job goes on while there may be more).
+ABANDONED_BATCH = 1000
+
+
+def fail_abandoned_deliveries(*, grace_s: float = ABANDONED_GRACE_S, limit: int = ABANDONED_BATCH) -> int:
+    """Fail the pending deliveries whose job ended without making them
+    (:data:`FAIL_ABANDONED`), each said once; how many."""
+    with db.connection() as conn:
+        rows = conn.execute(FAIL_ABANDONED, {"grace_s": grace_s, "limit": limit}).fetchall()
+    for delivery_id, message_id, reason in rows:
+        logger.warning("webhook delivery %s failed: its job %s ended without making it (%s); "
+                       "`standmeet-jobs webhooks replay %s` tries it again", delivery_id, message_id,
+                       str(reason)[:MAX_REASON], delivery_id)
+    return len(rows)
+
+
+@dramatiq.actor(actor_name="maintenance.webhook_abandoned", queue_name="maintenance")
+def webhook_abandoned() -> None:
+    """Fail the pending deliveries whose job ended without making them."""
+    while fail_abandoned_deliveries() == ABANDONED_BATCH:
+        deadline.check()
+
+
+app.periodic("webhook-abandoned", "maintenance.webhook_abandoned", interval_s=60)

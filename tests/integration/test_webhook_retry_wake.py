@@ -314,3 +314,36 @@ def test_parking_reads_a_few_due_retries_however_many_wait_snoozed(broker, datab
     # Then it read a few of the due retries, not every one
     read = _rows_read_through(plan, "webhook_deliveries_retry_due_idx")
     assert read and max(read) <= 8, read
+
+
+def test_a_pending_delivery_whose_job_ended_without_making_it_is_failed_for_an_operator_to_replay(
+    broker, database_url, webhook_settings, caplog
+):
+    import logging
+
+    from broker import ops
+
+    webhooks.add_endpoint("http://127.0.0.1:9/hook", ["abandoned"])
+    cancelled, pruned, rejected_now, waiting = fanned_out_now(database_url, "abandoned", 4)
+    # Given a delivery whose job an operator cancelled two minutes ago (rejected when claimed),
+    # one whose job is gone (pruned), one whose job was rejected a moment ago, and one waiting
+    with psycopg.connect(database_url) as conn:
+        ops.cancel_jobs(conn, message_ids=[delivery_of(database_url, cancelled)[3]], by="ops")
+    query(database_url, "UPDATE dramatiq.queue SET state = 'rejected', mtime = now() - interval '2 minutes'"
+                        " WHERE message_id = %s", (delivery_of(database_url, cancelled)[3],))
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (delivery_of(database_url, pruned)[3],))
+    query(database_url, "UPDATE dramatiq.queue SET state = 'rejected', error = 'crashed' WHERE message_id = %s",
+          (delivery_of(database_url, rejected_now)[3],))
+    # When the reconciliation runs
+    with caplog.at_level(logging.WARNING, logger=webhooks.logger.name):
+        assert webhooks.fail_abandoned_deliveries() == 2
+    # Then the cancelled one and the one whose job is gone are failed, each said once with why
+    assert [delivery_of(database_url, e)[1] for e in (cancelled, pruned, rejected_now, waiting)] == [
+        "failed", "failed", "pending", "pending"]
+    said = [r.getMessage() for r in caplog.records if "ended without making it" in r.getMessage()]
+    assert len(said) == 2 and any("cancelled by ops" in line for line in said) and any(
+        "its job is gone" in line for line in said), said
+    # and an operator can replay them: a new job carries each again
+    assert webhooks.replay(delivery_of(database_url, cancelled)[0])
+    assert delivery_of(database_url, cancelled)[1] == "pending"
+    assert webhooks.fail_abandoned_deliveries() == 0
