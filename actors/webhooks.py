@@ -732,6 +732,26 @@ class _Attempt:
     retry_in_s: float | None
 
 
+#: A delivery failed as abandoned (:data:`FAIL_ABANDONED_RECENT`) whose own job runs again
+#: is pending again, due now.
+REVIVE_ABANDONED = """
+UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()
+WHERE id = %(delivery)s AND state = 'failed' AND last_outcome = %(abandoned)s AND message_id = %(message)s::uuid
+RETURNING id
+"""
+
+
+def _revived(delivery_id: int, message_id: str) -> bool:
+    """Whether the delivery, failed as abandoned while carried by ``message_id``, is pending again."""
+    with db.connection() as conn:
+        revived = conn.execute(REVIVE_ABANDONED, {"delivery": delivery_id, "abandoned": ABANDONED,
+                                                  "message": message_id}).fetchone() is not None
+    if revived:
+        logger.info("webhook delivery %s is pending again: its job %s, which had ended without making it, "
+                    "runs again", delivery_id, message_id)
+    return revived
+
+
 @dramatiq.actor(actor_name="webhook.deliver", queue_name="webhook", max_retries=len(SCHEDULE) + 1,
                 lease=ENDPOINT_LEASE, throws=(DeliveryFailed,))
 def deliver(delivery_id: int) -> None:
@@ -758,6 +778,10 @@ def deliver(delivery_id: int) -> None:
         if read and read[0] == "busy":
             raise Snooze(_busy_wait_s(read[8], read[1], settings),
                          f"webhook.deliver: the endpoint of delivery {delivery_id} is busy", label=LEASE_BUSY)
+        if read and read[0] == "failed" and message is not None and _revived(delivery_id, message.message_id):
+            # its job, failed as abandoned, is back (an operator's `jobs retry`, a worker
+            # that was only cut off taking back its rejection): it makes its delivery after all
+            raise Snooze(0, f"delivery {delivery_id}: pending again, its job being back")
         if read and read[0] is not None and read[0] != "pending":
             return  # made already (by a batch, or an earlier run): the lease statement read it
         # a short read, the connection returned at once
@@ -951,50 +975,80 @@ WHERE enabled AND failing_since < now() - make_interval(secs => %s) RETURNING id
 
 @dramatiq.actor(actor_name="maintenance.webhook_health", queue_name="maintenance")
 def webhook_health() -> None:
-    """Disable endpoints failing without a break for STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS."""
+    """Disable endpoints failing without a break for STANDMEET_WEBHOOK_DISABLE_AFTER_DAYS,
+    and fail every pending delivery whose job ended without making it (the minutely
+    pass sees the last hour's only)."""
     days = app_settings.current().webhook_disable_after_days
     with db.connection() as conn:  # in seconds: 0.5 days is 12 hours, not 0
         rows = conn.execute(DISABLE_FAILING, (float(days) * 86400,)).fetchall()
     for (endpoint_id,) in rows:
         logger.warning("webhook endpoint %s disabled: failing for more than %s days", endpoint_id, days)
+    while fail_abandoned_deliveries(everything=True) == ABANDONED_BATCH:
+        deadline.check()
 
 
 app.periodic("webhook-health", "maintenance.webhook_health", interval_s=3600)
 
-#: Pending deliveries whose job ended without making them: an operator cancelled it, or
-#: it was rejected for good (it crashed its worker too often, ran out of retries of its
-#: own) a while ago (``%(grace_s)s``), or it is gone (pruned). Nothing would ever make
-#: them: they are failed, so that they show among the failures and an operator can
-#: replay them. (A job rejected a moment ago is left a grace, in case it is replayed.)
-#: At most ``%(limit)s`` a pass, each read by its message's id.
-FAIL_ABANDONED = """
+#: What a delivery whose job ended without making it is failed with (``last_outcome``).
+ABANDONED = "abandoned"
+#: Fail the pending deliveries of ``abandoned`` (``id``, ``message_id``, ``error``), each
+#: still carried by that message: a replay committed since the rows were read gave its
+#: delivery a new message, and the comparison with the row read (``d.message_id =
+#: a.message_id``, on the row as locked now) leaves it pending.
+_FAIL_ABANDONED = """
+UPDATE standmeet.webhook_deliveries d
+SET state = 'failed', last_outcome = '""" + ABANDONED + """', next_attempt_at = NULL, updated_at = now()
+FROM abandoned a
+WHERE d.id = a.id AND d.state = 'pending' AND d.message_id = a.message_id
+RETURNING d.id, d.message_id::text, coalesce(a.error, 'its job is gone')
+"""
+#: Pending deliveries whose job was rejected (an operator cancelled it, it crashed its
+#: worker too often, it ran out of its own retries) between ``%(lookback_s)s`` and
+#: ``%(grace_s)s`` ago: found from the rejected jobs of the ``%(queue)s`` queue, by time
+#: (the finished jobs' index), then each delivery by its message (the pending deliveries'
+#: index). A job rejected a moment ago is left its grace (it may be retried or replayed).
+FAIL_ABANDONED_RECENT = """
+WITH rejected AS MATERIALIZED (
+    SELECT q.message_id, q.error FROM dramatiq.queue q
+    WHERE q."state" = 'rejected' AND q.queue_name = %(queue)s
+      AND q.mtime >= now() - make_interval(secs => %(lookback_s)s)
+      AND q.mtime < now() - make_interval(secs => %(grace_s)s)
+), abandoned AS MATERIALIZED (
+    SELECT d.id, d.message_id, r.error FROM rejected r
+    JOIN standmeet.webhook_deliveries d ON d.message_id = r.message_id AND d.state = 'pending'
+    LIMIT %(limit)s
+    FOR UPDATE OF d SKIP LOCKED
+)""" + _FAIL_ABANDONED
+#: Every pending delivery whose job was rejected more than ``%(grace_s)s`` ago, or is gone
+#: (pruned): what the recent pass cannot see (its maintenance queue was down longer than
+#: its look-back). Reads the pending deliveries only, each job by its id.
+FAIL_ABANDONED_ALL = """
 WITH abandoned AS MATERIALIZED (
-    SELECT d.id, d.message_id, q.error
-    FROM standmeet.webhook_deliveries d
+    SELECT d.id, d.message_id, q.error FROM standmeet.webhook_deliveries d
     LEFT JOIN dramatiq.queue q ON q.message_id = d.message_id
     WHERE d.state = 'pending' AND d.message_id IS NOT NULL
       AND (q.message_id IS NULL
            OR (q."state"::text = 'rejected' AND q.mtime < now() - make_interval(secs => %(grace_s)s)))
     LIMIT %(limit)s
     FOR UPDATE OF d SKIP LOCKED
-)
-UPDATE standmeet.webhook_deliveries d
-SET state = 'failed', last_outcome = 'error', next_attempt_at = NULL, updated_at = now()
-FROM abandoned a
-WHERE d.id = a.id AND d.state = 'pending' AND d.message_id = a.message_id
-RETURNING d.id, d.message_id::text, coalesce(a.error, 'its job is gone')
-"""
+)""" + _FAIL_ABANDONED
 #: How long after its job was rejected a pending delivery is failed.
 ABANDONED_GRACE_S = 60.0
-#: Deliveries failed a statement (the job goes on while there may be more).
+#: How far back the pass of every minute looks for rejected jobs.
+ABANDONED_LOOKBACK_S = 3600.0
+#: Deliveries failed a statement (a pass goes on while there may be more).
 ABANDONED_BATCH = 1000
 
 
-def fail_abandoned_deliveries(*, grace_s: float = ABANDONED_GRACE_S, limit: int = ABANDONED_BATCH) -> int:
-    """Fail the pending deliveries whose job ended without making them
-    (:data:`FAIL_ABANDONED`), each said once; how many."""
+def fail_abandoned_deliveries(*, everything: bool = False, grace_s: float = ABANDONED_GRACE_S,
+                              limit: int = ABANDONED_BATCH) -> int:
+    """Fail the pending deliveries whose job ended without making them: those whose job
+    was rejected within the last hour (:data:`FAIL_ABANDONED_RECENT`), or, with
+    ``everything``, any (:data:`FAIL_ABANDONED_ALL`); each said once. How many."""
+    params = {"grace_s": grace_s, "limit": limit, "queue": deliver.queue_name,
+              "lookback_s": ABANDONED_LOOKBACK_S + grace_s}
     with db.connection() as conn:
-        rows = conn.execute(FAIL_ABANDONED, {"grace_s": grace_s, "limit": limit}).fetchall()
+        rows = conn.execute(FAIL_ABANDONED_ALL if everything else FAIL_ABANDONED_RECENT, params).fetchall()
     for delivery_id, message_id, reason in rows:
         logger.warning("webhook delivery %s failed: its job %s ended without making it (%s); "
                        "`standmeet-jobs webhooks replay %s` tries it again", delivery_id, message_id,
@@ -1004,7 +1058,7 @@ def fail_abandoned_deliveries(*, grace_s: float = ABANDONED_GRACE_S, limit: int 
 
 @dramatiq.actor(actor_name="maintenance.webhook_abandoned", queue_name="maintenance")
 def webhook_abandoned() -> None:
-    """Fail the pending deliveries whose job ended without making them."""
+    """Fail the pending deliveries whose job was rejected within the last hour."""
     while fail_abandoned_deliveries() == ABANDONED_BATCH:
         deadline.check()
 

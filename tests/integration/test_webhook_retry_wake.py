@@ -334,16 +334,65 @@ def test_a_pending_delivery_whose_job_ended_without_making_it_is_failed_for_an_o
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (delivery_of(database_url, pruned)[3],))
     query(database_url, "UPDATE dramatiq.queue SET state = 'rejected', error = 'crashed' WHERE message_id = %s",
           (delivery_of(database_url, rejected_now)[3],))
-    # When the reconciliation runs
+    # When the pass of every minute runs (the last hour's rejected jobs), then the hourly one
     with caplog.at_level(logging.WARNING, logger=webhooks.logger.name):
-        assert webhooks.fail_abandoned_deliveries() == 2
+        assert webhooks.fail_abandoned_deliveries() == 1
+        assert webhooks.fail_abandoned_deliveries(everything=True) == 1
     # Then the cancelled one and the one whose job is gone are failed, each said once with why
     assert [delivery_of(database_url, e)[1] for e in (cancelled, pruned, rejected_now, waiting)] == [
         "failed", "failed", "pending", "pending"]
+    assert query(database_url, "SELECT DISTINCT last_outcome FROM standmeet.webhook_deliveries"
+                               " WHERE state = 'failed'") == [(webhooks.ABANDONED,)]
     said = [r.getMessage() for r in caplog.records if "ended without making it" in r.getMessage()]
     assert len(said) == 2 and any("cancelled by ops" in line for line in said) and any(
         "its job is gone" in line for line in said), said
     # and an operator can replay them: a new job carries each again
     assert webhooks.replay(delivery_of(database_url, cancelled)[0])
     assert delivery_of(database_url, cancelled)[1] == "pending"
-    assert webhooks.fail_abandoned_deliveries() == 0
+    assert webhooks.fail_abandoned_deliveries(everything=True) == 0
+
+
+def _job_state(database_url: str, message: str) -> str | None:
+    return scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",  # type: ignore[no-any-return]
+                  (message,))
+
+
+def test_a_delivery_failed_as_abandoned_is_made_when_its_job_comes_back(
+    broker, database_url, start_worker, webhook_settings
+):
+    import uuid
+
+    from broker import ops
+    from broker.engine import sql
+
+    with web_server() as site:
+        site.on("POST", "/hook", lambda request: Reply(200, b""))
+        webhooks.add_endpoint(site.base + "/hook", ["comes.back"])
+        by_operator, by_rescue = fanned_out_now(database_url, "comes.back", 2)
+        # Given two deliveries failed as abandoned: one whose job an operator cancelled,
+        # one whose job rescue rejected, blamed on a worker process that was only cut off
+        operators_job, rescued_job = delivery_of(database_url, by_operator)[3], delivery_of(database_url, by_rescue)[3]
+        with psycopg.connect(database_url) as conn:
+            assert ops.cancel_jobs(conn, message_ids=[operators_job], by="ops") == 1
+        cut_off = str(uuid.uuid4())
+        query(database_url, "UPDATE dramatiq.queue SET state = 'rejected', crashes = 4, blamed_worker = %s,"
+                            " error = 'rejected: crashed its worker 4 times' WHERE message_id = %s",
+              (cut_off, rescued_job))
+        query(database_url, "UPDATE dramatiq.queue SET mtime = now() - interval '2 minutes'"
+                            " WHERE message_id = ANY(%s::uuid[])", ([operators_job, rescued_job],))
+        assert webhooks.fail_abandoned_deliveries() == 2
+        # When the operator retries the job, and the worker process comes back and takes
+        # back its blame
+        with psycopg.connect(database_url) as conn:
+            assert ops.retry_jobs(conn, message_ids=[operators_job], by="ops") == 1
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(sql.CLEAR_BLAME, {"ids": [uuid.UUID(rescued_job)], "worker_id": cut_off})
+        query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = %s AND state = 'queued'",
+              (rescued_job,))  # (due now: not rescue's own delay)
+        start_worker(queues=["webhook"], threads=2)
+        # Then each job makes its delivery after all
+        for event in (by_operator, by_rescue):
+            wait_for(lambda event=event: delivery_of(database_url, event)[1:3] == ("succeeded", 1), timeout_s=15,
+                     what="the delivery made by its job, back")
+        assert {_job_state(database_url, m) for m in (operators_job, rescued_job)} == {"done"}
+        assert len(site.requests) == 2
