@@ -371,6 +371,8 @@ class Relay:
         self._listen: psycopg.Connection[Any] | None = None
         self._thread: Any = None
         self._next_heartbeat = 0.0
+        #: the pace of the heartbeat while it runs (None: not running; a lone drain beats none)
+        self._heartbeat_s: float | None = None
         self._failing_since: float | None = None
         self._failures = 0
         self._said_failing = False
@@ -399,7 +401,10 @@ class Relay:
         return self._conn
 
     def drain_once(self) -> int:
-        """Relay passes until nothing it routes is pending (or a pass is partial); rows taken."""
+        """Relay passes until nothing it routes is pending (or a pass is partial); rows taken.
+        Between passes, it proves itself alive when its heartbeat is due: a relay draining a
+        long backlog is not taken for gone (other releases' relays then wait for it before
+        relaying its routes' events without them)."""
         conn = self._connection()
         topics = self.topics
         total = 0
@@ -408,6 +413,12 @@ class Relay:
             total += result.claimed
             if result.claimed < self.batch:
                 return total
+            self._heartbeat_if_due()
+
+    def _heartbeat_if_due(self) -> None:
+        if self._heartbeat_s is not None and time.monotonic() >= self._next_heartbeat:
+            self.heartbeat()
+            self._next_heartbeat = time.monotonic() + self._heartbeat_s
 
     def heartbeat(self) -> None:
         """Record this relay alive, with the topics it routes (by the database's clock)."""
@@ -438,9 +449,8 @@ class Relay:
 
     def _cycle(self, stop: threading.Event, heartbeat_s: float) -> None:
         """Heartbeat when due, relay what is pending, then wait for a NOTIFY or the next poll."""
-        if time.monotonic() >= self._next_heartbeat:
-            self.heartbeat()
-            self._next_heartbeat = time.monotonic() + heartbeat_s
+        self._heartbeat_s = heartbeat_s
+        self._heartbeat_if_due()
         self.drain_once()
         self._recovered()
         poll_s = self.poll_s if self.listening else pgpool.poll_s(self.url)

@@ -392,3 +392,22 @@ def test_a_running_relay_that_knows_the_route_counts_while_rescue_would_even_wit
     relay_once(conn, limit=200)
     # Then the event waits for the running relay that knows its route
     assert _event(database_url, event) == (False, None, None)
+
+
+def test_a_relay_draining_a_long_backlog_proves_itself_alive_between_passes(
+        broker, database_url, clean, conn, monkeypatch):
+    # Given a backlog of nine events for a relay taking two a pass, its heartbeat due each time
+    with conn.transaction():
+        for n in range(9):
+            emit(conn, "test.ping", {"label": f"backlog-{n}"})
+    relay = Relay(database_url, batch=2, topics=["test.ping"])
+    beats: list[float] = []
+    monkeypatch.setattr(relay, "heartbeat", lambda: beats.append(time.monotonic()))
+    relay._heartbeat_s = 0.0  # (as its loop sets it, but due at every pass)
+    try:
+        # When it drains them
+        assert relay.drain_once() == 9
+    finally:
+        relay.close()
+    # Then it beat between its passes (four full ones), not only before the drain
+    assert len(beats) == 4
