@@ -175,7 +175,10 @@ def test_a_signal_during_a_restart_back_off_restarts_nothing_and_stops_at_once(d
         for step_s in (1.0, 2.0):
             pid = wait_for(lambda: [p for p in child_pids(run.pid) if p not in killed], timeout_s=30,
                            what="a new worker process")[0]
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended by itself first: say why, as `run` logged it
+                pytest.fail(f"worker {pid} was gone before it could be killed; run's log:\n{log.read_text()}")
             killed.append(pid)
             wait_for(lambda: f"pid {killed[-1]} (-m broker.worker) exited with -9" in log.read_text(),
                      timeout_s=30, what=f"the crash of {pid} to be noticed")
