@@ -88,6 +88,19 @@ def held_endpoint() -> Iterator[HeldEndpoint]:
             endpoint.let_go()  # never leave a worker's POST waiting
 
 
+@contextmanager
+def one_delivery_to_a_held_endpoint(database_url: str, start_worker: Any, event_type: str, *,
+                                    answers: list[int] | None = None) -> Iterator[tuple[HeldEndpoint, int, int]]:
+    """A worker, an endpoint served by :class:`HeldEndpoint`, and one event of ``event_type``
+    whose delivery is its target (answered from ``answers``): (the endpoint, its id, the event)."""
+    with held_endpoint() as held:
+        endpoint, _ = webhooks.add_endpoint(held.url, [event_type])
+        start_worker(queues=["webhook"], threads=4)
+        [event] = emit(database_url, event_type, 1)
+        held.target, held.target_answers = f"msg_{event}_{endpoint}", list(answers or [])
+        yield held, endpoint, event
+
+
 def lease_held_by_a_batch(database_url: str, held: HeldEndpoint, endpoint: int, event_type: str) -> datetime:
     """Other deliveries to the endpoint, the first job of which takes the lease and posts
     (held); when that lease expires."""
@@ -101,12 +114,9 @@ def lease_held_by_a_batch(database_url: str, held: HeldEndpoint, endpoint: int, 
 def test_a_retried_delivery_that_found_its_endpoint_busy_is_attempted_when_the_lease_is_given_back(
     broker, database_url, start_worker, webhook_settings
 ):
-    with held_endpoint() as held:
-        endpoint, _ = webhooks.add_endpoint(held.url, ["retried"])
-        start_worker(queues=["webhook"], threads=4)
-        # Given a delivery whose first attempt failed (500): retried after its back-off (5 s)
-        [event] = emit(database_url, "retried", 1)
-        held.target, held.target_answers = f"msg_{event}_{endpoint}", [500]
+    # Given a delivery whose first attempt failed (500): retried after its back-off (5 s)
+    with one_delivery_to_a_held_endpoint(database_url, start_worker, "retried", answers=[500]) as (
+            held, endpoint, event):
         wait_for(lambda: delivery_of(database_url, event)[2] == 1, timeout_s=15, what="the first attempt")
         delivery, state, _, message, backoff_ends = delivery_of(database_url, event)
         assert state == "pending" and backoff_ends is not None
@@ -139,12 +149,8 @@ def test_a_retried_delivery_that_found_its_endpoint_busy_is_attempted_when_the_l
 def test_a_replayed_delivery_that_found_its_endpoint_busy_is_made_when_the_lease_is_given_back(
     broker, database_url, start_worker, webhook_settings
 ):
-    with held_endpoint() as held:
-        endpoint, _ = webhooks.add_endpoint(held.url, ["replayed"])
-        start_worker(queues=["webhook"], threads=4)
-        # Given a delivery made already (200)
-        [event] = emit(database_url, "replayed", 1)
-        held.target = f"msg_{event}_{endpoint}"
+    # Given a delivery made already (200)
+    with one_delivery_to_a_held_endpoint(database_url, start_worker, "replayed") as (held, endpoint, event):
         wait_for(lambda: delivery_of(database_url, event)[1] == "succeeded", timeout_s=15, what="the delivery")
         delivery = delivery_of(database_url, event)[0]
         # and a job holding the endpoint's lease, making other deliveries
