@@ -310,16 +310,18 @@ SELECT q.message_id FROM fanned d JOIN dramatiq.queue q ON q.message_id = d.mess
 WHERE d.state = 'pending' AND d.attempts = 0 AND """ + _STILL_QUEUED + """
 FOR UPDATE OF q NOWAIT
 """
-#: The turn of the waiting delivery ``w`` has come: its back-off has elapsed (a
-#: never-attempted or replayed one has none: it is due now). The expression
-#: ``webhook_deliveries_retry_due_idx`` holds, so that index serves it.
-_BACKOFF_ELAPSED = "coalesce(w.next_attempt_at, '-infinity'::timestamptz) <= now()"
+#: When the waiting delivery ``w`` is due: its retry, or now for one never attempted or
+#: replayed. The expression ``webhook_deliveries_retry_due_idx`` holds (written once, so
+#: that the statements' conditions and orders match it and the index serves them).
+_DUE_AT = "coalesce(w.next_attempt_at, '-infinity'::timestamptz)"
+#: The turn of the waiting delivery ``w`` has come: its back-off has elapsed.
+_BACKOFF_ELAPSED = _DUE_AT + " <= now()"
 #: Of an endpoint's pending deliveries attempted before (retried or replayed) whose
 #: back-off has elapsed, the one due the longest first: the order of
 #: ``webhook_deliveries_retry_due_idx``, read from its start for the first whose message
 #: qualifies (it reads neither the endpoint's delivered history, nor its deliveries still
 #: in back-off, nor all those due: an endpoint back from an outage may have thousands).
-_LONGEST_DUE_FIRST = "ORDER BY coalesce(w.next_attempt_at, '-infinity'::timestamptz) LIMIT 1"
+_LONGEST_DUE_FIRST = "ORDER BY " + _DUE_AT + " LIMIT 1"
 #: How many of an endpoint's first waiting deliveries, never attempted and retried, parking
 #: looks at for one whose job is due: a few, not every one (an endpoint back from an outage
 #: has thousands of retries whose jobs snoozed behind its lease; reading them all for every
@@ -346,7 +348,7 @@ LEFT JOIN LATERAL (
     SELECT q.message_id FROM (
         SELECT w.message_id FROM standmeet.webhook_deliveries w
         WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
-          AND """ + _BACKOFF_ELAPSED + """ AND w.id <> ALL(%(ids)s::bigint[])
+          AND w.id <> ALL(%(ids)s::bigint[])
         ORDER BY w.id LIMIT """ + _FIRST_IN_LINE + """) w
     JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
     LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
@@ -354,7 +356,7 @@ LEFT JOIN LATERAL (
     SELECT q.message_id FROM (
         SELECT w.message_id FROM standmeet.webhook_deliveries w
         WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
-        ORDER BY coalesce(w.next_attempt_at, '-infinity'::timestamptz) LIMIT """ + _FIRST_IN_LINE + """) w
+        ORDER BY """ + _DUE_AT + """ LIMIT """ + _FIRST_IN_LINE + """) w
     JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
     LIMIT 1 FOR SHARE OF q NOWAIT) retried ON true
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
@@ -442,7 +444,6 @@ WHERE q.message_id = (
             (SELECT w.id, w.message_id FROM standmeet.webhook_deliveries w
              JOIN dramatiq.queue m ON m.message_id = w.message_id AND m."state" IN ('queued', 'consumed')
              WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0
-               AND """ + _BACKOFF_ELAPSED + """
                AND w.id IS DISTINCT FROM %(made)s::bigint AND w.message_id IS DISTINCT FROM %(holder)s::uuid
              ORDER BY w.id LIMIT 1)
             UNION ALL

@@ -429,12 +429,12 @@ class Relay:
 
     def run(self, stop: threading.Event) -> None:
         backoff = Backoff(start_s=0.1, cap_s=5.0)
-        interval_s = self.heartbeat_s if self.heartbeat_s is not None else _process_heartbeat_s()
+        self._heartbeat_s = self.heartbeat_s if self.heartbeat_s is not None else _process_heartbeat_s()
         self._next_heartbeat = 0.0
         try:
             while not stop.is_set():
                 try:
-                    self._cycle(stop, interval_s)
+                    self._cycle(stop)
                 except Exception as exc:  # every failure: the loop lives on
                     if self._set_aside_refused_event(exc):
                         continue
@@ -447,9 +447,8 @@ class Relay:
         finally:
             self._mark_stopped()
 
-    def _cycle(self, stop: threading.Event, heartbeat_s: float) -> None:
+    def _cycle(self, stop: threading.Event) -> None:
         """Heartbeat when due, relay what is pending, then wait for a NOTIFY or the next poll."""
-        self._heartbeat_s = heartbeat_s
         self._heartbeat_if_due()
         self.drain_once()
         self._recovered()
