@@ -79,8 +79,10 @@ def ensure_database(admin_url: str, name: str) -> None:
             if not exists:
                 try:
                     conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-                except psycopg.errors.DuplicateDatabase:
-                    pass  # another process created it first
+                except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                    # Another process created it first: after our check (DuplicateDatabase),
+                    # or at the same moment (its row in pg_database won the unique index).
+                    pass
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot reach Postgres to create {name!r}: {exc}") from exc
 
