@@ -34,11 +34,13 @@ class RunningJobs:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_thread: dict[int, RunningJob] = {}
+        #: (actor, message id, start) by thread: a tuple a job, made into a RunningJob
+        #: only when a shutdown asks (a frozen dataclass costs a job more than the tuple)
+        self._by_thread: dict[int, tuple[str, str, float]] = {}
 
     def started(self, actor: str, message_id: str) -> None:
         with self._lock:
-            self._by_thread[threading.get_ident()] = RunningJob(actor, message_id, time.monotonic())
+            self._by_thread[threading.get_ident()] = (actor, message_id, time.monotonic())
 
     def finished(self) -> None:
         with self._lock:
@@ -47,7 +49,8 @@ class RunningJobs:
     def now(self) -> list[RunningJob]:
         """The running jobs, longest-running first."""
         with self._lock:
-            return sorted(self._by_thread.values(), key=lambda job: job.started)
+            running = list(self._by_thread.values())
+        return sorted((RunningJob(*job) for job in running), key=lambda job: job.started)
 
 
 #: This process's running jobs.
