@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import dramatiq
@@ -56,7 +56,7 @@ from broker.engine import enqueue as writer
 from broker.engine import sql
 from broker.engine.codec import options_json, refuse_non_json_encoder, storable_text
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
-from broker.engine.hooks import RUN_SIGNALS, Hook, HookTable, MiddlewareList, applies
+from broker.engine.hooks import HookTable, MiddlewareList, RunHook
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
 from broker.engine.runs import disarm, run_signal
@@ -141,7 +141,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         self._workers: list[Any] = []
         refuse_non_json_encoder()
         super().__init__(middleware=middleware or [])
-        self.middleware: list[Any] = MiddlewareList(self.middleware)
+        self.middleware: MiddlewareList  # made one by __setattr__
         # Queues are declared by the actors that name them (and by declare_queue): a
         # process serves the queues of the modules it loads, no others.
 
@@ -195,29 +195,28 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
 
     # -- signals ----------------------------------------------------------------------
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The middleware list counts its changes (broker.engine.hooks); one assigned in
+        # its place is made a counting one.
+        if name == "middleware" and type(value) is not MiddlewareList:
+            value = MiddlewareList(value)
+        super().__setattr__(name, value)
+
     def _hooks(self, name: str) -> list[Any]:
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
         order (:mod:`broker.engine.hooks`)."""
-        return self._hook_table.of(self._middleware_list(), name)
+        return self._hook_table.of(self.middleware, name)
 
-    def _middleware_list(self) -> MiddlewareList:
-        """The middleware list, made a counting one again if a plain list was assigned."""
-        middleware = self.middleware
-        if type(middleware) is not MiddlewareList:
-            middleware = self.middleware = MiddlewareList(middleware)
-        return middleware
+    def _calls(self, name: str) -> tuple[RunHook, ...]:
+        """What emitting ``name`` calls, in calling order, with the gates of a run's
+        policies (:meth:`broker.engine.hooks.HookTable.calls`)."""
+        return self._hook_table.calls(self.middleware, name)
 
-    def _run_hooks(self, name: str, proxy: Any, *, backwards: bool = False) -> Iterator[Hook]:
-        """The hooks of a run's signal ``name`` that apply to the run of ``proxy``, each
-        judged just before it is called, on the options the message and its actor have
-        then: a policy gated on options the run does not set is skipped
-        (:mod:`broker.engine.hooks`)."""
+    def _run_options(self, proxy: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+        """The options of a run's message and of its actor: the dictionaries themselves,
+        read once per signal, so what a hook adds to them is seen by the hooks after it."""
         actor = self.actors.get(proxy.actor_name)
-        actor_options = actor.options if actor is not None else {}
-        planned = self._hook_table.for_run(self._middleware_list(), name)
-        for middleware, hook, gate in (reversed(planned) if backwards else planned):
-            if gate is None or applies(gate, middleware, proxy.options, actor_options):
-                yield middleware, hook
+        return proxy.options, actor.options if actor is not None else {}
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
@@ -229,9 +228,17 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
         # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
-        name = "before_" + signal
-        hooks = self._run_hooks(name, args[0]) if name in RUN_SIGNALS else self._hooks(name)
-        for middleware, hook in hooks:
+        # A run's policy gated on options the run does not set is skipped, judged just
+        # before its hook would be called, on the options the message and its actor
+        # have then (broker.engine.hooks).
+        options: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None
+        for middleware, hook, gate in self._hook_table.calls(self.middleware, "before_" + signal):
+            if gate is not None:  # applies(), inline: it is asked for a run's every gated policy
+                names, configured_to_skip = gate
+                if configured_to_skip is None or configured_to_skip(middleware):
+                    options = options or self._run_options(args[0])
+                    if names.isdisjoint(options[0]) and names.isdisjoint(options[1]):
+                        continue
             try:
                 hook(self, *args, **kwargs)
             except MiddlewareError:
@@ -240,9 +247,14 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
                 self.logger.critical("Unexpected failure in before_%s of %r.", signal, middleware, exc_info=True)
 
     def _emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        name = "after_" + signal
-        hooks = self._run_hooks(name, args[0], backwards=True) if name in RUN_SIGNALS else reversed(self._hooks(name))
-        for middleware, hook in hooks:
+        options: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None
+        for middleware, hook, gate in self._hook_table.calls(self.middleware, "after_" + signal):
+            if gate is not None:  # applies(), inline: it is asked for a run's every gated policy
+                names, configured_to_skip = gate
+                if configured_to_skip is None or configured_to_skip(middleware):
+                    options = options or self._run_options(args[0])
+                    if names.isdisjoint(options[0]) and names.isdisjoint(options[1]):
+                        continue
             try:
                 hook(self, *args, **kwargs)
             except Exception as exc:
@@ -261,7 +273,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         proxy = args[0]
         self._job_threads.pop(threading.get_ident(), None)
         # The time limit never fires in the settle path; one that fired as the job ended is dropped.
-        late = disarm(hook for _, hook in self._hooks("disarm"))
+        late = disarm(hook for _, hook, _ in self._calls("disarm"))
         if late is not None:
             logger.info("message %s: %s arrived after the job had ended; ignored",
                         proxy.message_id, type(late).__name__)
@@ -269,7 +281,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         # process stepped down (cut off from the database): it runs again, with no retry
         # counted (see step_down).
         signal, kwargs, exception = run_signal(
-            self, signal, proxy, kwargs, refuse_hooks=(hook for _, hook in self._hooks("refuse_result")),
+            self, signal, proxy, kwargs, refuse_hooks=(hook for _, hook, _ in self._calls("refuse_result")),
             not_at_fault=(CutOff,))
         context = getattr(proxy, "standmeet_settle", None)
         if context is None and claim_of(proxy) is not None:

@@ -10,9 +10,10 @@ of them the base class's no-ops. The broker calls only:
   callback, a group's completion, an age limit, a keyed lease) declares those options
   (:func:`options_gate`), and costs a run nothing unless its message or its actor sets
   one of them. Whether it does is looked at just before each of its hooks would be
-  called, on the message and the actor as they are then: an option that an earlier
-  middleware, or the actor's own code, gave the run is seen by the hooks that follow,
-  as Dramatiq, which calls them all, would let them see it. A Dramatiq policy skipped
+  called, on the message's and the actor's options as they are then (the dictionaries
+  themselves, looked up once per signal): an option that an earlier middleware, or the
+  actor's own code, gave the run is seen by the hooks that follow, as Dramatiq, which
+  calls them all, would let them see it. A Dramatiq policy skipped
   only under its own configuration (``AgeLimit`` without a ``max_age``) is looked at
   as it is configured then, too.
 
@@ -92,6 +93,9 @@ class MiddlewareList(list):  # type: ignore[type-arg]
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.serial = next(_serials)
+        #: replaced at every change: a table worked out for this list at this version holds
+        #: the one it saw, so one identity test tells it whether the list moved since
+        self.stamp = object()
 
 
 _serials = itertools.count(1)
@@ -102,6 +106,7 @@ def _counting(name: str) -> Callable[..., Any]:
 
     def mutate(self: MiddlewareList, *args: Any, **kwargs: Any) -> Any:
         self.version += 1
+        self.stamp = object()
         return original(self, *args, **kwargs)
 
     mutate.__name__ = name
@@ -117,14 +122,28 @@ class HookTable:
     """The hooks of one middleware list, by signal, with the gates of a run's signals."""
 
     def __init__(self) -> None:
-        self._version: tuple[int, int] = (0, -1)
+        self._stamp: object = None
         self._hooks: dict[str, list[Hook]] = {}
         self._runs: dict[str, list[RunHook]] = {}
+        self._calls: dict[str, tuple[RunHook, ...]] = {}
 
     def _current(self, middleware: MiddlewareList) -> None:
-        version = (middleware.serial, middleware.version)
-        if self._version != version:
-            self._version, self._hooks, self._runs = version, {}, {}
+        if self._stamp is not middleware.stamp:
+            self._stamp, self._hooks, self._runs, self._calls = middleware.stamp, {}, {}, {}
+
+    def calls(self, middleware: MiddlewareList, name: str) -> tuple[RunHook, ...]:
+        """What emitting ``name`` calls, in calling order (an ``after_*`` signal's hooks
+        backwards, as Dramatiq calls them), each hook with its policy's gate if ``name``
+        is a run's signal (None: always called). Worked out once per version of the list:
+        the signal path is one identity test and one lookup."""
+        if self._stamp is not middleware.stamp:
+            self._current(middleware)
+        found = self._calls.get(name)
+        if found is None:
+            planned = (self.for_run(middleware, name) if name in RUN_SIGNALS
+                       else [(m, hook, None) for m, hook in self.of(middleware, name)])
+            found = self._calls[name] = tuple(reversed(planned) if name.startswith("after_") else planned)
+        return found
 
     def of(self, middleware: MiddlewareList, name: str) -> list[Hook]:
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in order."""
@@ -140,8 +159,7 @@ class HookTable:
     def for_run(self, middleware: MiddlewareList, name: str) -> list[RunHook]:
         """The hooks of ``name`` (a run's signal), each with its policy's gate: call one
         only if :func:`applies` says so for the run as it is at that moment."""
-        if self._version != (middleware.serial, middleware.version):
-            self._current(middleware)
+        self._current(middleware)
         planned = self._runs.get(name)
         if planned is None:
             planned = self._runs[name] = [(m, hook, options_gate(m)) for m, hook in self.of(middleware, name)]
