@@ -94,6 +94,8 @@ class Settler:
         self._pending: list[Outcome] = []
         self._started: list[tuple[str, int]] = []
         self._busy = False
+        #: whether the settler's thread waits for work (told of new work only then)
+        self._idle = False
         #: the outcomes being written now (out of ``_pending`` until written or put back)
         self._writing: list[Outcome] = []
         self._conn: psycopg.Connection[Any] | None = None
@@ -108,14 +110,18 @@ class Settler:
     def submit(self, outcome: Outcome) -> None:
         with self._cond:
             self._pending.append(outcome)
-            self._cond.notify()
-        self.start()
+            if self._idle:  # a busy settler takes it with what it writes next, unwoken
+                self._cond.notify_all()
+        if self._thread is None:
+            self.start()
 
     def mark_started(self, key: tuple[str, int]) -> None:
         with self._cond:
             self._started.append(key)
-            self._cond.notify()
-        self.start()
+            if self._idle:
+                self._cond.notify_all()
+        if self._thread is None:
+            self.start()
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the thread once what it holds is written (or abandoned); True if it has stopped."""
@@ -152,7 +158,9 @@ class Settler:
         while True:
             with self._cond:
                 while not self._pending and not self._started and not stop.is_set():
+                    self._idle = True
                     self._cond.wait(0.5)
+                    self._idle = False
                 if not self._pending and not self._started:
                     return  # stopped, nothing left
                 outcomes, self._pending = self._pending, []
