@@ -245,11 +245,17 @@ class StandmeetConsumer(Consumer):
         elif self.next_due_s is not None and self.state.should_claim():
             # a due time matters only with room to claim; when full, a finishing job wakes us
             timeout = min(timeout, max(0.0, self.next_due_s - time.monotonic()))
+        # A slot freed (a job ended, outcomes written) is room to claim, not a message due:
+        # the consumer looks again, and claims only if its last claim filled the room it had
+        # (``next_due_s`` 0: there may be more). After a claim that found fewer than it
+        # asked, what becomes due is told by a notification (a send, a retry, a give-back),
+        # or falls due at the time looked up (a delayed message, or one due but not yet
+        # claimable: a suspect behind another, a row another claim had locked): a job
+        # ending alone is no reason for a claim and a look-up that would find nothing.
         if self._heard(conn):
             return
         if not self.state.going_to_sleep():
-            self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())  # a slot freed
-            return
+            return  # a slot freed since the last look: look again (claim if room was the limit)
         try:
             woken = readable([conn.fileno(), self.state.wake_fd], timeout)
         finally:
@@ -257,7 +263,6 @@ class StandmeetConsumer(Consumer):
         if self.state.wake_fd in woken:
             self.state.drain_wake()
             self.state.clear_freed()  # the pipe said it
-            self.next_due_s = min(self.next_due_s or 0.0, time.monotonic())
         if woken:
             self._heard(conn)
 

@@ -637,3 +637,37 @@ def test_prefetched_messages_that_shutdown_could_not_give_back_are_offered_again
     assert state.returning == [] and query(database_url, HELD, (ids[1:],)) == [("queued", None, 0)] * 4
     consumer.close()
     _forget(broker, database_url, state, ids)
+
+
+def test_a_job_ending_alone_makes_no_claim_when_the_last_claim_found_the_queue_empty(
+        broker, database_url, start_worker, monkeypatch):
+    # Given a worker whose claims and look-ups are counted, idle on an empty queue
+    from broker.engine.consumer import StandmeetConsumer
+    from tests.support.db import wait_for
+
+    calls = {"claim_once": 0, "look_up_next_due": 0}
+    for name in calls:
+        original = getattr(StandmeetConsumer, name)
+
+        def counted(self, conn, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(self, conn)
+
+        monkeypatch.setattr(StandmeetConsumer, name, counted)
+    start_worker(queues=["index"], threads=4)
+    first = mark.send("warm-up")
+    wait_for(lambda: _done(database_url, [first.message_id]), timeout_s=10, what="the first job")
+    wait_for(lambda: broker.settler.pending() == 0, timeout_s=10, what="its outcome written")
+    before = dict(calls)
+    # When jobs come one at a time, each sent once the one before is done
+    jobs = 5
+    for i in range(jobs):
+        message = mark.send(f"alone-{i}")
+        wait_for(lambda: _done(database_url, [message.message_id]), timeout_s=10, what=f"job {i}")
+        wait_for(lambda: broker.settler.pending() == 0, timeout_s=10, what=f"job {i}'s outcome written")
+    # Then each was claimed once, on its notification: neither its end nor its outcome's
+    # write made another claim (or another look-up) that could only find the queue empty
+    claims = calls["claim_once"] - before["claim_once"]
+    look_ups = calls["look_up_next_due"] - before["look_up_next_due"]
+    assert claims <= jobs + 1, f"{claims} claims for {jobs} jobs"
+    assert look_ups <= jobs + 1, f"{look_ups} look-ups for {jobs} jobs"
