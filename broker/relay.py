@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     except StandmeetError as exc:
         print(f"relay: {exc}", file=sys.stderr)
         return CONFIG_REFUSED_EXIT
+    from broker.pg.preflight import wait_until_migrated
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    if not wait_until_migrated(broker.url, stop=stop, who="relay"):
+        return 0
     relay = Relay(broker.url, batch=args.batch or broker.settings.relay_batch, poll_s=broker.settings.relay_poll_s,
                   heartbeat_s=broker.settings.heartbeat_s)
     logging.getLogger("standmeet.relay").info("relaying the topics %s", ", ".join(relay.topics) or "(none)")
@@ -49,9 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         relay.close()
         print(f"relayed {total} event(s)")
         return 0
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     relay.run(stop)
     relay.close()
     return 0

@@ -170,6 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from broker.pg.budget import process_connections, served_queues
 
         broker = boot(args.modules)
+        from broker.pg.preflight import wait_until_migrated
+
+        if not wait_until_migrated(broker.url, stop=stop, who="worker"):
+            logger.info("worker stopped before it started")
+            return 0
         queues = served_queues(args.queues)
         threads = args.threads or 1
         connections = process_connections(broker.settings, queues, threads=threads)

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # `run` logs the budget once for all its processes; here it is detail.
     logger.debug("connection budget: %s; %s", budget.describe(), scheduler_connections(settings).describe())
-    if stop.is_set():
+    from broker.pg.preflight import wait_until_migrated
+
+    if stop.is_set() or not wait_until_migrated(broker.url, stop=stop, who="scheduler"):
         logger.info("scheduler stopped before it started")
         return 0
 

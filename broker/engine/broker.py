@@ -79,6 +79,7 @@ from broker.pg.pool import (
     open_send_pool,
     topology_for,
 )
+from broker.pg.preflight import first_line
 from broker.settings import QueueSettings, Settings
 
 logger = logging.getLogger("standmeet.broker")
@@ -539,8 +540,8 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         if self.liveness.started or self.served:
             try:
                 self.execute(sql.STOP_WORKER, {"worker_id": self.worker_id})
-            except DISCONNECTS as exc:
-                logger.warning("could not record this worker as stopped: %s", exc)
+            except psycopg.Error as exc:  # down, or a schema not (yet) migrated: the rest still closes
+                logger.warning("could not record this worker as stopped: %s", first_line(exc))
         for backend in self.backends:
             backend.close()
         if self._pool is not None:

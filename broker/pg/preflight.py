@@ -7,6 +7,10 @@ within :data:`CONNECT_TIMEOUT_S`.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
@@ -16,6 +20,12 @@ from broker.settings import masked_url
 
 #: How long a command waits for the database to answer a connection.
 CONNECT_TIMEOUT_S = 5
+#: How often a long-running process started before ``migrate`` looks at the schema again.
+MIGRATE_POLL_S = 2.0
+#: How often it says again that it waits.
+MIGRATE_SAY_AGAIN_S = 60.0
+
+logger = logging.getLogger(f"standmeet.{__name__}")
 
 SCHEMA_TABLE = "SELECT to_regclass('standmeet.schema_migrations') IS NOT NULL"
 SCHEMA_VERSION = "SELECT coalesce(max(version), 0) FROM standmeet.schema_migrations"
@@ -80,3 +90,32 @@ def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> N
         if have < need:
             raise NotMigrated(f"the database at {where} is at version {have} of the migrations of {source.package}, "
                               f"this code needs {need}: run `standmeet-jobs migrate`")
+
+
+def wait_until_migrated(url: str, *, stop: threading.Event, who: str, poll_s: float = MIGRATE_POLL_S) -> bool:
+    """Return True once the schema (the runtime's, and that of every package the loaded
+    modules declared) is current; False if ``stop`` is set first.
+
+    What a long-running process (a worker, the scheduler, a relay) does at its start: a
+    deploy may start it a moment before ``standmeet-jobs migrate`` commits, and it then
+    waits, saying so in one line (again every minute), instead of running statements the
+    schema cannot serve or exiting (a supervisor told not to restart a refused process
+    would never bring it back). A database it cannot reach is left to the process's own
+    outage handling: True at once."""
+    said_at: float | None = None
+    while True:
+        try:
+            check_database(url)
+        except NotMigrated as exc:
+            now = time.monotonic()
+            if said_at is None or now - said_at >= MIGRATE_SAY_AGAIN_S:
+                logger.warning("%s: waiting for the schema, looking again every %g s: %s", who, poll_s, exc)
+                said_at = now
+        except DatabaseUnavailable:
+            return True
+        else:
+            if said_at is not None:
+                logger.info("%s: the schema is current: starting", who)
+            return True
+        if stop.wait(poll_s):
+            return False
