@@ -416,7 +416,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
                 if self._wakeups is None:
                     self._wakeups = WakeListener(self.topology.listen_url, outage=self.outage)
                 state = self.queue_states[queue_name]
-                self._wakeups.add(sql.ENQUEUE_CHANNEL.format(queue=queue_name), state.wake)
+                self._wakeups.add(sql.ENQUEUE_CHANNEL.format(queue=queue_name), state.notified)
         return StandmeetConsumer(self, self.queue_states[queue_name], timeout_ms=timeout)
 
     @property

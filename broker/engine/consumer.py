@@ -267,8 +267,9 @@ class StandmeetConsumer(Consumer):
             self._heard(conn)
 
     def _heard(self, conn: psycopg.Connection[Any]) -> bool:
-        """Consume the notifications that arrived; True if any did (look again now)."""
-        heard = False
+        """Consume the notifications that arrived, on this connection or through the
+        process's listener (:meth:`QueueState.notified`); True if any did (look again now)."""
+        heard = self.state.take_told()
         for _ in conn.notifies(timeout=0):
             heard = True
         if heard:

@@ -186,7 +186,7 @@ class Liveness:
         self.stepped_down = False
         logger.warning("stepping up: heartbeat confirmed again; %d claim(s) lost, claiming again", len(lost))
         for state in self.queue_states.values():
-            state.wake()
+            state.notified()
 
     def heartbeat_once(self) -> dict[str, tuple[int, int]]:
         """Prove this process alive, and rescue the messages of dead ones.

@@ -61,6 +61,9 @@ class QueueState:
         self.waiting = False
         #: a running job ended (or outcomes were written) since the consumer last looked
         self.freed = False
+        #: a notification for the queue (or a reason as good: this process claims again)
+        #: reached the process since its consumer last looked: look for due messages now
+        self.told = False
         #: runs that ended whose outcome the settler has not written yet: their rows
         #: are still ``consumed`` in the database, so they count against the claims
         #: beyond a slack of one more ``limit``
@@ -269,6 +272,20 @@ class QueueState:
     def clear_freed(self) -> None:
         with self.lock:
             self.freed = False
+
+    def notified(self) -> None:
+        """Messages of the queue may be due (a notification the process's listener heard,
+        or the process claiming again): its consumer looks for them at once, not only
+        for room."""
+        with self.lock:
+            self.told = True
+        self.wake()
+
+    def take_told(self) -> bool:
+        """Whether :meth:`notified` was called since the last time this was asked."""
+        with self.lock:
+            told, self.told = self.told, False
+            return told
 
     def wake(self) -> None:
         try:
