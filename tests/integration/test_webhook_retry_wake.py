@@ -400,5 +400,7 @@ def test_a_delivery_failed_as_abandoned_is_made_when_its_job_comes_back(
         for event in (by_operator, by_rescue):
             wait_for(lambda event=event: delivery_of(database_url, event)[1:3] == ("succeeded", 1), timeout_s=15,
                      what="the delivery made by its job, back")
-        assert {_job_state(database_url, m) for m in (operators_job, rescued_job)} == {"done"}
+        # (a job's own outcome is written by its settle, just after its delivery's record)
+        wait_for(lambda: {_job_state(database_url, m) for m in (operators_job, rescued_job)} == {"done"},
+                 timeout_s=15, what="both jobs done")
         assert len(site.requests) == 2
