@@ -7,16 +7,59 @@ and the owner can stop it and join it with a timeout. Domain code never starts a
 thread: it enqueues a job or declares a periodic job (see scripts/check_no_bare_threads.py).
 
 A looping function takes the :class:`threading.Event` it is given and returns when
-the event is set; :meth:`Detached.stop` sets it.
+the event is set; :meth:`Detached.stop` sets it. The event is a :class:`StopEvent`: a
+loop that waits on sockets waits on its ``fileno()`` beside them, and needs no timeout
+to notice it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(f"standmeet.{__name__}")
+
+
+class StopEvent(threading.Event):
+    """A one-shot stop event whose ``fileno()`` turns readable once it is set: a loop
+    waiting on sockets (``poll``) waits on it too, instead of waking every so often to
+    look at the event (an idle relay did ten times a second)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pipe: tuple[int, int] | None = None
+        self._pipe_lock = threading.Lock()
+
+    def fileno(self) -> int:
+        """A descriptor that is readable once the event is set (made on first use)."""
+        with self._pipe_lock:
+            if self._pipe is None:
+                read_end, write_end = os.pipe()
+                os.set_blocking(write_end, False)
+                self._pipe = (read_end, write_end)
+                if self.is_set():
+                    os.write(write_end, b"x")
+            return self._pipe[0]
+
+    def set(self) -> None:
+        super().set()
+        with self._pipe_lock:
+            if self._pipe is not None:
+                try:
+                    os.write(self._pipe[1], b"x")
+                except OSError:  # full: readable already
+                    pass
+
+    def __del__(self) -> None:
+        pipe = getattr(self, "_pipe", None)
+        if pipe is not None:
+            for fd in pipe:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 class Detached:
@@ -24,7 +67,7 @@ class Detached:
 
     def __init__(self, name: str, fn: Callable[[threading.Event], object]) -> None:
         self.name = name
-        self.stop_event = threading.Event()
+        self.stop_event = StopEvent()
         self.error: BaseException | None = None
         self._fn = fn
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 
+from broker import detach
 from broker.boot import DEFAULT_APP_MODULES, OneLineParser, boot, bounded_int
 from broker.exits import CONFIG_REFUSED_EXIT
 from broker.outbox import Relay
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_REFUSED_EXIT
     from broker.pg.preflight import wait_until_migrated
 
-    stop = threading.Event()
+    stop = detach.StopEvent()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     if not wait_until_migrated(broker.url, stop=stop, who="relay"):

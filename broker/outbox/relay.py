@@ -456,17 +456,32 @@ class Relay:
         self._wait(stop, min(poll_s, self._next_heartbeat - time.monotonic()))
 
     def _wait(self, stop: threading.Event, timeout_s: float) -> None:
+        """Until a NOTIFY, ``stop``, or ``timeout_s``. With a :class:`broker.detach.StopEvent`
+        it sleeps on the listening socket and the event's descriptor together; with a plain
+        event, it looks at the event every ``STOP_CHECK_S``."""
         deadline = time.monotonic() + timeout_s
+        stop_fd = stop.fileno() if isinstance(stop, detach.StopEvent) else None
         while not stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            if self._listen is None:
+            listen = self._listen
+            if listen is None:
                 stop.wait(remaining)
                 return
             woken = False
-            for _ in self._listen.notifies(timeout=min(remaining, STOP_CHECK_S), stop_after=1):
-                woken = True
+            if stop_fd is not None:
+                for _ in listen.notifies(timeout=0):  # what arrived already (read into the buffer)
+                    woken = True
+                if woken:
+                    return
+                if not pgpool.readable([listen.fileno(), stop_fd], remaining):
+                    return  # the poll's time
+                for _ in listen.notifies(timeout=0):
+                    woken = True
+            else:
+                for _ in listen.notifies(timeout=min(remaining, STOP_CHECK_S), stop_after=1):
+                    woken = True
             if woken:
                 return
 
@@ -533,7 +548,7 @@ class Relay:
         return self
 
     def stop(self, timeout_s: float = 5.0) -> bool:
-        """Stop the loop (it notices within ``STOP_CHECK_S``), recorded as stopped."""
+        """Stop the loop (it notices at once), recorded as stopped."""
         stopped = True
         if self._thread is not None:
             stopped = self._thread.stop(timeout_s)
