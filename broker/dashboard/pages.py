@@ -261,15 +261,23 @@ async def outbox_retry(request: Request) -> Response:
 
 # -- probes ----------------------------------------------------------------------------
 
-HEALTH_QUERY = "SELECT 1"
+#: Whether the database holds the runtime's schema (a database no `migrate` has touched
+#: answers, yet no page can be served from it).
+HEALTH_QUERY = "SELECT to_regclass('standmeet.schema_migrations') IS NOT NULL"
+NO_SCHEMA = "the database has no standmeet schema: run `standmeet-jobs migrate`"
 
 
 async def healthz(request: Request) -> Response:
-    """200 when the database answers, 503 (with the reason) when it does not."""
+    """200 when the database answers and holds the schema; 503 with the reason (one line)
+    when it does not answer, or has no schema: a readiness probe then sends no request to
+    a dashboard that could serve no page."""
     try:
-        await with_conn(request, lambda conn: conn.execute(HEALTH_QUERY).fetchone())
+        row = await with_conn(request, lambda conn: conn.execute(HEALTH_QUERY).fetchone())
     except Exception as exc:  # the probe reports any failure, it does not raise
-        return json_response({"status": "unavailable", "database": str(exc).strip()}, status_code=503)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return json_response({"status": "unavailable", "database": reason}, status_code=503)
+    if not row or not row[0]:
+        return json_response({"status": "unavailable", "database": NO_SCHEMA}, status_code=503)
     return json_response({"status": "ok", "database": "ok"})
 
 

@@ -554,3 +554,20 @@ def test_metrics_are_the_database_derived_gauges_in_prometheus_text(broker, data
     assert samples[("standmeet_workers_alive", ())] >= 1
     assert samples[("standmeet_outbox_lag_seconds", ())] >= 0
     assert samples[("standmeet_database_up", ())] == 1
+
+
+def test_healthz_answers_503_on_a_database_no_migrate_has_touched(admin_url, dashboard):
+    # Given a database that answers but holds no schema (a dashboard started before migrate)
+    from broker.dashboard.pages import NO_SCHEMA
+    from tests.support import db as testdb
+
+    name = testdb.unique_name("smt_no_schema")
+    testdb.query(admin_url, f'CREATE DATABASE "{name}"')
+    try:
+        with dashboard(database_url=testdb.with_dbname(admin_url, name)) as client:
+            answer = client.get("/healthz")
+        # Then the probe says so, in one line: no request is sent its way
+        assert answer.status_code == 503
+        assert answer.json() == {"status": "unavailable", "database": NO_SCHEMA}
+    finally:
+        testdb.drop_database(admin_url, name)
