@@ -20,6 +20,9 @@ import logging
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -43,6 +46,8 @@ from broker.pg.budget import (
 from broker.settings import Settings
 
 logger = logging.getLogger("standmeet.periodic")
+#: How often schedules that could not be recorded (the database down) are tried again.
+PUBLISH_RETRY_S = 10.0
 
 
 def load_jobs(path: str) -> list:  # type: ignore[type-arg]
@@ -105,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     # As many tick threads as the connection budget counts for the scheduler.
     scheduler = BackgroundScheduler(timezone="UTC", executors={
         "default": {"type": "threadpool", "max_workers": SCHEDULER_TICK_THREADS}})
-    try:  # every process shows these schedules, whatever modules it loads
-        publish_schedules(jobs)
-    except Exception as exc:  # the jobs still run; the dashboard shows less
-        logger.warning("could not record the periodic schedules: %s", str(exc).strip().splitlines()[0])
+    # Every process shows these schedules, whatever modules it loads: recorded now, or,
+    # the database down at this moment, again every PUBLISH_RETRY_S until they are.
+    published = _publish(publish_schedules, jobs, said=False)
+    publish_at = time.monotonic() + PUBLISH_RETRY_S
     now = utcnow()
     for job in jobs:
         try:  # the current period first; then on each period boundary
@@ -125,11 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     clock = ClockWatch()
     while not stop.wait(1.0):
         reschedule_if_stepped(scheduler, jobs, clock)
+        if not published and time.monotonic() >= publish_at:
+            published = _publish(publish_schedules, jobs, said=True)
+            publish_at = time.monotonic() + PUBLISH_RETRY_S
     logger.info("stopping: the relay first, then the scheduler")
     services.current().stop_relay()
     scheduler.shutdown(wait=True)
     broker.close()
     return 0
+
+
+def _publish(publish: Callable[[Any], None], jobs: Any, *, said: bool) -> bool:
+    """Record the schedules; True once done. A failure is said once (the jobs still run;
+    the dashboard and ``status`` show less until they are recorded)."""
+    try:
+        publish(jobs)
+    except Exception as exc:
+        if not said:
+            logger.warning("could not record the periodic schedules (trying again every %g s): %s",
+                           PUBLISH_RETRY_S, str(exc).strip().splitlines()[0])
+        return False
+    if said:
+        logger.info("recorded the periodic schedules")
+    return True
 
 
 if __name__ == "__main__":

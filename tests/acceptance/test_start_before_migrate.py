@@ -82,3 +82,31 @@ def test_a_worker_stopped_while_it_waits_for_the_schema_exits_cleanly(new_databa
     text = log.read_text()
     assert code == 0, text
     assert "worker stopped before it started" in text and "Traceback" not in text, text
+
+
+def test_a_scheduler_started_while_the_database_is_down_records_its_schedules_once_it_is_back(
+        database_url, subprocess_env, tmp_path):
+    # Given the scheduler started while its database does not answer
+    from tests.support.proxy import PostgresProxy
+
+    proxy = PostgresProxy(database_url)
+    scalar(database_url, "DELETE FROM standmeet.periodic_schedules")
+    proxy.cut()
+    log = tmp_path / "scheduler.log"
+    try:
+        with running(SCHEDULER, {**subprocess_env, "DATABASE_URL": proxy.url}, log=log) as scheduler:
+            wait_for(lambda: says(log, "could not record the periodic schedules"), timeout_s=60,
+                     what="the scheduler to say it could not record its schedules")
+            assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_schedules") == 0
+            # When the database is back
+            proxy.restore()
+            # Then it records them, without a restart
+            wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.periodic_schedules"),
+                     timeout_s=60, what="the schedules recorded")
+            scheduler.send_signal(signal.SIGTERM)
+            assert scheduler.wait(timeout=60) == 0, log.read_text()
+    finally:
+        proxy.close()
+    text = log.read_text()
+    assert text.count("could not record the periodic schedules") == 1, text  # said once
+    assert "recorded the periodic schedules" in text, text
