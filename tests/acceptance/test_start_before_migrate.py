@@ -67,7 +67,7 @@ def test_processes_started_before_migrate_wait_for_it_then_start(new_database, s
         codes = [proc.wait(timeout=60) for proc in (worker, scheduler, relay)]
     texts = {name: log.read_text() for name, log in logs.items()}
     assert codes == [0, 0, 0], texts
-    for name, text in texts.items():
+    for text in texts.values():
         assert text.count(WAITING) == 1, text  # one line, not one per look
         assert "Traceback" not in text, text
 

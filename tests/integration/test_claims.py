@@ -663,7 +663,8 @@ def test_a_job_ending_alone_makes_no_claim_when_the_last_claim_found_the_queue_e
     jobs = 5
     for i in range(jobs):
         message = mark.send(f"alone-{i}")
-        wait_for(lambda: _done(database_url, [message.message_id]), timeout_s=10, what=f"job {i}")
+        ids = [message.message_id]
+        wait_for(lambda ids=ids: _done(database_url, ids), timeout_s=10, what=f"job {i}")
         wait_for(lambda: broker.settler.pending() == 0, timeout_s=10, what=f"job {i}'s outcome written")
     # Then each was claimed once, on its notification: neither its end nor its outcome's
     # write made another claim (or another look-up) that could only find the queue empty
