@@ -56,6 +56,14 @@ def test_the_worker_cpu_bench_drains_ours_and_the_stub_floor_and_prints_ours_ove
                  r"^floor \(StubBroker, default middleware\): [\d,]+ .* ms CPU per job$")
 
 
+def test_the_bulk_bench_times_enqueue_many_beside_postgres_copying_the_same_rows(admin_url: str) -> None:
+    out = run_bench("bulk.py", admin_url, "--n", "200", "--runs", "1")
+    assert_lines(out, r"^build \(Dramatiq's actor.message\): [\d.]+ ",
+                 r"^floor \(Postgres copying the rows, made beforehand, and committing\): [\d.]+ ",
+                 r"^ours \(enqueue_many\): [\d.]+ .*, of which this process's CPU [\d.]+ ",
+                 r"^bulk rate, build \+ ours: [\d,]+ messages/s; bound, build \+ floor: [\d,]+ messages/s$")
+
+
 def test_the_scale_script_drains_with_one_and_two_processes_within_their_limits(admin_url: str) -> None:
     out = run_bench("scale.py", admin_url, "--n", "200", "--processes", "1,2")
     assert "1 process(es): median" in out and "2 process(es): median" in out
