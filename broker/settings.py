@@ -310,7 +310,8 @@ class Settings(Declared):
     heartbeat_s: float = Field(5.0, ge=0.05, le=3_600, description="how often a worker process records it is alive")
     rescue_after_s: float = Field(
         20.0, ge=0.1, le=86_400, description="silence after which a worker is dead and its jobs are requeued; "
-        "at least twice the heartbeat")
+        "at least twice the heartbeat; each process records its own, and is judged by the longer of its "
+        "own and its judge's")
     max_crashes: int = Field(3, ge=0, le=1_000, description="a job that killed its worker more often is rejected, with the reason")
     retention_days: float = Field(7.0, ge=0, le=36_500, description="finished messages kept")
     prune_batch: int = Field(5_000, ge=1, le=1_000_000, description="finished messages pruned per batch")

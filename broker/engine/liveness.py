@@ -100,6 +100,7 @@ class Liveness:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "queues": sorted(self.served),
+            "rescue_after_s": self.settings.rescue_after_s,
         }
         if conn is not None:
             conn.execute(sql.HEARTBEAT, params)

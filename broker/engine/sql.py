@@ -18,6 +18,7 @@ from __future__ import annotations
 from broker.engine import queues
 from broker.engine.sql_enqueue import FOLLOWUPS_OF_SETTLED
 from broker.engine.sql_history import RAN_OF_SETTLED, RECORD_RAN
+from broker.pg.liveness import rescue_window
 
 #: A queue's channels (:mod:`broker.engine.queues`, which holds a queue's name to their length).
 ENQUEUE_CHANNEL, RECEIPT_CHANNEL = queues.ENQUEUE_CHANNEL, queues.RECEIPT_CHANNEL
@@ -296,15 +297,16 @@ WITH requeued AS (
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
-#: Register this process, or prove it alive: a heartbeat by the database's clock. A
-#: process proves it is alive this way before it claims again after an outage.
+#: Register this process, or prove it alive: a heartbeat by the database's clock, with the
+#: rescue window it was started with (:func:`rescue_window`). A process proves it is
+#: alive this way before it claims again after an outage.
 #: A process's queues only grow while it lives; each consumer registers the ones known when
 #: it connects, and two of them may commit out of order: the row keeps their union, so a
 #: late commit of an older list never hides a queue the process serves.
 HEARTBEAT = """
-INSERT INTO standmeet.worker_processes AS w (id, hostname, pid, queues)
-VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL,
+INSERT INTO standmeet.worker_processes AS w (id, hostname, pid, queues, rescue_after_s)
+VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s, %(rescue_after_s)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, rescue_after_s = EXCLUDED.rescue_after_s,
     queues = ARRAY(SELECT DISTINCT q FROM unnest(w.queues || EXCLUDED.queues) AS q ORDER BY q)
 """
 
@@ -373,7 +375,8 @@ FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 """
 
 #: Crash rescue, judged by the database's clock only. The messages of processes that
-#: stopped, or whose heartbeat is older than ``after_s``, go back to their queue:
+#: stopped, or whose heartbeat is older than their rescue window (``after_s``, or the
+#: longer one the process recorded: :func:`rescue_window`), go back to their queue:
 #:   * never started (prefetched), or held by a process that stopped gracefully: no blame;
 #:   * started by a process that died with only that one running, or a suspect (it was
 #:     re-run with no other of its set beside it): a crash is counted, and past
@@ -383,7 +386,7 @@ FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 #:   * cancelled (``jobs cancel`` while it ran): rejected, never run again.
 #: A process never rescues its own claims (it lives: it is running this; its heartbeat
 #: may only look old because its thread was held up).
-#: Nothing is rescued within ``after_s`` of the server becoming this database's (its
+#: Nothing is rescued within that window of the server becoming this database's (its
 #: start, or a standby's promotion: ``standmeet.server_epoch_since()``, migration 0017):
 #: every process lost its connection then, and needs the time to prove it is alive.
 RESCUE = """
@@ -396,8 +399,8 @@ WITH epoch AS MATERIALIZED (
     LEFT JOIN standmeet.worker_processes w ON w.id = q.worker_id
     WHERE q."state" = 'consumed' AND q.worker_id IS DISTINCT FROM %(worker_id)s::uuid
       AND (w.id IS NULL OR w.stopped_at IS NOT NULL
-           OR w.heartbeat_at < now() - make_interval(secs => %(after_s)s))
-      AND (SELECT since FROM epoch) < now() - make_interval(secs => %(after_s)s)
+           OR w.heartbeat_at < now() - """ + rescue_window("w", "after_s") + """)
+      AND (SELECT since FROM epoch) < now() - """ + rescue_window("w", "after_s") + """
     FOR UPDATE OF q SKIP LOCKED
 ), per_worker AS (
     SELECT worker_id,

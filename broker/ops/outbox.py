@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from broker.ops.common import DEFAULT_RESCUE_AFTER_S, MAX_BIGINT, MAX_LIMIT, OpsError, _float, _Row
+from broker.pg.liveness import rescue_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def outbox_lag_s(conn: psycopg.Connection[Any]) -> float | None:
 #: actors its emitter routed it to (an older release's relay, which knows fewer, leaves it).
 _TAKEN_BY_A_LIVE_RELAY = """EXISTS (
     SELECT 1 FROM standmeet.relays r
-    WHERE r.stopped_at IS NULL AND r.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
+    WHERE r.stopped_at IS NULL AND r.heartbeat_at > now() - """ + rescue_window("r", "rescue_after_s") + """
       AND o.topic = ANY(r.topics) AND (o.routes IS NULL OR r.routes IS NULL OR r.routes -> o.topic @> o.routes))"""
 
 #: Each pending topic with events no live relay can take (no live relay routes the topic,
@@ -118,7 +119,7 @@ OUTBOX_FAILED = "SELECT count(*) FROM standmeet.outbox WHERE error IS NOT NULL"
 RELAY_OVERVIEW = """
 SELECT r.id::text, r.hostname, r.pid, r.topics, r.started_at,
        EXTRACT(EPOCH FROM now() - r.heartbeat_at)::float8,
-       r.stopped_at IS NULL AND r.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s) AS alive,
+       r.stopped_at IS NULL AND r.heartbeat_at > now() - """ + rescue_window("r", "rescue_after_s") + """ AS alive,
        r.stopped_at
 FROM standmeet.relays r
 ORDER BY alive DESC, r.started_at DESC, r.id

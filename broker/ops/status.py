@@ -13,6 +13,7 @@ import psycopg
 from broker.app import PeriodicJob
 from broker.errors import ConfigError
 from broker.ops.common import DEFAULT_RESCUE_AFTER_S, _db_now, _float, _Row
+from broker.pg.liveness import rescue_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ WITH active AS (
 ), served AS (
     SELECT served_queue AS queue_name, count(*) AS live_workers
     FROM standmeet.worker_processes, unnest(queues) AS served_queue
-    WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)
+    WHERE stopped_at IS NULL AND heartbeat_at > now() - """ + rescue_window("worker_processes", "rescue_after_s") + """
     GROUP BY served_queue
 ), names AS (
     SELECT queue_name FROM active
@@ -118,7 +119,7 @@ ORDER BY n.queue_name
 WORKER_OVERVIEW = """
 SELECT w.id::text, w.hostname, w.pid, w.queues, w.started_at,
        EXTRACT(EPOCH FROM now() - w.heartbeat_at)::float8,
-       w.stopped_at IS NULL AND w.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s),
+       w.stopped_at IS NULL AND w.heartbeat_at > now() - """ + rescue_window("w", "rescue_after_s") + """,
        w.stopped_at,
        coalesce(held.jobs, '[]'::jsonb), coalesce(held.prefetched, 0)
 FROM standmeet.worker_processes w
@@ -129,7 +130,7 @@ LEFT JOIN LATERAL (
     FROM dramatiq.queue q
     WHERE q.worker_id = w.id AND q."state" = 'consumed'
 ) held ON true
-ORDER BY (w.stopped_at IS NULL AND w.heartbeat_at > now() - make_interval(secs => %(rescue_after_s)s)) DESC,
+ORDER BY (w.stopped_at IS NULL AND w.heartbeat_at > now() - """ + rescue_window("w", "rescue_after_s") + """) DESC,
          w.started_at DESC, w.id
 """
 

@@ -40,6 +40,7 @@ from broker.outbox.routes import ROUTES, Route, route_actors, routed_topics, rou
 from broker.pg import pool as pgpool
 from broker.pg.pool import DISCONNECTS, Outage, close_quietly
 from broker.services import current_broker
+from broker.settings import Settings
 
 #: The outbox's log (the relay's lines have always been under this name).
 logger = logging.getLogger("standmeet.broker.outbox")
@@ -157,7 +158,9 @@ FROM (SELECT id FROM standmeet.outbox e
                  AND NOT EXISTS (SELECT FROM standmeet.relays r
                                  WHERE coalesce(r.stopped_at, r.heartbeat_at) > now() - make_interval(
                                            secs => greatest(%(orphaned_after_s)s::float8, CASE WHEN r.stopped_at IS NULL
-                                                            THEN %(rescue_after_s)s::float8 ELSE 0 END))
+                                                            THEN greatest(%(rescue_after_s)s::float8,
+                                                                          coalesce(r.rescue_after_s, 0))
+                                                            ELSE 0 END))
                                    AND r.routes -> e.topic @> e.routes)))
         AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
                    CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
@@ -320,12 +323,13 @@ def relay_once(conn: psycopg.Connection[Any], *, limit: int = 200, chunk_rows: i
     return RelayResult(claimed, state.messages, state.failed, state.given_back)
 
 
-#: Register a relay with the topics it routes, or prove it alive (the database's clock).
+#: Register a relay with the topics it routes, or prove it alive (the database's clock),
+#: with its rescue window (:mod:`broker.pg.liveness`).
 RELAY_HEARTBEAT = """
-INSERT INTO standmeet.relays AS r (id, hostname, pid, topics, routes)
-VALUES (%(id)s::uuid, %(hostname)s, %(pid)s, %(topics)s::text[], %(routes)s::jsonb)
+INSERT INTO standmeet.relays AS r (id, hostname, pid, topics, routes, rescue_after_s)
+VALUES (%(id)s::uuid, %(hostname)s, %(pid)s, %(topics)s::text[], %(routes)s::jsonb, %(rescue_after_s)s::float8)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, topics = EXCLUDED.topics,
-    routes = EXCLUDED.routes
+    routes = EXCLUDED.routes, rescue_after_s = EXCLUDED.rescue_after_s
 """
 #: A relay that stopped routes nothing any more.
 RELAY_STOPPED = "UPDATE standmeet.relays SET stopped_at = now() WHERE id = %(id)s::uuid"
@@ -425,7 +429,15 @@ class Relay:
         topics = self.topics
         self._connection().execute(RELAY_HEARTBEAT, {"id": self.id, "hostname": socket.gethostname(),
                                                      "pid": os.getpid(), "topics": topics,
-                                                     "routes": known_routes(topics)})
+                                                     "routes": known_routes(topics),
+                                                     "rescue_after_s": self.rescue_after_s()})
+
+    def rescue_after_s(self) -> float:
+        """How long this relay may be silent before others take it for gone: its process's
+        rescue window, and at least twice its heartbeat's pace (a relay given a slow
+        heartbeat is not judged gone between two beats)."""
+        pace = self._heartbeat_s if self._heartbeat_s is not None else _process_heartbeat_s()
+        return max(_process_rescue_after_s(), 2 * pace)
 
     def run(self, stop: threading.Event) -> None:
         backoff = Backoff(start_s=0.1, cap_s=5.0)
@@ -561,6 +573,14 @@ class Relay:
         if listen is not None and listen is not conn:
             close_quietly(listen)
         close_quietly(conn)
+
+
+def _process_rescue_after_s() -> float:
+    """This process's rescue window: its broker's (the default without one)."""
+    try:
+        return float(current_broker().settings.rescue_after_s)
+    except Exception:  # no broker configured: the setting's default
+        return float(Settings.model_fields["rescue_after_s"].default)
 
 
 def _process_heartbeat_s() -> float:

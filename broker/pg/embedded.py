@@ -25,6 +25,7 @@ import psycopg
 from psycopg import sql
 
 from broker.errors import ConfigError, DatabaseUnavailable
+from broker.pg.liveness import rescue_window
 from broker.settings import DEFAULT_EMBEDDED_DATABASE, Settings
 
 logger = logging.getLogger(f"standmeet.{__name__}")
@@ -143,7 +144,7 @@ def is_embedded(settings: Settings, url: str | None = None) -> bool:
 #: The worker processes with a live heartbeat in one database (``standmeet.worker_processes``).
 LIVE_WORKERS = """
 SELECT hostname, pid FROM standmeet.worker_processes
-WHERE stopped_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(after_s)s)
+WHERE stopped_at IS NULL AND heartbeat_at > now() - """ + rescue_window("worker_processes", "after_s") + """
 ORDER BY hostname, pid
 """
 

@@ -99,6 +99,30 @@ def test_a_sigkilled_workers_job_is_run_by_the_other_worker_within_the_rescue_wi
                                    (job.message_id,)) == [("done",)], timeout_s=15, what="the job to be done")
 
 
+def test_a_worker_started_with_a_shorter_rescue_window_never_takes_a_live_slower_workers_job(
+    broker, database_url, subprocess_env, tmp_path
+):
+    # Given a worker started with a heartbeat every 4 s and rescue after 12 s (a newer
+    # release's settings in a rolling deploy), running an 8 s job
+    slow_env = {**subprocess_env, "STANDMEET_HEARTBEAT_S": "4", "STANDMEET_RESCUE_AFTER_S": "12"}
+    fetch_only = worker_cmd("--threads", "8", "--queues", "fetch")
+    with running(fetch_only, slow_env, log=tmp_path / "slow.log") as slow:
+        job = SLEEP["fetch"].send(8_000, "slow-beater")
+        wait_for(lambda: _started(database_url, "slow-beater") == 1, timeout_s=20, what="the job to start")
+        # and beside it a worker of the same queue started with the suite's window (3 s,
+        # a heartbeat and a rescue pass every 0.5 s), to which the first is silent
+        # between its beats for longer than that window
+        with running(fetch_only, subprocess_env, log=tmp_path / "quick.log") as quick:
+            wait_for(lambda: scalar(database_url, LIVE_WORKERS, ([slow.pid, quick.pid],)) == 2,
+                     timeout_s=20, what="both workers registered")
+            # When the job ends
+            wait_for(lambda: query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                                   (job.message_id,)) == [("done",)], timeout_s=30, what="the job to be done")
+    # Then it ran once, on the worker that held it: the other judged it by its own, longer window
+    assert _started(database_url, "slow-beater") == 1, (tmp_path / "quick.log").read_text()
+    assert "crash rescue" not in (tmp_path / "quick.log").read_text()
+
+
 def test_chaos_every_job_completes_through_five_sigkills(broker, database_url, subprocess_env, tmp_path):
     # Given 300 jobs and one worker that is SIGKILLed and restarted 5 times at random moments
     rng = random.Random(1234)

@@ -174,6 +174,28 @@ def test_the_worker_overview_shows_live_and_dead_processes_and_what_each_runs(br
     _settled(database_url, running.message_id)
 
 
+def test_a_process_started_with_a_longer_rescue_window_shows_alive_and_serving_for_as_long_as_it_says(
+        broker, database_url, conn):
+    # Given a process started with rescue after 600 s, serving ops_long_window, silent for
+    # 100 s; the operator's command judging with 20 s
+    query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at,"
+                        " rescue_after_s) VALUES (gen_random_uuid(), 'long-window-host', 4343, '{ops_long_window}',"
+                        " now() - interval '100 seconds', 600)")
+    try:
+        # Then it shows alive, and its queue served by one live process
+        [long_window] = [w for w in ops.worker_overview(conn, rescue_after_s=20) if w.host == "long-window-host"]
+        assert long_window.alive
+        [served] = [q for q in ops.queue_overview(conn, rescue_after_s=20) if q.name == "ops_long_window"]
+        assert served.asdict()["live_workers"] == 1
+        # and once silent past its own window, gone
+        query(database_url, "UPDATE standmeet.worker_processes SET heartbeat_at = now() - interval '700 seconds'"
+                            " WHERE hostname = 'long-window-host'")
+        [long_window] = [w for w in ops.worker_overview(conn, rescue_after_s=20) if w.host == "long-window-host"]
+        assert not long_window.alive
+    finally:
+        query(database_url, "DELETE FROM standmeet.worker_processes WHERE hostname = 'long-window-host'")
+
+
 def test_periodic_jobs_show_their_last_run_and_next_due_time(broker, database_url, conn):
     query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id) VALUES"
                         " ('ops-report', '2026-01-01T10:00:00Z', gen_random_uuid()),"

@@ -146,7 +146,7 @@ def test_an_event_no_live_relay_routes_is_shown_unrouted_until_one_that_routes_i
     assert samples[("standmeet_relays_alive", ())] >= 1
     # When a relay of a process that routes the topic registers (another module set's)
     conn.execute(outbox.RELAY_HEARTBEAT, {"id": str(uuid.uuid4()), "hostname": "reports-host", "pid": 1,
-                                          "topics": [FOREIGN], "routes": None})
+                                          "topics": [FOREIGN], "routes": None, "rescue_after_s": None})
     # Then the topic is routed: pending, not unrouted
     assert ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S) == []
     assert {e.state for e in ops.list_outbox_events(conn, rescue_after_s=RESCUE_AFTER_S)} == {"pending"}
@@ -281,7 +281,8 @@ def test_an_event_a_newer_release_routes_to_more_actors_is_left_to_a_relay_that_
     # When a relay of the newer release is alive, it is pending for it, and a pass there takes it
     conn.execute(outbox.RELAY_HEARTBEAT, {"id": str(uuid.uuid4()), "hostname": "newer-host", "pid": 1,
                                           "topics": ["test.ping"],
-                                          "routes": '{"test.ping": ' + route_actors_of(newer) + "}"})
+                                          "routes": '{"test.ping": ' + route_actors_of(newer) + "}",
+                                          "rescue_after_s": None})
     assert ops.unrouted_topics(conn, rescue_after_s=RESCUE_AFTER_S) == []
     from tests.support.jobs import _ping
 
@@ -343,7 +344,8 @@ def test_an_old_event_is_not_relayed_without_a_route_while_a_relay_that_knows_it
     newer = route_actors_of([*sorted(r.actor for r in ROUTES["test.ping"]), "test.newer_route"])
     newer_relay = str(uuid.uuid4())
     conn.execute(outbox.RELAY_HEARTBEAT, {"id": newer_relay, "hostname": "newer-host", "pid": 1,
-                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}"})
+                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}",
+                                          "rescue_after_s": None})
     conn.execute(outbox.RELAY_STOPPED, {"id": newer_relay})
     # and an event the newer release emitted an hour ago (a backlog older than the max age)
     with conn.transaction():
@@ -380,7 +382,8 @@ def test_a_running_relay_that_knows_the_route_counts_while_rescue_would_even_wit
     newer = route_actors_of([*sorted(r.actor for r in ROUTES["test.ping"]), "test.newer_route"])
     newer_relay = str(uuid.uuid4())
     conn.execute(outbox.RELAY_HEARTBEAT, {"id": newer_relay, "hostname": "newer-host", "pid": 1,
-                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}"})
+                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}",
+                                          "rescue_after_s": None})
     conn.execute("UPDATE standmeet.relays SET heartbeat_at = now() - interval '6 seconds' WHERE id = %s",
                  (newer_relay,))
     # and an event it emitted a minute ago
@@ -392,6 +395,56 @@ def test_a_running_relay_that_knows_the_route_counts_while_rescue_would_even_wit
     relay_once(conn, limit=200)
     # Then the event waits for the running relay that knows its route
     assert _event(database_url, event) == (False, None, None)
+
+
+def test_a_running_relay_started_with_a_longer_rescue_window_counts_as_long_as_its_own_window_says(
+        broker, database_url, clean, conn, monkeypatch):
+    from broker.outbox.routes import ROUTES
+    from broker.settings import replace
+
+    # Given this (older) release's relay judging with rescue after 20 s and a max age of 2 s
+    monkeypatch.setattr(broker, "settings", replace(broker.settings, outbox_unrouted_max_age_s=2.0,
+                                                    rescue_after_s=20.0))
+    # and a newer release's relay, running, started with rescue after 600 s (a heartbeat
+    # every 120 s), that routes test.ping to one more actor: its last beat 100 s ago
+    newer = route_actors_of([*sorted(r.actor for r in ROUTES["test.ping"]), "test.newer_route"])
+    newer_relay = str(uuid.uuid4())
+    conn.execute(outbox.RELAY_HEARTBEAT, {"id": newer_relay, "hostname": "newer-host", "pid": 1,
+                                          "topics": ["test.ping"], "routes": '{"test.ping": ' + newer + "}",
+                                          "rescue_after_s": 600.0})
+    conn.execute("UPDATE standmeet.relays SET heartbeat_at = now() - interval '100 seconds' WHERE id = %s",
+                 (newer_relay,))
+    # and an event it emitted a minute ago
+    with conn.transaction():
+        event = conn.execute(sql.EMIT, {"topic": "test.ping", "payload": '{"label": "long-window"}',
+                                        "routes": newer}).fetchone()[0]
+        conn.execute("UPDATE standmeet.outbox SET created_at = now() - interval '1 minute' WHERE id = %s", (event,))
+    # When a relay pass of this release runs
+    relay_once(conn, limit=200)
+    # Then the event waits for the relay that knows its route, which operators see alive
+    assert _event(database_url, event) == (False, None, None)
+    [newer_status] = [r for r in ops.relay_overview(conn, rescue_after_s=20.0) if r.id == newer_relay]
+    assert newer_status.alive
+    assert ops.unrouted_topics(conn, rescue_after_s=20.0) == []
+    # When it has been silent past its own window
+    conn.execute("UPDATE standmeet.relays SET heartbeat_at = now() - interval '700 seconds' WHERE id = %s",
+                 (newer_relay,))
+    # Then it is gone: the event is relayed to the routes known
+    relay_once(conn, limit=200)
+    wait_for(lambda: _event(database_url, event)[0], timeout_s=10, what="the event relayed without its route")
+
+
+def test_a_relays_heartbeat_records_its_processs_rescue_window_and_at_least_twice_its_pace(
+        broker, database_url, clean, conn):
+    relay = Relay(database_url, topics=["test.ping"], heartbeat_s=30.0)
+    try:
+        relay.heartbeat()
+        relay._heartbeat_s = 30.0  # (as its loop sets it)
+        relay.heartbeat()
+    finally:
+        relay.close()
+    assert broker.settings.rescue_after_s < 60
+    assert scalar(database_url, "SELECT rescue_after_s FROM standmeet.relays WHERE id = %s", (relay.id,)) == 60.0
 
 
 def test_a_relay_draining_a_long_backlog_proves_itself_alive_between_passes(

@@ -201,11 +201,43 @@ def test_a_process_back_from_an_outage_judges_nobody_for_a_whole_rescue_window(b
     assert time.monotonic() - back >= window
 
 
+@pytest.mark.parametrize("recorded_s, silent_s, server_s, rescued", [
+    (600.0, 100, 3600, False),  # started with a longer window than the judge's, silent within it
+    (600.0, 700, 3600, True),   # silent past its own window
+    (600.0, 700, 100, False),   # the server became this database's within its window: it may not have reconnected
+    (None, 100, 3600, True),    # a row of an older release: the judge's window alone
+    (1.0, 2, 3600, False),      # a shorter window than the judge's: the judge's is longer
+])
+def test_a_process_is_rescued_only_once_silent_past_the_longer_of_its_own_window_and_the_judges(
+        broker, database_url, recorded_s, silent_s, server_s, rescued):
+    # Given a process started with the rescue window ``recorded_s`` (as its heartbeat
+    # records it), silent for ``silent_s``, holding a started job; the judge's window is
+    # the test broker's (3 s), the server this database's for ``server_s``
+    assert broker.settings.rescue_after_s == 3
+    [message_id] = _held_by_dead_worker(database_url, [(True, None, 0)])
+    query(database_url, "UPDATE standmeet.worker_processes SET rescue_after_s = %s::float8,"
+                        " heartbeat_at = now() - make_interval(secs => %s)"
+                        " WHERE id = (SELECT worker_id FROM dramatiq.queue WHERE message_id = %s)",
+          (recorded_s, silent_s, message_id))
+    query(database_url, "UPDATE standmeet.server_epoch SET since = now() - make_interval(secs => %s)", (server_s,))
+    # When this process's rescue runs
+    broker.rescue_once()
+    # Then the job goes back only once its process is silent past the longer window, and
+    # the server has been this database's as long
+    assert _rows(database_url, [message_id])[0][0] == ("queued" if rescued else "consumed")
+
+
+def test_a_processs_heartbeat_records_the_rescue_window_it_was_started_with(broker, database_url):
+    broker.prove_alive()
+    assert query(database_url, "SELECT rescue_after_s FROM standmeet.worker_processes WHERE id = %s",
+                 (broker.worker_id,)) == [(broker.settings.rescue_after_s,)]
+
+
 def test_a_registration_committed_late_with_an_older_queue_list_hides_no_queue(database_url):
     # Given a process whose two consumers registered the queues known when each connected,
     # the longer list committed first
     worker = str(uuid.uuid4())
-    row = {"worker_id": worker, "hostname": "here", "pid": 1}
+    row = {"worker_id": worker, "hostname": "here", "pid": 1, "rescue_after_s": 20.0}
     with psycopg.connect(database_url, autocommit=True) as conn:
         conn.execute(sql.HEARTBEAT, {**row, "queues": ["index", "mail", "notify"]})
         # When the shorter, older one commits after it
