@@ -325,6 +325,14 @@ def _all_or_nothing(conn: psycopg.Connection[Any]) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        if not conn.closed and conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+            # A pipeline may raise a refusal as soon as it arrives, before the server's
+            # answers to what followed it (the transaction's state then reads "active"):
+            # take them all first, so that the savepoint below is rolled back to.
+            try:
+                _answered(conn)
+            except psycopg.Error:
+                pass  # the same refusal, or the statements it aborted
         if not conn.closed and conn.info.transaction_status in (psycopg.pq.TransactionStatus.INTRANS,
                                                                 psycopg.pq.TransactionStatus.INERROR):
             try:

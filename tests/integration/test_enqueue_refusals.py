@@ -142,6 +142,29 @@ def test_in_pipeline_mode_a_batch_the_server_refuses_raises_at_once_and_the_tran
     query(database_url, "DELETE FROM test_counters WHERE key LIKE 'pipeline-%'")
 
 
+def test_in_pipeline_mode_a_refusal_that_arrives_while_later_chunks_are_sent_still_leaves_the_transaction_usable(
+        broker, database_url, refusing_boom):
+    # Given a caller's transaction in pipeline mode, and a batch of several chunks whose
+    # first row the server refuses: the refusal arrives while the later chunks are sent,
+    # before the server has answered them
+    batch = [mark.message("boom"), *[mark.message(f"pipeline-chunks-{n}") for n in range(2500)]]
+    with psycopg.connect(database_url) as conn:
+        with conn.pipeline():
+            conn.execute("INSERT INTO test_counters (key, value) VALUES ('pipeline-chunks-before', 1) "
+                         "ON CONFLICT (key) DO UPDATE SET value = 1")
+            # When enqueue_many raises the refusal
+            with pytest.raises(DatabaseError, match="boom refused by the test"):
+                enqueue_many(batch, conn=conn)
+            # Then the batch's savepoint was rolled back to: the caller's statements go on
+            conn.execute("INSERT INTO test_counters (key, value) VALUES ('pipeline-chunks-after', 1) "
+                         "ON CONFLICT (key) DO UPDATE SET value = 1")
+        conn.commit()
+    assert query(database_url, "SELECT key FROM test_counters WHERE key LIKE 'pipeline-chunks-%' ORDER BY key") == [
+        ("pipeline-chunks-after",), ("pipeline-chunks-before",)]
+    assert scalar(database_url, COUNT, (_ids(batch),)) == 0
+    query(database_url, "DELETE FROM test_counters WHERE key LIKE 'pipeline-chunks-%'")
+
+
 def test_a_connection_whose_transaction_failed_already_is_refused_in_one_line(broker, database_url):
     messages = [mark.message("after-a-failure")]
     with psycopg.connect(database_url) as conn:
