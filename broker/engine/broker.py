@@ -137,6 +137,8 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             on_settled=functools.partial(_settled, self.queue_states))
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners = self.liveness.rescue_listeners
+        #: called before each batch of outcomes is written, and while idle (Settler.batch_listeners)
+        self.settle_listeners = self.settler.batch_listeners
         self._hook_table = HookTable()
         #: Dramatiq workers running on this broker (booted, not yet shutting down)
         self._workers: list[Any] = []

@@ -31,6 +31,8 @@ logger = logging.getLogger("standmeet.broker")
 
 #: Longest text of an error kept on a rejected message.
 MAX_ERROR_CHARS = 4000
+#: How often an idle settler wakes to tell its batch listeners (seconds).
+IDLE_TICK_S = 0.5
 
 
 @dataclass
@@ -101,6 +103,12 @@ class Settler:
         self._conn: psycopg.Connection[Any] | None = None
         self._thread: detach.Detached | None = None
         self.written = 0
+        #: called on the settler's thread before each batch is written, and at least every
+        #: IDLE_TICK_S while it waits (e.g. the metrics writing what the runs counted: a
+        #: run's after-hooks have counted it before its outcome is submitted, so what it
+        #: counted is written before its outcome is)
+        self.batch_listeners: list[Callable[[], object]] = []
+        self._listener_failed: set[int] = set()
 
     def start(self) -> None:
         with self._cond:
@@ -153,20 +161,33 @@ class Settler:
                 self._cond.wait(min(left, 0.05))
         return True
 
+    def _tell_listeners(self) -> None:
+        for listener in self.batch_listeners:
+            try:
+                listener()
+            except Exception:  # a listener never stops the outcomes; said once per listener
+                if id(listener) not in self._listener_failed:
+                    self._listener_failed.add(id(listener))
+                    logger.exception("settler: a batch listener (%r) failed; outcomes are still written", listener)
+
     def run(self, stop: threading.Event) -> None:
         backoff = Backoff(start_s=0.05, cap_s=2.0)
         while True:
             with self._cond:
-                while not self._pending and not self._started and not stop.is_set():
+                if not self._pending and not self._started and not stop.is_set():
                     self._idle = True
-                    self._cond.wait(0.5)
+                    self._cond.wait(IDLE_TICK_S)
                     self._idle = False
-                if not self._pending and not self._started:
-                    return  # stopped, nothing left
                 outcomes, self._pending = self._pending, []
                 started, self._started = self._started, []
-                self._busy = True
-                self._writing = outcomes
+                if outcomes or started:
+                    self._busy = True
+                    self._writing = outcomes
+            self._tell_listeners()
+            if not outcomes and not started:
+                if stop.is_set():
+                    return  # stopped, nothing left
+                continue
             try:
                 self.settle_once(outcomes, started)
                 backoff.reset()
