@@ -89,6 +89,8 @@ BOOLEAN_OPTIONS = frozenset({"store_results", "pipe_ignore", "notify_shutdown"})
 MAX_OPTION_VALUE = 10 * 366 * 86_400_000
 #: The latest ``message_timestamp`` a message may carry (milliseconds since 1970): the year 9999.
 MAX_TIMESTAMP_MS = 253_402_300_799_999
+#: The longest JSON of a float, as ``repr`` writes it (``-2.2250738585072014e-308``).
+FLOAT_JSON_CHARS = 24
 #: A priority is stored in an ``int4`` column: from ``-2**31`` to this.
 MAX_PRIORITY = 2 ** 31 - 1
 #: Options with a ceiling of their own, below MAX_OPTION_VALUE.
@@ -491,15 +493,56 @@ def check_message_quickly(message: Message) -> None:
 
 def _plain_scalars(values: Any) -> bool:
     """Whether ``values`` is a tuple of values :func:`_storable_json` lets pass without a walk."""
+    return plain_args_size_bound(values) is not None
+
+
+def plain_args_size_bound(values: Any) -> int | None:
+    """For a tuple of plain scalars (what :func:`check_message_quickly` lets pass without
+    :func:`check_message`: None, a bool, an int of at most ``SHORT_INT_BITS`` bits, a
+    finite float, a text without a NUL or a lone surrogate), at least the length of its
+    compact JSON, counted as ``broker.engine.copy_rows.json_size_bound`` counts it; None
+    for anything else."""
     if type(values) is not tuple:
-        return False
+        return None
+    size = 2 + len(values)
     for value in values:
         kind = type(value)
-        if value is None or kind is bool or (kind is int and value.bit_length() <= SHORT_INT_BITS):
-            continue
-        if kind is float:
+        if kind is str:
+            if "\x00" in value:
+                return None
+            if value.isascii():
+                size += 2 + (2 * len(value) if value.isprintable() else 6 * len(value))
+            elif _SURROGATE.search(value):
+                return None
+            else:
+                size += 2 + 12 * len(value)
+        elif kind is int:
+            bits = value.bit_length()
+            if bits > SHORT_INT_BITS:
+                return None
+            size += 2 + (bits * 78 >> 8)
+        elif kind is float:
             if not math.isfinite(value):
-                return False
-        elif kind is not str or "\x00" in value or (not value.isascii() and _SURROGATE.search(value)):
-            return False
-    return True
+                return None
+            size += FLOAT_JSON_CHARS
+        elif value is None or kind is bool:
+            size += 5
+        else:
+            return None
+    return size
+
+
+def quick_checked_size_bound(message: Message) -> int | None:
+    """:func:`check_message_quickly`'s short cut and the bound of the arguments' JSON in one
+    pass: for a message it lets pass unchecked (plain scalar arguments, no keyword
+    arguments, no options, an id and a timestamp as Dramatiq makes them, a plain actor
+    name), the size bound of its arguments; None for any other, which is then checked
+    (and bounded) apart."""
+    kwargs, options, actor_name, timestamp = message.kwargs, message.options, message.actor_name, \
+        message.message_timestamp
+    if type(kwargs) is not dict or kwargs or type(options) is not dict or options \
+            or type(actor_name) is not str or not actor_name.isascii() or "\x00" in actor_name \
+            or type(timestamp) is not int or not 0 <= timestamp <= MAX_TIMESTAMP_MS \
+            or not _is_message_id(message.message_id):
+        return None
+    return plain_args_size_bound(message.args)

@@ -32,6 +32,7 @@ from dramatiq.message import Message
 
 from broker.engine.codec import (
     _MESSAGE_FIELDS,
+    FLOAT_JSON_CHARS,
     as_message,
     check_encoded_size,
     check_message_quickly,
@@ -39,6 +40,7 @@ from broker.engine.codec import (
     compact_json,
     message_json,
     message_priority,
+    quick_checked_size_bound,
 )
 from broker.settings import MIB
 
@@ -110,6 +112,20 @@ def _prefix(queue: str, actor: str, prefixes: dict[tuple[str, str], str]) -> str
 _FIXED_CHARS = len(',"kwargs":,"options":,"message_id":,"message_timestamp":}')
 
 
+def checked_text_size_bound(message: Message, prefixes: dict[tuple[str, str], str]) -> int | None:
+    """For the common message (:func:`broker.engine.codec.quick_checked_size_bound`: one
+    :func:`broker.engine.codec.check_message_quickly` lets pass unchecked), what
+    :func:`text_size_bound` gives, in the same pass as that check; None for any other
+    (check it, then bound it)."""
+    args_size = quick_checked_size_bound(message) if _ENCODE_PART is not None else None
+    if args_size is None or type(message.queue_name) is not str:
+        return None
+    queue, actor = message.queue_name, message.actor_name
+    prefix = prefixes.get((queue, actor)) or _prefix(queue, actor, prefixes)
+    # {} and {} for the keyword arguments and options; the id, a UUID, is 36 characters quoted
+    return len(prefix) + args_size + 4 + 38 + len(str(message.message_timestamp)) + _FIXED_CHARS
+
+
 def text_size_bound(message: Message, prefixes: dict[tuple[str, str], str]) -> int | None:
     """At least the length of :func:`message_text` of ``message`` (a checked message of
     Dramatiq's own class), without writing it: None where it holds a value
@@ -130,8 +146,6 @@ def text_size_bound(message: Message, prefixes: dict[tuple[str, str], str]) -> i
             + len(str(timestamp)) + _FIXED_CHARS)
 
 
-#: The longest JSON of a float, as ``repr`` writes it (``-2.2250738585072014e-308``).
-_FLOAT_CHARS = 24
 
 
 def json_size_bound(value: Any) -> int | None:
@@ -151,7 +165,7 @@ def json_size_bound(value: Any) -> int | None:
         elif kind is int:
             size += 2 + (item.bit_length() * 78 >> 8)  # digits <= bits * log10(2) + 1, and a sign
         elif kind is float:
-            size += _FLOAT_CHARS
+            size += FLOAT_JSON_CHARS
         elif item is None or kind is bool:
             size += 5
         elif kind is list or kind is tuple:
@@ -226,8 +240,10 @@ class CopyBatch:
         for i, message in enumerate(messages):
             if type(message) is not Message:
                 message = as_message(message)
-            check_message_quickly(message)
-            size = text_size_bound(message, prefixes) if fast and type(message) is Message else None
+            size = checked_text_size_bound(message, prefixes) if fast and type(message) is Message else None
+            if size is None:
+                check_message_quickly(message)
+                size = text_size_bound(message, prefixes) if fast and type(message) is Message else None
             if size is None or size > limit:
                 text = message_text(message, prefixes) if fast and type(message) is Message else \
                     checked_json(message, max_bytes=limit)

@@ -17,6 +17,7 @@ from broker.engine import copy_rows
 from broker.engine.codec import check_message, check_message_quickly, compact_json, message_json
 from broker.engine.copy_rows import (
     CopyBatch,
+    checked_text_size_bound,
     copy_text,
     json_size_bound,
     message_text,
@@ -88,6 +89,40 @@ def test_the_quick_check_refuses_what_the_full_check_refuses_with_the_same_words
     except InvalidMessage as exc:
         got = str(exc)
     assert got == expected
+
+
+@pytest.mark.parametrize("args, kwargs, options, in_one_pass", [
+    ((1, 2.5, "x", None, True, "é", "tab\t", -(2 ** 60)), {}, {}, True),
+    ((), {}, {}, True),
+    ((float("nan"),), {}, {}, False),
+    ((math.inf,), {}, {}, False),
+    (("nul\x00",), {}, {}, False),
+    (("lone \ud800",), {}, {}, False),
+    ((_Text("subclass"),), {}, {}, False),
+    ((2 ** 20_000,), {}, {}, False),
+    (([1],), {}, {}, False),
+    ((1,), {"k": 1}, {}, False),
+    ((1,), {}, {"priority": 2}, False),
+])
+def test_the_one_pass_check_and_bound_takes_only_plain_messages_and_bounds_them_as_the_walk_does(
+        args, kwargs, options, in_one_pass):
+    message = _message(*args, kwargs=kwargs, **options)
+    bound = checked_text_size_bound(message, {})
+    assert (bound is not None) == in_one_pass  # any other is checked and bounded apart, as before
+    if bound is not None:
+        check_message(message)  # the full check lets it pass too
+        assert bound == text_size_bound(message, {}) and bound >= len(message_json(message))
+
+
+def test_the_one_pass_bound_of_a_message_as_dramatiq_makes_it_is_the_bound_of_the_walk():
+    rng = random.Random(20261203)
+    for _ in range(2000):
+        args = tuple(rng.choice([None, True, rng.getrandbits(rng.randrange(1, 200)) * rng.choice([1, -1]),
+                                 rng.random() * 10 ** rng.randrange(-30, 30), "x" * rng.randrange(30), "é☃"])
+                     for _ in range(rng.randrange(5)))
+        message = _message(*args)
+        assert checked_text_size_bound(message, {}) == text_size_bound(message, {}), message
+        assert text_size_bound(message, {}) >= len(message_json(message))  # type: ignore[operator]
 
 
 def test_a_field_is_escaped_as_copys_text_format_wants():
