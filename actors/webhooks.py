@@ -296,6 +296,8 @@ RETURNING id, state, message_id::text
 #: are), and the planner then took that index for each lookup, reading every queued
 #: message once per delivery (~250 rows a delivery in a fan-out of 150 events).
 _STILL_QUEUED = "q.\"state\"::text = 'queued'"
+#: The same for a message claimed and not yet settled.
+_STILL_RUNNING = "q.\"state\"::text = 'consumed'"
 #: The messages of new deliveries (``%(ids)s``, just committed, due now) that are still
 #: queued, locked first: the statements below never wait for a lock (``NOWAIT``: a
 #: conflict ends the attempt, and those messages simply stay due), so parking takes part
@@ -464,7 +466,10 @@ RETURNING q.queue_name
 #: delivery reached its end (not retried later), the message that carries it is done in
 #: the same statement if still queued (``%(finish)s``: a batch's delivery; the job's own
 #: is running): a message is done exactly when its delivery's attempt is recorded, and
-#: no consumer claims it meanwhile to find its delivery made. (A delivery an operator
+#: no consumer claims it meanwhile to find its delivery made. A batch's delivery whose
+#: message is running (it found the endpoint busy a moment ago: its snooze is not yet
+#: written) is marked woken (``woken_at``): its snooze's settle makes it due at once, and
+#: its next run finds the delivery made and ends, rather than a whole lease later. (A delivery an operator
 #: replays has a new message of its own, which carries it again.) A batch's delivery that
 #: will be retried has its queued message made due at its retry (``%(reschedule)s``):
 #: that message was snoozed or parked behind the lease, and nothing else would bring it
@@ -483,6 +488,10 @@ WITH attempt AS (
 ), rescheduled AS (
     UPDATE dramatiq.queue q SET eta = %(next)s::timestamptz, mtime = now()
     WHERE q.message_id = %(reschedule)s::uuid AND """ + _STILL_QUEUED + """
+), running_woken AS (
+    UPDATE dramatiq.queue q SET woken_at = now(), mtime = now()
+    WHERE q.message_id = %(finish)s::uuid AND q.message_id IS DISTINCT FROM %(holder)s::uuid
+      AND """ + _STILL_RUNNING + """
 ), """ + FINISH_ONE_QUEUED
 #: The endpoint's health, from the attempt: 410 disables it; a healthy endpoint's row is
 #: not rewritten.

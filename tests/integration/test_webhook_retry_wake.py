@@ -404,3 +404,27 @@ def test_a_delivery_failed_as_abandoned_is_made_when_its_job_comes_back(
         wait_for(lambda: {_job_state(database_url, m) for m in (operators_job, rescued_job)} == {"done"},
                  timeout_s=15, what="both jobs done")
         assert len(site.requests) == 2
+
+
+def test_a_running_job_whose_delivery_another_jobs_batch_made_is_woken_to_end_at_once(
+    broker, database_url, start_worker, webhook_settings
+):
+    with web_server() as site:
+        site.on("POST", "/hook", lambda request: Reply(200, b""))
+        webhooks.add_endpoint(site.base + "/hook", ["made.elsewhere"])
+        first, second = fanned_out_now(database_url, "made.elsewhere", 2)
+        # Given the second delivery's job running (claimed by this live process: the run that
+        # is about to find the endpoint busy, its snooze not yet written)
+        second_job = delivery_of(database_url, second)[3]
+        query(database_url, "UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s::uuid, claims = claims + 1"
+                            " WHERE message_id = %s", (broker.worker_id, second_job))
+        # When the first delivery's job takes the endpoint's lease and makes both in its batch
+        start_worker(queues=["webhook"], threads=1)
+        wait_for(lambda: delivery_of(database_url, second)[1:3] == ("succeeded", 1), timeout_s=15,
+                 what="the second delivery made by the first job's batch")
+        assert delivery_of(database_url, first)[1:3] == ("succeeded", 1)
+    # Then the running job is marked woken, so its snooze's settle makes it due at once (to
+    # find its delivery made and end), not a whole lease later
+    assert scalar(database_url, "SELECT woken_at IS NOT NULL FROM dramatiq.queue WHERE message_id = %s",
+                  (second_job,)) is True
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (second_job,))
