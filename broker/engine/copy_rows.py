@@ -146,8 +146,6 @@ def text_size_bound(message: Message, prefixes: dict[tuple[str, str], str]) -> i
             + len(str(timestamp)) + _FIXED_CHARS)
 
 
-
-
 def json_size_bound(value: Any) -> int | None:
     """At least the length of ``compact_json(value)`` (ASCII), from a walk of ``value``: a
     text counts 2 characters for each of its characters (6 for each where one may be
