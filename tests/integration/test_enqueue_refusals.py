@@ -114,55 +114,52 @@ def test_on_an_autocommit_connection_a_mixed_batch_the_server_refuses_leaves_not
     assert scalar(database_url, COUNT, (_ids(batch),)) == 0
 
 
+def _refused_in_a_callers_pipeline(database_url: str, batch: list[Any], prefix: str) -> list[tuple[str, int]]:
+    """In a caller's transaction in pipeline mode that wrote a row ``<prefix>-before``,
+    ``enqueue_many(batch)`` must raise the server's refusal; the caller then writes
+    ``<prefix>-after`` and commits. The caller's rows, as committed (and removed)."""
+    upsert = "INSERT INTO test_counters (key, value) VALUES (%s, 1) ON CONFLICT (key) DO UPDATE SET value = 1"
+    with psycopg.connect(database_url) as conn:
+        with conn.pipeline():
+            conn.execute(upsert, (f"{prefix}-before",))
+            # (the refusal is raised by enqueue_many itself, not at the caller's next statement)
+            with pytest.raises(DatabaseError, match="boom refused by the test"):
+                enqueue_many(batch, conn=conn)
+            conn.execute(upsert, (f"{prefix}-after",))
+        conn.commit()
+    rows = query(database_url, "SELECT key, value FROM test_counters WHERE key IN (%s, %s) ORDER BY key",
+                 (f"{prefix}-after", f"{prefix}-before"))
+    query(database_url, "DELETE FROM test_counters WHERE key IN (%s, %s)", (f"{prefix}-after", f"{prefix}-before"))
+    return rows
+
+
 @pytest.mark.parametrize("existing", [False, True])
 def test_in_pipeline_mode_a_batch_the_server_refuses_raises_at_once_and_the_transaction_goes_on(
         broker, database_url, refusing_boom, existing):
-    # Given a caller's transaction in pipeline mode that wrote a row (and, one way, a batch
-    # whose first message exists already: the upsert path)
+    # Given a batch with a row the server refuses (and, one way, whose first message
+    # exists already: the upsert path)
     first = mark.message("pipeline-first")
     if existing:
         enqueue_many([first])
     batch = [first, mark.message("pipeline-second"), mark.message("boom")]
-    with psycopg.connect(database_url) as conn:
-        with conn.pipeline():
-            conn.execute("INSERT INTO test_counters (key, value) VALUES ('pipeline-before', 1) "
-                         "ON CONFLICT (key) DO UPDATE SET value = 1")
-            # When the server refuses a row of the batch
-            with pytest.raises(DatabaseError, match="boom refused by the test"):
-                enqueue_many(batch, conn=conn)
-            # Then the refusal was raised by enqueue_many itself, and the caller's
-            # transaction is usable: its own rows are kept, later statements run
-            conn.execute("INSERT INTO test_counters (key, value) VALUES ('pipeline-after', 1) "
-                         "ON CONFLICT (key) DO UPDATE SET value = 1")
-        conn.commit()
-    assert query(database_url, "SELECT key, value FROM test_counters WHERE key LIKE 'pipeline-%' ORDER BY key") == [
+    # When it is sent in a caller's transaction in pipeline mode, Then that transaction is
+    # usable: its own rows are kept, later statements run, and nothing of the batch is written
+    assert _refused_in_a_callers_pipeline(database_url, batch, "pipeline") == [
         ("pipeline-after", 1), ("pipeline-before", 1)]
     assert scalar(database_url, COUNT, (_ids(batch[1:]),)) == 0
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s::uuid", (first.message_id,))
-    query(database_url, "DELETE FROM test_counters WHERE key LIKE 'pipeline-%'")
 
 
 def test_in_pipeline_mode_a_refusal_that_arrives_while_later_chunks_are_sent_still_leaves_the_transaction_usable(
         broker, database_url, refusing_boom):
-    # Given a caller's transaction in pipeline mode, and a batch of several chunks whose
-    # first row the server refuses: the refusal arrives while the later chunks are sent,
-    # before the server has answered them
+    # Given a batch of several chunks whose first row the server refuses: the refusal
+    # arrives while the later chunks are sent, before the server has answered them
     batch = [mark.message("boom"), *[mark.message(f"pipeline-chunks-{n}") for n in range(2500)]]
-    with psycopg.connect(database_url) as conn:
-        with conn.pipeline():
-            conn.execute("INSERT INTO test_counters (key, value) VALUES ('pipeline-chunks-before', 1) "
-                         "ON CONFLICT (key) DO UPDATE SET value = 1")
-            # When enqueue_many raises the refusal
-            with pytest.raises(DatabaseError, match="boom refused by the test"):
-                enqueue_many(batch, conn=conn)
-            # Then the batch's savepoint was rolled back to: the caller's statements go on
-            conn.execute("INSERT INTO test_counters (key, value) VALUES ('pipeline-chunks-after', 1) "
-                         "ON CONFLICT (key) DO UPDATE SET value = 1")
-        conn.commit()
-    assert query(database_url, "SELECT key FROM test_counters WHERE key LIKE 'pipeline-chunks-%' ORDER BY key") == [
-        ("pipeline-chunks-after",), ("pipeline-chunks-before",)]
+    # When it is sent in a caller's transaction in pipeline mode, Then the batch's savepoint
+    # was rolled back to: the caller's statements go on, nothing of the batch is written
+    assert _refused_in_a_callers_pipeline(database_url, batch, "pipeline-chunks") == [
+        ("pipeline-chunks-after", 1), ("pipeline-chunks-before", 1)]
     assert scalar(database_url, COUNT, (_ids(batch),)) == 0
-    query(database_url, "DELETE FROM test_counters WHERE key LIKE 'pipeline-chunks-%'")
 
 
 def test_a_connection_whose_transaction_failed_already_is_refused_in_one_line(broker, database_url):
