@@ -431,14 +431,17 @@ WHERE d.id = %s
 #: history, nor its deliveries still in back-off. A queued one snoozed until later (it
 #: found the endpoint busy, or was parked behind it) is made due now; a running one (it
 #: may be finding the lease busy this very moment, its snooze not yet written) is marked
-#: woken, and its snooze's settle then makes it due at once (``woken_at``): no wake is lost
-#: to that race. Its queue's consumers are told. Only when the lease was ours
+#: woken, and its snooze's settle then makes it due at once (``woken_at``). A queued one
+#: due already is written too, unchanged: its row stays locked until the release
+#: commits, so no claim (``SKIP LOCKED``) takes it before, whose run would find the lease
+#: still busy (the release's snapshot, taken earlier, saw it queued) and snooze a whole
+#: lease. No wake is lost to either race. Its queue's consumers are told. Only when the lease was ours
 #: (``%(token)s``: the statement's snapshot, before its release). Waiters therefore
 #: snooze until the lease's expiry (the holder's crash) rather than polling: one of them
 #: is woken per release.
 _WAKE_NEXT_WAITER = """
 UPDATE dramatiq.queue q
-SET eta = CASE WHEN q."state" = 'queued' THEN now() ELSE q.eta END,
+SET eta = CASE WHEN q."state" = 'queued' THEN least(q.eta, now()) ELSE q.eta END,
     woken_at = CASE WHEN q."state" = 'consumed' THEN now() ELSE q.woken_at END,
     mtime = now()
 WHERE q.message_id = (
@@ -457,7 +460,7 @@ WHERE q.message_id = (
              """ + _LONGEST_DUE_FIRST + """)
         ) waiter
         ORDER BY waiter.id LIMIT 1)
-  AND (q."state" = 'consumed' OR (q."state" = 'queued' AND q.eta > now()))
+  AND q."state" IN ('queued', 'consumed')
   AND EXISTS (SELECT FROM standmeet.webhook_endpoints
               WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid)
 RETURNING q.queue_name

@@ -428,3 +428,55 @@ def test_a_running_job_whose_delivery_another_jobs_batch_made_is_woken_to_end_at
     assert scalar(database_url, "SELECT woken_at IS NOT NULL FROM dramatiq.queue WHERE message_id = %s",
                   (second_job,)) is True
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s", (second_job,))
+
+
+#: What a consumer's claim can take of a message now: the claim's own test of a row
+#: (queued, due) and its lock (``FOR UPDATE SKIP LOCKED``: a row locked elsewhere is
+#: passed over, not waited for), for that one message.
+CLAIMABLE = ("SELECT message_id::text FROM dramatiq.queue WHERE message_id = %s AND state = 'queued'"
+             " AND eta <= now() FOR UPDATE SKIP LOCKED")
+
+
+def test_a_due_waiter_is_not_claimed_while_the_release_commits_so_its_run_finds_the_lease_free(
+    broker, database_url, webhook_settings
+):
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["release.race"])
+    holder_event, waiting_event = fanned_out_now(database_url, "release.race", 2)
+    holder, waiting = delivery_of(database_url, holder_event), delivery_of(database_url, waiting_event)
+    # Given a job holding the endpoint's lease (running), and the next delivery replayed by
+    # an operator: its new job queued and due now
+    lease = webhooks.ENDPOINT_LEASE
+    taken = PostgresLeases().take(lease, holder[0])
+    assert taken is not None and taken[0] is not None and taken[1] == endpoint, taken
+    query(database_url, "UPDATE dramatiq.queue SET state = 'consumed', claims = claims + 1 WHERE message_id = %s",
+          (holder[3],))
+    replayed = webhooks.replay(waiting[0])
+    assert eta_in_s(database_url, replayed) <= 0
+    try:
+        with psycopg.connect(database_url) as releasing, psycopg.connect(database_url, autocommit=True) as consumer:
+            [(channel,)] = consumer.execute("SELECT standmeet.enqueue_channel('webhook')").fetchall()
+            consumer.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+            # When the holder gives the lease back: its statement has run, its commit not yet
+            # come (the waiter's row, read queued and due, is left as it is by the wake)
+            releasing.execute(webhooks.LOCK_ENDPOINT, {"key": endpoint})
+            releasing.execute(webhooks.RELEASE_ENDPOINT,
+                              {"key": endpoint, "token": str(taken[0]), "message_id": holder[3]})
+            # Then no claim takes the waiter's job meanwhile: its run would find the lease
+            # still held and snooze until the lease's expiry (20 s)
+            print("DEBUG", query(database_url, "SELECT message_id, state, eta, now(), eta <= now() FROM dramatiq.queue WHERE message_id = %s", (waiting[3],)))
+            with consumer.transaction():
+                assert consumer.execute(CLAIMABLE, (replayed,)).fetchall() == []
+                assert consumer.execute(webhooks.TAKE_ENDPOINT, {"key": waiting[0], "lease_s": 20.0}).fetchone()[2] \
+                    == "busy"
+                raise psycopg.Rollback()
+            releasing.commit()
+            # and once the release commits, the queue's consumers are told, a claim takes
+            # the job, and its run takes the lease
+            told = list(consumer.notifies(timeout=5.0, stop_after=1))
+            assert [n.channel for n in told] == [channel]
+            assert consumer.execute(CLAIMABLE, (replayed,)).fetchall() == [(replayed,)]
+        retaken = PostgresLeases().take(lease, waiting[0])
+        assert retaken is not None and retaken[0] is not None, retaken
+    finally:
+        query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+              ([holder[3], waiting[3], replayed],))
