@@ -25,9 +25,14 @@ from broker.engine import sql, sql_history
 from broker.engine.codec import storable_text
 from broker.engine.enqueue import followup_params
 from broker.errors import CutOff, DeadlineExceeded, Deferred
+from broker.pg.long_statement import LongStatement
 from broker.pg.pool import Outage, close_quietly
 
 logger = logging.getLogger("standmeet.broker")
+
+#: The two settles, longer than psycopg caches: converted once (:mod:`broker.pg.long_statement`).
+_SETTLE_DONE = LongStatement(sql.SETTLE_DONE)
+_SETTLE = LongStatement(sql.SETTLE)
 
 #: Longest text of an error kept on a rejected message.
 MAX_ERROR_CHARS = 4000
@@ -234,15 +239,15 @@ class Settler:
         s_ids, s_claims = [k[0] for k in started], [k[1] for k in started]
         if plain:
             now = time.monotonic()
-            conn.execute(sql.SETTLE_DONE, {"ids": [o.message_id for o in plain], "claims": [o.claim for o in plain],
-                                           "worker_id": self.worker_id,
-                                           "s_ids": s_ids, "s_claims": s_claims, "awaited": list(awaited),
-                                           **timing_params(plain, now)})
+            _SETTLE_DONE.execute(conn, {"ids": [o.message_id for o in plain], "claims": [o.claim for o in plain],
+                                        "worker_id": self.worker_id,
+                                        "s_ids": s_ids, "s_claims": s_claims, "awaited": list(awaited),
+                                        **timing_params(plain, now)})
         elif started:
             conn.execute(sql.MARK_STARTED, {"ids": s_ids, "claims": s_claims, "worker_id": self.worker_id})
         if other:
-            conn.execute(sql.SETTLE, {**settle_params(other, awaited), "worker_id": self.worker_id,
-                                      "max_runs_without_outcome": self.max_runs_without_outcome})
+            _SETTLE.execute(conn, {**settle_params(other, awaited), "worker_id": self.worker_id,
+                                   "max_runs_without_outcome": self.max_runs_without_outcome})
         self.outage.ok()
         self.written += len(outcomes)
         per_queue: dict[str, int] = {}

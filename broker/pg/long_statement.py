@@ -1,0 +1,93 @@
+"""Statements longer than psycopg caches, their placeholders converted once.
+
+psycopg turns a query's named placeholders (``%(ids)s``) into Postgres's own (``$1``) at
+every execute, and keeps the result only for queries of at most 4,096 bytes. The settles
+are longer (with the history's roll-up, the common one is ~7.9 kB): psycopg parsed each
+again per batch, 25-45 µs of the settler's interpreter time, which the worker threads
+wait for. A :class:`LongStatement` is converted once, when its module is imported, and
+executed as Postgres's own text (psycopg's ``RawCursor``), its parameters still given by
+name.
+
+A list given for a placeholder the statement casts to an array (``%(ids)s::uuid[]``) is
+sent as Postgres's text of the array, made here in one pass (``{"a","b"}``: every
+element quoted, ``NULL`` for None), which Postgres reads with the cast's type: psycopg's
+dumpers of lists find each list's element type and escape element by element, ~70 % of
+a settle's interpreter time. Every other parameter is dumped by psycopg in its automatic
+format (a ``%(x)b`` is taken as ``%(x)s``); what the statement says of a value (its
+casts) is unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import psycopg
+
+#: A named placeholder (``%(name)s``, ``%(name)b``, ``%(name)t``) and the array type it is
+#: cast to, if any (``::uuid[]``), or an escaped ``%%``.
+_PLACEHOLDER = re.compile(r"%\((\w+)\)[sbt](?:::([\w\".]+)\[\])?|%%")
+
+
+def array_text(values: Iterable[Any]) -> str:
+    """The text Postgres reads as an array of ``values`` (one dimension): each element
+    quoted (its ``\\`` and ``"`` escaped), ``NULL`` for None, a float as Python writes it
+    back exactly."""
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append("NULL")
+            continue
+        text = repr(value) if type(value) is float else str(value)
+        if "\\" in text or '"' in text:
+            text = text.replace("\\", "\\\\").replace('"', '\\"')
+        parts.append('"' + text + '"')
+    return "{" + ",".join(parts) + "}"
+
+
+class LongStatement:
+    """A statement written with named placeholders, converted once to ``$n`` ones."""
+
+    __slots__ = ("text", "query", "names", "arrays")
+
+    def __init__(self, text: str) -> None:
+        names: list[str] = []
+        arrays: set[str] = set()
+
+        def numbered(match: re.Match[str]) -> str:
+            name, array_of = match.group(1), match.group(2)
+            if name is None:
+                return "%"
+            if name not in names:
+                names.append(name)
+            if array_of is not None:
+                arrays.add(name)
+            return f"${names.index(name) + 1}" + ("" if array_of is None else f"::{array_of}[]")
+
+        converted = _PLACEHOLDER.sub(numbered, text)
+        stray = _PLACEHOLDER.sub("", text)
+        if "%" in stray:
+            at = stray.index("%")
+            raise ValueError(f"a '%' that is no named placeholder (write '%%' for the operator): "
+                             f"...{stray[max(at - 20, 0):at + 20]!r}")
+        #: The statement as written (what tests and ``EXPLAIN`` read).
+        self.text = text
+        #: The statement as Postgres reads it.
+        self.query = converted.encode()
+        #: The parameters' names, in the order of ``$1``, ``$2``...
+        self.names = tuple(names)
+        #: The parameters cast to an array: a list given for one is sent as its text.
+        self.arrays = frozenset(arrays)
+
+    def execute(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> psycopg.RawCursor[Any]:
+        """Execute on ``conn`` (in its transaction, if one is open) with ``params`` by name;
+        the cursor, to fetch from. A missing parameter raises KeyError before anything is sent."""
+        arrays = self.arrays
+        args = [array_text(value) if name in arrays and isinstance(value, list | tuple) else value
+                for name, value in ((name, params[name]) for name in self.names)]
+        cursor: psycopg.RawCursor[Any] = psycopg.RawCursor(conn)
+        return cursor.execute(self.query, args)
+
+    def __str__(self) -> str:
+        return self.text

@@ -1,0 +1,42 @@
+"""A statement longer than psycopg caches is converted to Postgres's placeholders once."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.engine import sql
+from broker.engine.settler import _SETTLE, _SETTLE_DONE
+from broker.pg.long_statement import LongStatement, array_text
+
+
+def test_named_placeholders_become_numbered_ones_in_order_of_first_use_each_name_once():
+    statement = LongStatement("SELECT %(b)s::int, %(a)b::text[], %(b)s::int + %(c)t::int")
+
+    assert statement.query == b"SELECT $1::int, $2::text[], $1::int + $3::int"
+    assert statement.names == ("b", "a", "c")
+    assert statement.arrays == {"a"}  # a list given for it is sent as an array's text
+
+
+def test_an_escaped_percent_is_one_percent_sign_for_postgres():
+    statement = LongStatement("SELECT %(n)s::int %% 7, 'a%%b'")
+
+    assert statement.query == b"SELECT $1::int % 7, 'a%b'"
+
+
+def test_a_percent_that_is_no_placeholder_is_refused_when_the_statement_is_declared():
+    with pytest.raises(ValueError, match="no named placeholder"):
+        LongStatement("SELECT %(n)s::int % 7")
+
+
+def test_the_settles_are_longer_than_psycopg_caches_and_are_converted_once():
+    # psycopg keeps the conversion of a query of at most 4,096 bytes only
+    assert len(sql.SETTLE_DONE.encode()) > 4096 and len(sql.SETTLE.encode()) > 4096
+    assert _SETTLE_DONE.text is sql.SETTLE_DONE and _SETTLE.text is sql.SETTLE
+    assert b"%(" not in _SETTLE_DONE.query and b"%(" not in _SETTLE.query
+    assert {"ids", "claims", "worker_id", "awaited"} <= set(_SETTLE_DONE.names)
+
+
+def test_an_arrays_text_quotes_every_element_escapes_backslashes_and_quotes_and_writes_null_bare():
+    assert array_text(["a", 'say "hi"', "C:\\x", None, "", 2, 0.1]) \
+        == '{"a","say \\"hi\\"","C:\\\\x",NULL,"","2","0.1"}'
+    assert array_text([]) == "{}"
