@@ -942,6 +942,14 @@ def _attempt(due: _Due, started: datetime, t0: float, outcome: Outcome) -> _Atte
     return _Attempt(due, started, ms, outcome, new_state, retry_in)
 
 
+#: How many times the statement that records an attempt and gives the lease back is run
+#: when Postgres finds it deadlocked: it locks two messages' rows (the next waiter's, woken,
+#: then the made delivery's, finished), and an operator's cancel of several jobs locks rows
+#: in id order; the loser is rolled back whole (nothing recorded, the lease still ours), so
+#: running it again is safe. Unrecorded, the delivery would be posted again by its job.
+SETTLE_TRIES = 3
+
+
 def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -> None:
     """Record the attempt, the endpoint's health and the delivery's next try; mark done
     the message of a batch's delivery that reached its end (not one retried later, which
@@ -961,14 +969,23 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -
         "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None,
         "reschedule": made.due.message_id if made.state == "pending" else None,
         **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name)}
-    with db.connection() as conn:
-        if token is None:  # (a NULL token gives nothing back)
+    if token is None:  # (a NULL token gives nothing back)
+        with db.connection() as conn:
             conn.execute(RECORD_ATTEMPT, params)
-        else:  # the lease given back: its row locked first (LOCK_ENDPOINT), one round trip
-            with conn.pipeline(), conn.transaction():
+        return
+    for tries_left in range(SETTLE_TRIES - 1, -1, -1):
+        try:
+            with db.connection() as conn, conn.pipeline(), conn.transaction():
+                # the lease given back: its row locked first (LOCK_ENDPOINT), one round trip
                 conn.execute(LOCK_ENDPOINT, {"key": endpoint_id})
                 conn.execute(SETTLE_ATTEMPT, params)
-    if token is not None and message is not None:
+            break
+        except psycopg.errors.DeadlockDetected:
+            if not tries_left:
+                raise
+            logger.info("webhook delivery %s: its record and the lease's release met another transaction's "
+                        "row locks in the opposite order (rolled back whole); trying again", made.due.delivery_id)
+    if message is not None:
         given_back(message)  # released by that statement: the middleware need not
 
 

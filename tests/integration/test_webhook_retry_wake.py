@@ -10,7 +10,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -457,13 +458,12 @@ def test_a_due_waiter_is_not_claimed_while_the_release_commits_so_its_run_finds_
             [(channel,)] = consumer.execute("SELECT standmeet.enqueue_channel('webhook')").fetchall()
             consumer.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
             # When the holder gives the lease back: its statement has run, its commit not yet
-            # come (the waiter's row, read queued and due, is left as it is by the wake)
+            # come (the wake read the waiter's job queued and due)
             releasing.execute(webhooks.LOCK_ENDPOINT, {"key": endpoint})
             releasing.execute(webhooks.RELEASE_ENDPOINT,
                               {"key": endpoint, "token": str(taken[0]), "message_id": holder[3]})
             # Then no claim takes the waiter's job meanwhile: its run would find the lease
             # still held and snooze until the lease's expiry (20 s)
-            print("DEBUG", query(database_url, "SELECT message_id, state, eta, now(), eta <= now() FROM dramatiq.queue WHERE message_id = %s", (waiting[3],)))
             with consumer.transaction():
                 assert consumer.execute(CLAIMABLE, (replayed,)).fetchall() == []
                 assert consumer.execute(webhooks.TAKE_ENDPOINT, {"key": waiting[0], "lease_s": 20.0}).fetchone()[2] \
@@ -480,3 +480,60 @@ def test_a_due_waiter_is_not_claimed_while_the_release_commits_so_its_run_finds_
     finally:
         query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
               ([holder[3], waiting[3], replayed],))
+
+
+def test_a_release_that_deadlocks_with_an_operators_locks_is_run_again_and_records_its_attempt(
+    broker, database_url, webhook_settings
+):
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["release.deadlock"])
+    events = fanned_out_now(database_url, "release.deadlock", 3)
+    holder, made, waiter = (delivery_of(database_url, e) for e in events)
+    # Given a job holding the endpoint's lease that has just posted the second delivery of
+    # its batch (its last), and the third delivery's job queued and due (to be woken)
+    query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = ANY(%s::uuid[])",
+          ([made[3], waiter[3]],))
+    taken = PostgresLeases().take(webhooks.ENDPOINT_LEASE, holder[0])
+    assert taken is not None and taken[0] is not None and taken[1] == endpoint, taken
+    [(event_id, created_at)] = query(database_url, "SELECT ev.id, ev.created_at FROM standmeet.webhook_deliveries d"
+                                                   " JOIN standmeet.webhook_events ev ON ev.id = d.event_id"
+                                                   " WHERE d.id = %s", (made[0],))
+    due = webhooks._Due(made[0], 0, event_id, "release.deadlock", {}, created_at, made[3])
+    attempt = webhooks._attempt(due, datetime.now(timezone.utc), time.monotonic(), webhooks.Outcome("ok", 200))
+    outcome: list[BaseException | None] = []
+
+    def record_and_release() -> None:
+        try:
+            webhooks._settle(SimpleNamespace(message_id=holder[3]), endpoint, str(taken[0]), attempt)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            outcome.append(exc)
+
+    with psycopg.connect(database_url) as operator:
+        # (the operator's side waits long before it looks for a deadlock: the release finds it)
+        operator.execute("SET deadlock_timeout = '60s'")
+        # and an operator's transaction (a cancel of several jobs, locking them in id order)
+        # holding the made delivery's message
+        operator.execute("SELECT 1 FROM dramatiq.queue WHERE message_id = %s FOR UPDATE", (made[3],))
+        releasing = threading.Thread(target=record_and_release, name="record-and-release")
+        releasing.start()
+        try:
+            # When the holder records its attempt and gives the lease back (it locks the
+            # waiter's job, woken, then waits for the made one's), and the operator then
+            # asks for the waiter's job: each waits for the other
+            wait_for(lambda: scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname ="
+                                                  " current_database() AND wait_event_type = 'Lock'"),
+                     timeout_s=10, what="the release to wait for the operator's lock")
+            operator.execute("SELECT 1 FROM dramatiq.queue WHERE message_id = %s FOR UPDATE", (waiter[3],))
+            operator.commit()
+        finally:
+            operator.rollback()
+            releasing.join(timeout=30)
+    # Then Postgres rolled the release back whole, and it ran again once the operator was
+    # done: the attempt is recorded, the made message done, the lease given back
+    assert outcome == [None], outcome
+    assert delivery_of(database_url, events[1])[1:3] == ("succeeded", 1)
+    assert scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s", (made[3],)) == "done"
+    assert query(database_url, "SELECT busy_until, lease_token FROM standmeet.webhook_endpoints WHERE id = %s",
+                 (endpoint,)) == [(None, None)]
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+          ([holder[3], made[3], waiter[3]],))
