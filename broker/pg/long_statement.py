@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
+from uuid import UUID
 
 import psycopg
 
@@ -33,13 +34,23 @@ _PLACEHOLDER = re.compile(r"%\((\w+)\)[sbt](?:::([\w\".]+)\[\])?|%%")
 def array_text(values: Iterable[Any]) -> str:
     """The text Postgres reads as an array of ``values`` (one dimension): each element
     quoted (its ``\\`` and ``"`` escaped), ``NULL`` for None, a float as Python writes it
-    back exactly."""
+    back exactly. An element that is not a str, an int, a float or a UUID (a bool, a
+    list, an enum...) raises TypeError: its text would not be what Postgres should read."""
     parts = []
     for value in values:
-        if value is None:
+        kind = type(value)
+        if kind is str:
+            text = value
+        elif value is None:
             parts.append("NULL")
             continue
-        text = repr(value) if type(value) is float else str(value)
+        elif kind is float:
+            text = repr(value)
+        elif kind is int or kind is UUID:
+            text = str(value)
+        else:
+            raise TypeError(f"an array's element is a {kind.__name__} ({value!r:.40}): "
+                            "give a str, an int, a float, a UUID or None")
         if "\\" in text or '"' in text:
             text = text.replace("\\", "\\\\").replace('"', '\\"')
         parts.append('"' + text + '"')

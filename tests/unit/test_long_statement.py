@@ -40,3 +40,9 @@ def test_an_arrays_text_quotes_every_element_escapes_backslashes_and_quotes_and_
     assert array_text(["a", 'say "hi"', "C:\\x", None, "", 2, 0.1]) \
         == '{"a","say \\"hi\\"","C:\\\\x",NULL,"","2","0.1"}'
     assert array_text([]) == "{}"
+
+
+@pytest.mark.parametrize("element", [True, [1], 1j, b"x"])
+def test_an_element_whose_text_postgres_would_misread_is_refused_naming_its_type(element):
+    with pytest.raises(TypeError, match=type(element).__name__):
+        array_text(["fine", element])
