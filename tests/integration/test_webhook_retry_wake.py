@@ -196,6 +196,16 @@ def fanned_out_now(database_url: str, event_type: str, count: int) -> list[int]:
     return events
 
 
+@contextmanager
+def answering_endpoint(database_url: str, event_type: str, count: int) -> Iterator[tuple[Server, list[int]]]:
+    """An endpoint that answers every POST 200, and ``count`` events of ``event_type`` to it
+    fanned out (no worker runs yet): the site and the events."""
+    with web_server() as site:
+        site.on("POST", "/hook", lambda request: Reply(200, b""))
+        webhooks.add_endpoint(site.base + "/hook", [event_type])
+        yield site, fanned_out_now(database_url, event_type, count)
+
+
 def test_a_release_wakes_a_retried_delivery_whose_back_off_has_elapsed_never_one_still_in_it(
     broker, database_url, webhook_settings
 ):
@@ -372,10 +382,7 @@ def test_a_delivery_failed_as_abandoned_is_made_when_its_job_comes_back(
     from broker import ops
     from broker.engine import sql
 
-    with web_server() as site:
-        site.on("POST", "/hook", lambda request: Reply(200, b""))
-        webhooks.add_endpoint(site.base + "/hook", ["comes.back"])
-        by_operator, by_rescue = fanned_out_now(database_url, "comes.back", 2)
+    with answering_endpoint(database_url, "comes.back", 2) as (site, (by_operator, by_rescue)):
         # Given two deliveries failed as abandoned: one whose job an operator cancelled,
         # one whose job rescue rejected, blamed on a worker process that was only cut off
         operators_job, rescued_job = delivery_of(database_url, by_operator)[3], delivery_of(database_url, by_rescue)[3]
@@ -410,10 +417,7 @@ def test_a_delivery_failed_as_abandoned_is_made_when_its_job_comes_back(
 def test_a_running_job_whose_delivery_another_jobs_batch_made_is_woken_to_end_at_once(
     broker, database_url, start_worker, webhook_settings
 ):
-    with web_server() as site:
-        site.on("POST", "/hook", lambda request: Reply(200, b""))
-        webhooks.add_endpoint(site.base + "/hook", ["made.elsewhere"])
-        first, second = fanned_out_now(database_url, "made.elsewhere", 2)
+    with answering_endpoint(database_url, "made.elsewhere", 2) as (_, (first, second)):
         # Given the second delivery's job running (claimed by this live process: the run that
         # is about to find the endpoint busy, its snooze not yet written)
         second_job = delivery_of(database_url, second)[3]
