@@ -432,10 +432,11 @@ WHERE d.id = %s
 #: found the endpoint busy, or was parked behind it) is made due now; a running one (it
 #: may be finding the lease busy this very moment, its snooze not yet written) is marked
 #: woken, and its snooze's settle then makes it due at once (``woken_at``). A queued one
-#: due already is written too, unchanged: its row stays locked until the release
-#: commits, so no claim (``SKIP LOCKED``) takes it before, whose run would find the lease
-#: still busy (the release's snapshot, taken earlier, saw it queued) and snooze a whole
-#: lease. No wake is lost to either race. Its queue's consumers are told. Only when the lease was ours
+#: due already is written too, unchanged (no indexed column changes: Postgres rewrites it
+#: in place, HOT): its row stays locked until the release commits, so no claim (``SKIP
+#: LOCKED``) takes it before, whose run would find the lease still busy (the release's
+#: snapshot, taken earlier, saw it queued) and snooze a whole lease. No wake is lost to
+#: either race. Its queue's consumers are told. Only when the lease was ours
 #: (``%(token)s``: the statement's snapshot, before its release). Waiters therefore
 #: snooze until the lease's expiry (the holder's crash) rather than polling: one of them
 #: is woken per release.
@@ -443,7 +444,7 @@ _WAKE_NEXT_WAITER = """
 UPDATE dramatiq.queue q
 SET eta = CASE WHEN q."state" = 'queued' THEN least(q.eta, now()) ELSE q.eta END,
     woken_at = CASE WHEN q."state" = 'consumed' THEN now() ELSE q.woken_at END,
-    mtime = now()
+    mtime = CASE WHEN q."state" = 'queued' AND q.eta <= now() THEN q.mtime ELSE now() END
 WHERE q.message_id = (
         SELECT waiter.message_id FROM (
             (SELECT w.id, w.message_id FROM standmeet.webhook_deliveries w
