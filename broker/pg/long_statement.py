@@ -65,6 +65,7 @@ class LongStatement:
     def __init__(self, text: str) -> None:
         names: list[str] = []
         arrays: set[str] = set()
+        scalars: set[str] = set()
 
         def numbered(match: re.Match[str]) -> str:
             name, array_of = match.group(1), match.group(2)
@@ -72,11 +73,13 @@ class LongStatement:
                 return "%"
             if name not in names:
                 names.append(name)
-            if array_of is not None:
-                arrays.add(name)
+            (scalars if array_of is None else arrays).add(name)
             return f"${names.index(name) + 1}" + ("" if array_of is None else f"::{array_of}[]")
 
         converted = _PLACEHOLDER.sub(numbered, text)
+        if arrays & scalars:
+            raise ValueError(f"placeholder(s) {sorted(arrays & scalars)} cast to an array in one place and not in "
+                             "another: one value is sent for every place, so cast it to the array everywhere")
         stray = _PLACEHOLDER.sub("", text)
         if "%" in stray:
             at = stray.index("%")

@@ -23,6 +23,11 @@ def test_an_escaped_percent_is_one_percent_sign_for_postgres():
     assert statement.query == b"SELECT $1::int % 7, 'a%b'"
 
 
+def test_a_placeholder_cast_to_an_array_in_one_place_only_is_refused_when_the_statement_is_declared():
+    with pytest.raises(ValueError, match=r"\['ids'\] cast to an array in one place"):
+        LongStatement("SELECT %(ids)s::uuid[], cardinality(%(ids)s)")
+
+
 def test_a_percent_that_is_no_placeholder_is_refused_when_the_statement_is_declared():
     with pytest.raises(ValueError, match="no named placeholder"):
         LongStatement("SELECT %(n)s::int % 7")
