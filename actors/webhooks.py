@@ -297,7 +297,8 @@ RETURNING id, state, message_id::text
 #: message once per delivery (~250 rows a delivery in a fan-out of 150 events).
 _STILL_QUEUED = "q.\"state\"::text = 'queued'"
 #: The same for a message claimed and not yet settled.
-_STILL_RUNNING = "q.\"state\"::text = 'consumed'"
+#: A delivery's message row ``q`` is queued or running: as :data:`_STILL_QUEUED`, read by id.
+_QUEUED_OR_RUNNING = "q.\"state\"::text IN ('queued', 'consumed')"
 #: The messages of new deliveries (``%(ids)s``, just committed, due now) that are still
 #: queued, locked first: the statements below never wait for a lock (``NOWAIT``: a
 #: conflict ends the attempt, and those messages simply stay due), so parking takes part
@@ -468,16 +469,19 @@ RETURNING q.queue_name
 """
 #: An attempt and its delivery's new state (the start of both statements below); when the
 #: delivery reached its end (not retried later), the message that carries it is done in
-#: the same statement if still queued (``%(finish)s``: a batch's delivery; the job's own
-#: is running): a message is done exactly when its delivery's attempt is recorded, and
-#: no consumer claims it meanwhile to find its delivery made. A batch's delivery whose
-#: message is running (it found the endpoint busy a moment ago: its snooze is not yet
-#: written) is marked woken (``woken_at``): its snooze's settle makes it due at once, and
-#: its next run finds the delivery made and ends, rather than a whole lease later. (A delivery an operator
-#: replays has a new message of its own, which carries it again.) A batch's delivery that
-#: will be retried has its queued message made due at its retry (``%(reschedule)s``):
-#: that message was snoozed or parked behind the lease, and nothing else would bring it
-#: forward (a retry waited out a lease, ~20 s, instead of its 5 s back-off).
+#: the same statement if still queued (``%(finish)s``, :data:`FINISH_ONE_QUEUED`: a
+#: batch's delivery; the job's own is running): a message is done exactly when its
+#: delivery's attempt is recorded, and no consumer claims it meanwhile to find its
+#: delivery made. A batch's delivery whose message is running (it found the endpoint busy
+#: a moment ago: its snooze is not yet written) is marked woken (``woken_at``): its
+#: snooze's settle makes it due at once, and its next run finds the delivery made and
+#: ends, rather than a whole lease later. (A delivery an operator replays has a new
+#: message of its own, which carries it again.) A batch's delivery that will be retried
+#: has its queued message made due at its retry (``%(reschedule)s``): that message was
+#: snoozed or parked behind the lease, and nothing else would bring it forward (a retry
+#: waited out a lease, ~20 s, instead of its 5 s back-off); a running one is marked woken
+#: (its next run snoozes until the retry). Each in one UPDATE for both states, so that a
+#: row whose snooze settles while the statement waits for its lock is judged as it is then.
 _ATTEMPT_AND_DELIVERY = """
 WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
@@ -490,12 +494,11 @@ WITH attempt AS (
         next_attempt_at = %(next)s::timestamptz, updated_at = now()
     WHERE id = %(made)s::bigint
 ), rescheduled AS (
-    UPDATE dramatiq.queue q SET eta = %(next)s::timestamptz, mtime = now()
-    WHERE q.message_id = %(reschedule)s::uuid AND """ + _STILL_QUEUED + """
-), running_woken AS (
-    UPDATE dramatiq.queue q SET woken_at = now(), mtime = now()
-    WHERE q.message_id = %(finish)s::uuid AND q.message_id IS DISTINCT FROM %(holder)s::uuid
-      AND """ + _STILL_RUNNING + """
+    UPDATE dramatiq.queue q
+    SET eta = CASE WHEN q."state" = 'queued' THEN %(next)s::timestamptz ELSE q.eta END,
+        woken_at = CASE WHEN q."state" = 'consumed' THEN now() ELSE q.woken_at END, mtime = now()
+    WHERE q.message_id = %(reschedule)s::uuid AND q.message_id IS DISTINCT FROM %(holder)s::uuid
+      AND """ + _QUEUED_OR_RUNNING + """
 ), """ + FINISH_ONE_QUEUED
 #: The endpoint's health, from the attempt: 410 disables it; a healthy endpoint's row is
 #: not rewritten.

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import psycopg
+import pytest
 
 from actors import settings as app_settings
 from actors import webhooks
@@ -541,3 +542,60 @@ def test_a_release_that_deadlocks_with_an_operators_locks_is_run_again_and_recor
                  (endpoint,)) == [(None, None)]
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
           ([holder[3], made[3], waiter[3]],))
+
+
+@pytest.mark.parametrize("answer", [200, 500])
+def test_a_batch_record_of_a_delivery_whose_job_is_settling_its_snooze_still_reaches_that_job(
+    broker, database_url, webhook_settings, answer
+):
+    event_type = f"snooze.settling.{answer}"
+    webhooks.add_endpoint("http://127.0.0.1:9/hook", [event_type])
+    events = fanned_out_now(database_url, event_type, 2)
+    holder, made = (delivery_of(database_url, e) for e in events)
+    # Given the second delivery's job running (it found the endpoint busy)
+    query(database_url, "UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s::uuid, claims = claims + 1,"
+                        " eta = now() WHERE message_id = %s", (broker.worker_id, made[3]))
+    [(endpoint, event_id, created_at)] = query(
+        database_url, "SELECT d.endpoint_id, ev.id, ev.created_at FROM standmeet.webhook_deliveries d"
+                      " JOIN standmeet.webhook_events ev ON ev.id = d.event_id WHERE d.id = %s", (made[0],))
+    due = webhooks._Due(made[0], 0, event_id, event_type, {}, created_at, made[3])
+    outcome = webhooks.Outcome("ok", 200) if answer == 200 else webhooks.Outcome("http", 500)
+    attempt = webhooks._attempt(due, datetime.now(timezone.utc), time.monotonic(), outcome)
+    recorded: list[BaseException | None] = []
+
+    def record() -> None:
+        try:
+            webhooks._settle(SimpleNamespace(message_id=holder[3]), endpoint, None, attempt)
+            recorded.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            recorded.append(exc)
+
+    with psycopg.connect(database_url) as settling:
+        # and its snooze being settled: its row written queued, due when the lease expires
+        # (20 s), not yet committed
+        settling.execute("UPDATE dramatiq.queue SET state = 'queued', worker_id = NULL,"
+                         " eta = now() + interval '20 seconds' WHERE message_id = %s", (made[3],))
+        # When the batch of the job holding the lease records the delivery's attempt (it
+        # waits for that row), and the snooze then commits
+        recording = threading.Thread(target=record, name="batch-record")
+        recording.start()
+        try:
+            wait_for(lambda: recorded or scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname ="
+                                                              " current_database() AND wait_event_type = 'Lock'"),
+                     timeout_s=10, what="the record to wait for the snooze's row (or to end without it)")
+            settling.commit()
+        finally:
+            settling.rollback()
+            recording.join(timeout=30)
+    assert recorded == [None], recorded
+    # Then the record reaches the job as its row is now: made, the job is done (not left
+    # queued until the snooze ends); retried, the job is due at the delivery's retry
+    state, eta_s = query(database_url, "SELECT q.state::text, extract(epoch FROM q.eta - d.next_attempt_at)::float8"
+                                       " FROM dramatiq.queue q JOIN standmeet.webhook_deliveries d"
+                                       " ON d.message_id = q.message_id WHERE q.message_id = %s", (made[3],))[0]
+    if answer == 200:
+        assert (state, delivery_of(database_url, events[1])[1]) == ("done", "succeeded")
+    else:
+        assert state == "queued" and delivery_of(database_url, events[1])[1] == "pending"
+        assert abs(eta_s) < 0.5, eta_s
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", ([holder[3], made[3]],))
