@@ -313,6 +313,13 @@ SELECT q.message_id FROM fanned d JOIN dramatiq.queue q ON q.message_id = d.mess
 WHERE d.state = 'pending' AND d.attempts = 0 AND """ + _STILL_QUEUED + """
 FOR UPDATE OF q NOWAIT
 """
+#: The job of the waiting delivery ``w`` is live: its message queued or running, not
+#: cancelled. A batch makes only such deliveries: one whose job an operator cancelled (to
+#: stop the traffic) or that was rejected for good (it crashed its worker) is not posted
+#: by another job's batch; it waits, pending, for the pass that fails abandoned deliveries
+#: (and an operator's replay).
+_JOB_LIVE = """EXISTS (SELECT FROM dramatiq.queue j WHERE j.message_id = w.message_id
+                      AND j."state"::text IN ('queued', 'consumed') AND j.cancelled_at IS NULL)"""
 #: When the waiting delivery ``w`` is due: its retry, or now for one never attempted or
 #: replayed. The expression ``webhook_deliveries_retry_due_idx`` holds (written once, so
 #: that the statements' conditions and orders match it and the index serves them).
@@ -655,9 +662,10 @@ CROSS JOIN LATERAL (
            array_agg(nev.type ORDER BY n.id) AS types, array_agg(nev.payload ORDER BY n.id) AS payloads,
            array_agg(nev.created_at ORDER BY n.id) AS created_ats,
            array_agg(n.message_id::text ORDER BY n.id) AS message_ids
-    FROM (SELECT id, event_id, message_id FROM standmeet.webhook_deliveries
-          WHERE endpoint_id = t.id AND state = 'pending' AND attempts = 0 AND id <> %(key)s
-          ORDER BY id LIMIT 31 FOR UPDATE) n
+    FROM (SELECT w.id, w.event_id, w.message_id FROM standmeet.webhook_deliveries w
+          WHERE w.endpoint_id = t.id AND w.state = 'pending' AND w.attempts = 0 AND w.id <> %(key)s
+            AND """ + _JOB_LIVE + """
+          ORDER BY w.id LIMIT 31 FOR UPDATE OF w) n
     JOIN standmeet.webhook_events nev ON nev.id = n.event_id
 ) b
 UNION ALL
@@ -887,9 +895,10 @@ def deliver(delivery_id: int) -> None:
 #: in between.
 WAITING = """
 SELECT n.id, nev.id, nev.type, nev.payload, nev.created_at, n.message_id::text
-FROM (SELECT id, event_id, message_id FROM standmeet.webhook_deliveries
-      WHERE endpoint_id = %(endpoint)s AND state = 'pending' AND attempts = 0 AND id <> ALL(%(made)s::bigint[])
-      ORDER BY id LIMIT %(limit)s) n
+FROM (SELECT w.id, w.event_id, w.message_id FROM standmeet.webhook_deliveries w
+      WHERE w.endpoint_id = %(endpoint)s AND w.state = 'pending' AND w.attempts = 0 AND w.id <> ALL(%(made)s::bigint[])
+        AND """ + _JOB_LIVE + """
+      ORDER BY w.id LIMIT %(limit)s) n
 JOIN standmeet.webhook_events nev ON nev.id = n.event_id
 WHERE EXISTS (SELECT FROM standmeet.webhook_endpoints WHERE id = %(endpoint)s AND lease_token = %(token)s::uuid
               AND enabled)

@@ -346,3 +346,31 @@ def test_a_job_that_made_a_full_batch_goes_on_with_the_endpoints_next_deliveries
     assert query(database_url, "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])"
                                " AND state = 'done'", (messages,)) == [(40,)]
 
+
+
+def test_a_batch_does_not_make_a_delivery_whose_job_an_operator_cancelled(
+    broker, database_url, start_worker, webhook_settings
+):
+    from broker import ops
+
+    with web_server() as site:
+        site.on("POST", "/hook", lambda request: Reply(200, b""))
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["cancelled.in.batch"])
+        # Given three deliveries waiting, the second's job cancelled by an operator (to stop
+        # that traffic)
+        events = fanned_out(database_url, "cancelled.in.batch", 3)
+        (first, _), (second, second_job), (third, _) = query(
+            database_url, "SELECT id, message_id::text FROM standmeet.webhook_deliveries"
+                          " WHERE endpoint_id = %s ORDER BY id", (endpoint,))
+        with psycopg.connect(database_url) as conn:
+            assert ops.cancel_jobs(conn, message_ids=[second_job], by="ops") == 1
+        # When the first delivery's job takes the endpoint's lease and makes its batch
+        start_worker(queues=["webhook"], threads=1)
+        wait_for(lambda: [s for _, s, _ in states(database_url, endpoint)] == ["succeeded", "pending", "succeeded"],
+                 timeout_s=15, what="the first and third deliveries made")
+        wait_for(lambda: query(database_url, RAN_OR_READY) == [(0,)], timeout_s=10, what="every job to end")
+        headers = list(site.requests)
+    # Then the cancelled job's delivery was not posted: it waits, pending, to be failed as
+    # abandoned (or replayed)
+    assert [r.headers["webhook-id"] for r in headers] == [f"msg_{events[0]}_{endpoint}", f"msg_{events[2]}_{endpoint}"]
+    assert states(database_url, endpoint)[1] == (events[1], "pending", 0)
