@@ -296,7 +296,6 @@ RETURNING id, state, message_id::text
 #: are), and the planner then took that index for each lookup, reading every queued
 #: message once per delivery (~250 rows a delivery in a fan-out of 150 events).
 _STILL_QUEUED = "q.\"state\"::text = 'queued'"
-#: The same for a message claimed and not yet settled.
 #: A delivery's message row ``q`` is queued or running: as :data:`_STILL_QUEUED`, read by id.
 _QUEUED_OR_RUNNING = "q.\"state\"::text IN ('queued', 'consumed')"
 #: The messages of new deliveries (``%(ids)s``, just committed, due now) that are still
