@@ -56,6 +56,12 @@ def test_the_worker_cpu_bench_drains_ours_and_the_stub_floor_and_prints_ours_ove
                  r"^floor \(StubBroker, default middleware\): [\d,]+ .* ms CPU per job$")
 
 
+def test_the_settle_cpu_bench_times_both_ways_of_running_a_settle_and_prints_their_ratio(admin_url: str) -> None:
+    out = run_bench("settle_cpu.py", admin_url, "--n", "20", "--runs", "1")
+    assert_lines(out, r"^psycopg's own conversion and list dumpers: [\d.]+ .* µs of CPU per settle of 6$",
+                 r"^LongStatement \(converted once, arrays as text\): [\d.]+ .* µs of CPU per settle of 6$")
+
+
 def test_the_bulk_bench_times_enqueue_many_beside_postgres_copying_the_same_rows(admin_url: str) -> None:
     out = run_bench("bulk.py", admin_url, "--n", "200", "--runs", "1")
     assert_lines(out, r"^build \(Dramatiq's actor.message\): [\d.]+ ",
