@@ -102,6 +102,3 @@ class LongStatement:
                 for name, value in ((name, params[name]) for name in self.names)]
         cursor: psycopg.RawCursor[Any] = psycopg.RawCursor(conn)
         return cursor.execute(self.query, args)
-
-    def __str__(self) -> str:
-        return self.text
