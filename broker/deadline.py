@@ -24,7 +24,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -67,6 +66,8 @@ def mark_cancelled(message_ids: Iterable[str]) -> None:
 
 
 def forget(message_id: str) -> None:
+    if message_id not in _cancelled:  # the common case, read without the lock: nothing to forget
+        return
     with _cancelled_lock:
         _cancelled.discard(message_id)
 
@@ -78,11 +79,12 @@ class WatchedRuns:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: Counter[str] = Counter()
+        self._running: dict[str, int] = {}
 
     def watch(self, message_id: str) -> None:
         with self._lock:
-            self._running[message_id] += 1
+            running = self._running
+            running[message_id] = running.get(message_id, 0) + 1
             self._watched()
 
     def _watched(self) -> None:
@@ -90,10 +92,12 @@ class WatchedRuns:
 
     def unwatch(self, message_id: str) -> None:
         with self._lock:
-            self._running[message_id] -= 1
-            if self._running[message_id] <= 0:
-                del self._running[message_id]
-                forget(message_id)
+            left = self._running.get(message_id, 0) - 1
+            if left > 0:
+                self._running[message_id] = left
+                return
+            self._running.pop(message_id, None)
+            forget(message_id)
 
     def running(self) -> list[str]:
         """The message ids watched now."""

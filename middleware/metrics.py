@@ -137,6 +137,7 @@ class Metrics(Middleware):
         if claimed_at is not None:
             self._note(children.claim_to_start, OBSERVE, max(0.0, time.time() - float(claimed_at)))
         message.standmeet_metrics_start = time.monotonic()
+        message.standmeet_metrics_children = children
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
                               exception: BaseException | None = None) -> None:
@@ -166,7 +167,7 @@ class Metrics(Middleware):
         message.standmeet_metrics_start = None
         if started is None:
             return  # its before-hook never ran (skipped by an earlier middleware)
-        children = self._of(*labels)
+        children = getattr(message, "standmeet_metrics_children", None) or self._of(*labels)
         if self.batched:
             noted = self._noted.append
             noted((children.in_progress, ADD, -1))

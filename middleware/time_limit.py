@@ -102,9 +102,15 @@ class TimeLimit(DramatiqTimeLimit):
         self.manager.add_timeout(threading.get_ident(), limit_ms)
 
     def disarm(self) -> None:
-        """Stop this thread's limit. The broker calls it before any after-hook runs."""
+        """Stop this thread's limit. The broker calls it before any after-hook runs; the
+        after-hooks' own call then finds nothing left to stop, and takes no lock."""
         if self._started:
-            self.manager.remove_timeout(threading.get_ident())
+            manager = self.manager
+            ident = threading.get_ident()
+            # Only this thread arms its own deadline: when it is not there (disarmed, or
+            # fired), nothing can put it back before this thread's next job.
+            if type(manager) is not Timers or ident in manager.deadlines:
+                manager.remove_timeout(ident)
         deadline.clear()
 
     def after_process_message(

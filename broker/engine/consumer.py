@@ -62,6 +62,7 @@ class ClaimedMessage(MessageProxy):
         self.standmeet_lease: Any = None
         self.standmeet_span: Any = None
         self.standmeet_metrics_start: float | None = None
+        self.standmeet_metrics_children: Any = None
         self.standmeet_log_start: tuple[float, int] | None = None
         self.standmeet_cancel_watched = False
         #: when its run started (monotonic), for its attempt and the history

@@ -72,6 +72,11 @@ class QueueState:
         #: (exponentially weighted), which sizes the default prefetch
         self._handed_at: dict[tuple[str, int], float] = {}
         self.mean_run_s: float | None = None
+        #: what the (frozen) settings derive, read at every run's end: worked out again
+        #: only when other settings take their place
+        self._derived_from: QueueSettings | None = None
+        self._adaptive = False
+        self._prefetch_bounds = (0, 0)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -131,13 +136,19 @@ class QueueState:
         """A run ended: fold its time into the mean, and size the default prefetch to hold
         what the running jobs finish within PREFETCH_HORIZON_S (under ``lock``)."""
         handed = self._handed_at.pop(key, None)
-        if handed is None or not self.settings.adaptive_prefetch:
+        settings = self.settings
+        if settings is not self._derived_from:
+            self._derived_from = settings
+            self._adaptive = settings.adaptive_prefetch
+            self._prefetch_bounds = (settings.prefetch_floor, settings.prefetch_ceiling)
+        if handed is None or not self._adaptive:
             return
         run_s = time.monotonic() - handed
         mean = run_s if self.mean_run_s is None else self.mean_run_s + RUN_TIME_WEIGHT * (run_s - self.mean_run_s)
         self.mean_run_s = mean
         wanted = self.limit * PREFETCH_HORIZON_S / max(mean, 1e-6)
-        self.prefetch = int(min(self.settings.prefetch_ceiling, max(self.settings.prefetch_floor, wanted)))
+        floor, ceiling = self._prefetch_bounds
+        self.prefetch = int(min(ceiling, max(floor, wanted)))
 
     def take_excess(self) -> list[Claim]:
         """Claims to give back to the queue, for another process to start sooner: those a

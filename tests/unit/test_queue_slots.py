@@ -1,0 +1,170 @@
+"""A queue's running slots (``middleware.queue_concurrency.Slots``) and the per-run
+bookkeeping of the cancellation watch, the running-jobs list and the time limit, with
+real threads: what each guarantees, seen from the other threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from broker import deadline
+from broker.deadline import WatchedRuns
+from broker.running import RunningJobs
+from middleware.queue_concurrency import Slots
+from middleware.time_limit import TimeLimit, Timers
+
+WAIT_S = 5.0
+
+
+def test_a_take_beyond_the_limit_waits_until_a_slot_is_given_back():
+    # Given two slots, both held
+    slots = Slots(2)
+    slots.take(("a", 1))
+    slots.take(("b", 1))
+    started = threading.Event()
+    took = threading.Event()
+
+    def third() -> None:
+        started.set()
+        slots.take(("c", 1))
+        took.set()
+
+    thread = threading.Thread(target=third, daemon=True)
+    thread.start()
+    assert started.wait(WAIT_S)
+    # Then the third waits while both are held (as long as we care to look)
+    assert not took.wait(0.2)
+    assert slots.held() == 2
+    # When one is given back, the waiting one takes it
+    assert slots.give_back(("a", 1))
+    assert took.wait(WAIT_S)
+    thread.join(WAIT_S)
+    assert slots.held() == 2
+
+
+def test_giving_back_a_slot_twice_frees_it_once():
+    slots = Slots(1)
+    slots.take(("a", 1))
+    assert slots.give_back(("a", 1)) is True
+    assert slots.give_back(("a", 1)) is False
+    assert slots.give_back(("never", 1)) is False
+    # the limit still holds: one taken, a second would wait
+    slots.take(("b", 1))
+    assert slots.held() == 1
+    waiter = threading.Thread(target=slots.take, args=(("c", 1),), daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    slots.give_back(("b", 1))
+    waiter.join(WAIT_S)
+    assert not waiter.is_alive()
+
+
+def test_many_threads_never_hold_more_than_the_limit_at_once():
+    slots = Slots(3)
+    lock = threading.Lock()
+    holding = 0
+    most = 0
+
+    def run(n: int) -> None:
+        nonlocal holding, most
+        for i in range(200):
+            key = (f"t{n}", i)
+            slots.take(key)
+            with lock:
+                holding += 1
+                most = max(most, holding)
+            with lock:
+                holding -= 1
+            assert slots.give_back(key)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert 1 <= most <= 3
+    assert slots.held() == 0
+
+
+def test_a_message_watched_on_two_threads_stays_watched_until_both_end():
+    runs = WatchedRuns()
+    runs.watch("m1")
+    runs.watch("m1")
+    deadline.mark_cancelled(["m1"])
+    runs.unwatch("m1")
+    assert runs.running() == ["m1"]
+    assert "m1" in deadline._cancelled  # still running on the other thread: still cancelled
+    runs.unwatch("m1")
+    assert runs.running() == []
+    assert "m1" not in deadline._cancelled  # its last run ended: the mark is forgotten
+
+
+def test_running_jobs_name_each_threads_job_and_forget_it_when_it_ends():
+    jobs = RunningJobs()
+    ready = threading.Barrier(3)
+    done = threading.Event()
+
+    def run(n: int) -> None:
+        jobs.started(f"actor{n}", f"m{n}")
+        ready.wait(WAIT_S)
+        done.wait(WAIT_S)
+        jobs.finished()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    ready.wait(WAIT_S)
+    assert sorted(job.message_id for job in jobs.now()) == ["m0", "m1"]
+    done.set()
+    for t in threads:
+        t.join(WAIT_S)
+    assert jobs.now() == []
+
+
+def test_disarming_twice_stops_the_limit_once_and_clears_the_deadline():
+    limit = TimeLimit(interval_ms=1000)
+    limit._started = True  # as after the worker's boot, without its timer thread
+    assert isinstance(limit.manager, Timers)
+    ident = threading.get_ident()
+    limit.manager.add_timeout(ident, 60_000)
+    deadline.set_deadline(60)
+    limit.disarm()
+    assert ident not in limit.manager.deadlines
+    assert deadline.remaining_s() is None
+    limit.disarm()  # the after-hook's call, after the broker's: nothing left, no error
+    assert ident not in limit.manager.deadlines
+    # a limit armed again afterwards is disarmed again
+    limit.manager.add_timeout(ident, 60_000)
+    limit.disarm()
+    assert ident not in limit.manager.deadlines
+
+
+def test_a_thread_past_its_deadline_is_interrupted_and_then_has_nothing_to_disarm():
+    limit = TimeLimit(interval_ms=1000)
+    limit._started = True
+    interrupted = threading.Event()
+    armed = threading.Event()
+
+    def job() -> None:
+        limit.manager.add_timeout(threading.get_ident(), 1)
+        armed.set()
+        try:
+            end = time.monotonic() + WAIT_S
+            while time.monotonic() < end:
+                time.sleep(0.001)
+        except BaseException:
+            interrupted.set()
+        limit.disarm()  # its deadline was removed when it fired: nothing to stop
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    assert armed.wait(WAIT_S)
+    deadline_at = time.monotonic() + WAIT_S
+    while not limit.manager.fire_due() and time.monotonic() < deadline_at:
+        time.sleep(0.005)
+    assert interrupted.wait(WAIT_S)
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert limit.manager.deadlines == {}
