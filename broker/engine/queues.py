@@ -57,7 +57,9 @@ class QueueState:
         self.buffer: deque[Claim] = deque()
         #: claims taken from the buffer to give back, until the give-back is written
         self.returning: list[Claim] = []
-        #: the consumer sleeps on the wake pipe (set and read under ``lock``)
+        #: the consumer sleeps on the wake pipe (set and read under ``lock``); whoever
+        #: wakes it clears this, so that a sleep costs one pipe write however many runs
+        #: end before the consumer is back (each sets ``freed``, which it reads then)
         self.waiting = False
         #: a running job ended (or outcomes were written) since the consumer last looked
         self.freed = False
@@ -231,7 +233,7 @@ class QueueState:
                 if free <= 0 or (free < self.claim_batch and len(self.running) + len(self.buffer) >= self.limit):
                     return claim  # nothing for the consumer to do yet
             self.freed = True
-            sleeping = self.waiting
+            sleeping, self.waiting = self.waiting, False
         if sleeping:  # a busy consumer looks at ``freed`` before it sleeps: no pipe write
             self.wake()
         return claim
@@ -250,7 +252,7 @@ class QueueState:
         with self.lock:
             self.unsettled = max(0, self.unsettled - count)
             self.freed = True  # a consumer about to sleep looks again instead
-            sleeping = self.waiting
+            sleeping, self.waiting = self.waiting, False
         if sleeping:
             self.wake()
 

@@ -278,3 +278,36 @@ def test_an_explicit_prefetch_is_never_cut(monkeypatch):
     clock[0] += 60.0
     assert state.take_excess() == [] and len(state.buffer) == 5
     state.drain_wake()
+
+
+def _pipe_bytes(state: QueueState) -> int:
+    import os
+
+    try:
+        return len(os.read(state.wake_fd, 4096))
+    except BlockingIOError:
+        return 0
+
+
+def test_runs_ending_while_the_consumer_sleeps_wake_it_with_one_pipe_write():
+    # Given a consumer asleep on the wake pipe, three runs going and nothing buffered
+    state = QueueState(QueueSettings("q", max_workers=3, time_limit_s=1, prefetch_setting=0))
+    for i in range(3):
+        state.hold(_claim(i))
+    running = [state.next_buffered() for _ in range(3)]
+    assert state.going_to_sleep()
+    # When all three end, and the settler writes their outcomes, before the consumer is back
+    for claim in running:
+        state.finished(claim.key, hand_off=True)
+    state.settled(3)
+    # Then the pipe holds one wake, and the consumer, back, sees room for all three
+    assert _pipe_bytes(state) == 1
+    state.awake()
+    state.clear_freed()  # as the consumer does once it has read the pipe
+    assert state.free() == 3 and state.should_claim()
+    # And its next sleep is woken again by the next end
+    state.hold(_claim(9))
+    claim = state.next_buffered()
+    assert state.going_to_sleep()
+    state.finished(claim.key, hand_off=True)
+    assert _pipe_bytes(state) == 1
