@@ -12,6 +12,7 @@ from typing import Any
 
 import dramatiq
 import pytest
+from dramatiq.broker import MessageProxy
 from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware
 
 from tests.support.db import query, wait_for
@@ -121,3 +122,59 @@ def test_a_middleware_list_replaced_by_a_plain_list_has_its_new_hooks_called(bro
         assert counting.sent == [sent.message_id]
     finally:
         broker.middleware = [m for m in broker.middleware if m is not counting]
+
+
+class RecordsHowItIsCalled(Middleware):
+    """An application's middleware whose after-hook takes any keywords: what it is given."""
+
+    def __init__(self) -> None:
+        self.before: list[tuple[Any, ...]] = []
+        self.after: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.custom: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def before_process_message(self, broker: Any, *args: Any, **kwargs: Any) -> None:
+        self.before.append((*args, *kwargs.items()))
+
+    def after_process_message(self, broker: Any, *args: Any, **kwargs: Any) -> None:
+        self.after.append((args, kwargs))
+
+    def after_custom_signal(self, broker: Any, *args: Any, **kwargs: Any) -> None:
+        self.custom.append((args, kwargs))
+
+
+class TakesOnlyAResult(Middleware):
+    """A middleware written for runs that return: its hook has no ``exception`` parameter."""
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None) -> None:
+        self.results.append(result)
+
+
+def test_each_hook_is_given_exactly_the_arguments_and_keywords_its_signal_came_with(broker):
+    recorder, result_only = RecordsHowItIsCalled(), TakesOnlyAResult()
+    broker.add_middleware(recorder)
+    broker.add_middleware(result_only)
+    message = MessageProxy(step.message("shapes"))
+    error = ValueError("boom")
+    try:
+        # A run's before-signal: the message alone
+        broker.emit_before("process_message", message)
+        assert recorder.before == [(message,)]
+        # A returned run: the message and its result, and no exception keyword
+        broker.emit_after("process_message", message, result="done")
+        assert recorder.after[-1] == ((message,), {"result": "done"})
+        assert result_only.results == ["done"]
+        # A failed run: the message and its exception only
+        broker._emit_after("process_message", message, exception=error)
+        assert recorder.after[-1] == ((message,), {"exception": error})
+        # Neither keyword; both; and a signal of an application's own, as given
+        broker._emit_after("process_message", message)
+        assert recorder.after[-1] == ((message,), {})
+        broker._emit_after("process_message", message, result=None, exception=error)
+        assert recorder.after[-1] == ((message,), {"result": None, "exception": error})
+        broker._emit_after("custom_signal", message, "second", flag=True)
+        assert recorder.custom == [((message, "second"), {"flag": True})]
+    finally:
+        broker.middleware[:] = [m for m in broker.middleware if m not in (recorder, result_only)]
