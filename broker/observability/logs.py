@@ -26,6 +26,11 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
 
 TEXT_FORMAT = "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"
 
+#: This process's id, as the per-job line shows it (a system call each time otherwise);
+#: a forked child takes its own.
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
 
 class TextFormatter(logging.Formatter):
     """The text format, with the date part of each timestamp made once a second (the
@@ -194,10 +199,10 @@ def info_line(logger: logging.Logger, message: str,
     now = time.time()
     formatter = handler.formatter
     if type(formatter) is TextFormatter:
-        line = (f"{formatter.date_part(now)},{int((now - int(now)) * 1000):03d} [{os.getpid()}] INFO "
+        line = (f"{formatter.date_part(now)},{int((now - int(now)) * 1000):03d} [{_pid[0]}] INFO "
                 f"{logger.name}: {message}")
     else:
-        doc = JsonFormatter.document(now, "INFO", logger.name, message, os.getpid())
+        doc = JsonFormatter.document(now, "INFO", logger.name, message, _pid[0])
         line = json.dumps({**doc, **(extra() if callable(extra) else extra)}, default=str)
     handler.emit_line(line)
 

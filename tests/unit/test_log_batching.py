@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from broker.observability.logs import BatchedStreamHandler
 from tests.support.db import wait_for
@@ -151,3 +152,41 @@ def test_a_job_line_goes_through_logging_when_anything_else_would_see_it():
     assert stream.getvalue() == "INFO job done: q a.b m1 in 1.2 ms (attempt 1)\n"
     (record,) = captured
     assert record.getMessage() == "job done: q a.b m1 in 1.2 ms (attempt 1)" and record.outcome == "done"
+
+
+def test_a_job_line_written_by_a_forked_child_names_the_childs_process():
+    from broker.observability.logs import TEXT_FORMAT, TextFormatter, info_line
+
+    # Given a job line written in this process (its id read once and kept)
+    read_fd, write_fd = os.pipe()
+    stream = io.StringIO()
+    log, handler = _logger(stream, "forked")
+    handler.setFormatter(TextFormatter(TEXT_FORMAT))
+    info_line(log, "job done: parent", {})
+    handler.flush()
+    assert f"[{os.getpid()}] INFO" in stream.getvalue()
+    # When a forked child writes one (as a worker process forked by a supervisor would)
+    child = os.fork()
+    if child == 0:  # the child: a handler of its own (no lock a parent's thread held), its line to the pipe
+        try:
+            child_stream = io.StringIO()
+            own = BatchedStreamHandler(child_stream, linger_s=60)
+            own.setFormatter(TextFormatter(TEXT_FORMAT))
+            log.handlers[:] = [own]
+            info_line(log, "job done: child", {})
+            own.flush()
+            os.write(write_fd, child_stream.getvalue().encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    deadline = time.monotonic() + 20
+    while os.waitpid(child, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            raise AssertionError("the forked child did not write its line within 20 s")
+        time.sleep(0.01)
+    with os.fdopen(read_fd, "rb") as pipe:
+        line = pipe.read().decode()
+    # Then the child's line names the child, not the parent
+    assert f"[{child}] INFO standmeet.test.forked: job done: child" in line, line
