@@ -67,17 +67,23 @@ def test_a_settle_applies_only_to_its_own_process_claim_even_when_another_has_th
     assert run is not None and run.message_id == message.message_id
     # When, after a failover lost that claim, another process claimed the message with the
     # same claim number (the promoted standby never saw this process's claim)
-    other = "00000000-0000-4000-8000-000000000001"
-    query(database_url, "UPDATE dramatiq.queue SET worker_id = %s WHERE message_id = %s",
-          (other, message.message_id))
-    # Then this process's settle leaves the other process's run alone
-    broker.emit_after("process_message", run, result=None)
-    consumer.ack(run)
-    assert broker.settler.flush(5)
-    assert _state(database_url, message.message_id) == [("consumed", 1)]
-    query(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s",
-          (message.message_id,))
-    consumer.close()
+    # (a live one: a rescue pass of another test's process must not take its claim back)
+    other = str(uuid.uuid4())
+    query(database_url, "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues, heartbeat_at)"
+                        " VALUES (%s, 'promoted-standby-host', 4242, '{index}', now() + interval '1 hour')", (other,))
+    try:
+        query(database_url, "UPDATE dramatiq.queue SET worker_id = %s WHERE message_id = %s",
+              (other, message.message_id))
+        # Then this process's settle leaves the other process's run alone
+        broker.emit_after("process_message", run, result=None)
+        consumer.ack(run)
+        assert broker.settler.flush(5)
+        assert _state(database_url, message.message_id) == [("consumed", 1)]
+    finally:
+        query(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s",
+              (message.message_id,))
+        query(database_url, "DELETE FROM standmeet.worker_processes WHERE id = %s", (other,))
+        consumer.close()
 
 
 def test_a_run_that_ended_without_returning_is_never_recorded_as_done(broker, database_url):
