@@ -97,7 +97,10 @@ class Settler:
         self._on_settled = on_settled
         #: set on close once the settler gave up waiting for the database
         self.abandoned = False
-        self._cond = threading.Condition()
+        #: the condition's lock, taken directly where a worker thread hands work over (a
+        #: ``with`` on the condition itself is two Python calls more, twice a run)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._pending: list[Outcome] = []
         self._started: list[tuple[str, int]] = []
         self._busy = False
@@ -121,7 +124,7 @@ class Settler:
                 self._thread = detach.go(f"settler-{self.worker_id[:8]}", self.run)
 
     def submit(self, outcome: Outcome) -> None:
-        with self._cond:
+        with self._lock:
             self._pending.append(outcome)
             if self._idle:  # a busy settler takes it with what it writes next, unwoken
                 self._cond.notify_all()
@@ -129,7 +132,7 @@ class Settler:
             self.start()
 
     def mark_started(self, key: tuple[str, int]) -> None:
-        with self._cond:
+        with self._lock:
             self._started.append(key)
             if self._idle:
                 self._cond.notify_all()
