@@ -5,6 +5,7 @@ queue's next due time."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("standmeet.broker")
 
+#: The fields of a Dramatiq message, as its JSON has them.
+MESSAGE_FIELDS = frozenset(field.name for field in dataclasses.fields(Message))
 #: Shortest sleep when due messages exist but were all locked by another claimer.
 MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
@@ -200,7 +203,14 @@ class StandmeetConsumer(Consumer):
         try:  # Message.decode, without its bytes round trip (the broker's encoder is JSON)
             fields = json.loads(text)
             fields["args"] = tuple(fields["args"])
-            message: Message[Any] = Message(**fields)
+            if fields.keys() == MESSAGE_FIELDS:
+                # Every field and nothing else, as every message written by Dramatiq has: the
+                # object the frozen constructor would make (its only check, args a tuple, is
+                # done above), without its one call per field (1.9 -> 0.7 us a message).
+                message: Message[Any] = object.__new__(Message)
+                message.__dict__.update(fields)
+            else:  # the constructor's defaults, or its TypeError for a field it does not know
+                message = Message(**fields)
         except Exception as exc:
             self._reject_malformed(conn, row_id, f"malformed message: {exc!r}")
             return None

@@ -6,6 +6,7 @@ import time
 import uuid
 
 import psycopg
+import pytest
 from dramatiq.broker import MessageProxy
 
 from broker.engine import sql, sql_enqueue
@@ -678,3 +679,45 @@ def test_a_job_ending_alone_makes_no_claim_when_the_last_claim_found_the_queue_e
     look_ups = calls["look_up_next_due"] - before["look_up_next_due"]
     assert claims <= jobs + 1, f"{claims} claims for {jobs} jobs"
     assert look_ups <= jobs + 1, f"{look_ups} look-ups for {jobs} jobs"
+
+
+def test_a_claimed_message_is_the_message_sent_and_a_row_with_a_field_dramatiq_does_not_know_is_rejected(
+        broker, database_url):
+    import dataclasses
+    import json
+
+    from dramatiq import Message
+
+    # Given a message sent as usual, and a row whose JSON carries a field no message has
+    sent = mark.message_with_options(args=("as-sent",), options_set_by_test=[1, 2])
+    broker.enqueue(sent)
+    odd = mark.message("with-an-extra-field")
+    text = json.loads(odd.encode())
+    text["colour"] = "blue"
+    query(database_url, "INSERT INTO dramatiq.queue (queue_name, message_id, state, message, priority)"
+                        " VALUES ('index', %s, 'queued', %s, 0)", (odd.message_id, json.dumps(text)))
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    claimed: list[MessageProxy] = []
+    try:
+        # When the consumer claims them
+        claimed = [p for p in (consumer.__next__() for _ in range(10)) if p is not None]
+        # Then the one sent is the same message: every field equal, frozen, its args a tuple
+        (run,) = [p for p in claimed if p.message_id == sent.message_id]
+        message = run._message
+        assert type(message) is Message and message == sent
+        assert message.args == ("as-sent",) and type(message.args) is tuple
+        assert message.options["options_set_by_test"] == [1, 2]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            message.actor_name = "changed"  # type: ignore[misc]
+        # And the other is rejected as malformed, naming the field, never run
+        assert all(p.message_id != odd.message_id for p in claimed)
+        (state, error), = query(database_url, "SELECT state::text, error FROM dramatiq.queue WHERE message_id = %s",
+                                (odd.message_id,))
+        assert state == "rejected" and error.startswith("malformed message:") and "colour" in error
+    finally:
+        for proxy in claimed:
+            broker.emit_after("process_message", proxy, result=None)
+            consumer.ack(proxy)
+        assert broker.settler.flush(5)
+        consumer.close()
