@@ -31,8 +31,10 @@ from dramatiq import Middleware
 from broker.observability import metrics
 from middleware.snooze import LEASE_BUSY, Snooze
 
-#: How a noted value is written: added (a counter, or a gauge up or down) or observed (a histogram).
-ADD, OBSERVE = 0, 1
+#: How a noted value is written: added (a counter, or a gauge up or down), observed (a
+#: histogram), or a run's end (its children's in-progress down by one, messages up by
+#: one, and its duration observed: one note where three were).
+ADD, OBSERVE, ENDED = 0, 1, 2
 
 
 class _Children:
@@ -108,7 +110,8 @@ class Metrics(Middleware):
             child.observe(value)
 
     def flush(self) -> int:
-        """Write what the runs noted since the last flush, summed; how many values that was."""
+        """Write what the runs noted since the last flush, summed; how many notes that was
+        (a run's end is one)."""
         added: dict[Any, float] = {}
         observed: dict[Any, list[float]] = {}
         noted = 0
@@ -117,7 +120,13 @@ class Metrics(Middleware):
             while True:
                 child, how, value = take()
                 noted += 1
-                if how == ADD:
+                if how == ENDED:
+                    ended = child.in_progress
+                    added[ended] = added.get(ended, 0.0) - 1
+                    ended = child.messages
+                    added[ended] = added.get(ended, 0.0) + 1
+                    observed.setdefault(child.duration, []).append(value)
+                elif how == ADD:
                     added[child] = added.get(child, 0.0) + value
                 else:
                     observed.setdefault(child, []).append(value)
@@ -169,10 +178,7 @@ class Metrics(Middleware):
             return  # its before-hook never ran (skipped by an earlier middleware)
         children = getattr(message, "standmeet_metrics_children", None) or self._of(*labels)
         if self.batched:
-            noted = self._noted.append
-            noted((children.in_progress, ADD, -1))
-            noted((children.duration, OBSERVE, (time.monotonic() - started) * 1000))
-            noted((children.messages, ADD, 1))
+            self._noted.append((children, ENDED, (time.monotonic() - started) * 1000))
         else:
             children.in_progress.dec()
             children.duration.observe((time.monotonic() - started) * 1000)
