@@ -306,7 +306,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         proxy = args[0]
         self._job_threads.pop(threading.get_ident(), None)
         # The time limit never fires in the settle path; one that fired as the job ended is dropped.
-        late = disarm(hook for _, hook, _ in self._calls("disarm"))
+        late = disarm(self._hook_table.bound(self.middleware, "disarm"))
         if late is not None:
             logger.info("message %s: %s arrived after the job had ended; ignored",
                         proxy.message_id, type(late).__name__)
@@ -314,7 +314,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         # process stepped down (cut off from the database): it runs again, with no retry
         # counted (see step_down).
         signal, kwargs, exception = run_signal(
-            self, signal, proxy, kwargs, refuse_hooks=(hook for _, hook, _ in self._calls("refuse_result")),
+            self, signal, proxy, kwargs, refuse_hooks=self._hook_table.bound(self.middleware, "refuse_result"),
             not_at_fault=(CutOff,))
         context = getattr(proxy, "standmeet_settle", None)
         if context is None and claim_of(proxy) is not None:

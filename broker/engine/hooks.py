@@ -126,10 +126,21 @@ class HookTable:
         self._hooks: dict[str, list[Hook]] = {}
         self._runs: dict[str, list[RunHook]] = {}
         self._calls: dict[str, tuple[RunHook, ...]] = {}
+        self._bound: dict[str, tuple[Callable[..., Any], ...]] = {}
 
     def _current(self, middleware: MiddlewareList) -> None:
         if self._stamp is not middleware.stamp:
-            self._stamp, self._hooks, self._runs, self._calls = middleware.stamp, {}, {}, {}
+            self._stamp, self._hooks, self._runs, self._calls, self._bound = middleware.stamp, {}, {}, {}, {}
+
+    def bound(self, middleware: MiddlewareList, name: str) -> tuple[Callable[..., Any], ...]:
+        """The hook methods :meth:`calls` gives for ``name`` (in its order), alone: for a
+        signal the broker calls without gates (``disarm``, ``refuse_result``)."""
+        if self._stamp is not middleware.stamp:
+            self._current(middleware)
+        found = self._bound.get(name)
+        if found is None:
+            found = self._bound[name] = tuple(hook for _, hook, _ in self.calls(middleware, name))
+        return found
 
     def calls(self, middleware: MiddlewareList, name: str) -> tuple[RunHook, ...]:
         """What emitting ``name`` calls, in calling order (an ``after_*`` signal's hooks

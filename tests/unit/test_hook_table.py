@@ -79,3 +79,27 @@ def test_a_list_made_in_place_of_another_is_never_taken_for_it():
     # Then it has a serial of its own and the table works its hooks out again
     assert second.serial != serial and second.version == 0
     assert _called(table, second, "after_process_message", {"budget": 1}) == ["Counting"]
+
+
+class Disarms(Middleware):
+    def __init__(self) -> None:
+        self.disarmed = 0
+
+    def disarm(self) -> None:
+        self.disarmed += 1
+
+
+def test_the_bare_hooks_of_a_signal_follow_changes_of_the_middleware_list():
+    table = HookTable()
+    first, second = Disarms(), Disarms()
+    middleware = MiddlewareList([first, Always()])
+    assert [hook.__self__ for hook in table.bound(middleware, "disarm")] == [first]
+    assert table.bound(middleware, "disarm") is table.bound(middleware, "disarm")  # worked out once
+    middleware.append(second)
+    hooks = table.bound(middleware, "disarm")
+    assert [hook.__self__ for hook in hooks] == [first, second]
+    for hook in hooks:
+        hook()
+    assert (first.disarmed, second.disarmed) == (1, 1)
+    middleware.remove(first)
+    assert [hook.__self__ for hook in table.bound(middleware, "disarm")] == [second]
