@@ -47,6 +47,11 @@ def clear() -> None:
         _deadline.set(None)
 
 
+def armed() -> bool:
+    """Whether the running job's deadline is set (a run with a time limit, not disarmed)."""
+    return _deadline.get() is not None
+
+
 def remaining_s() -> float | None:
     """Seconds left for the running job, or None outside a job (or with no limit)."""
     deadline = _deadline.get()
@@ -99,6 +104,16 @@ class WatchedRuns:
                 return
             self._running.pop(message_id, None)
             forget(message_id)
+
+    def mark_cancelled(self, message_ids: Iterable[str]) -> list[str]:
+        """Mark those of ``message_ids`` still watched cancelled (their next :func:`check`
+        stops them); the ones marked. Under the watch's lock: a run that ended since its
+        id was read is not marked, so no mark outlives its run."""
+        with self._lock:
+            watched = [message_id for message_id in message_ids if message_id in self._running]
+            if watched:
+                mark_cancelled(watched)
+        return watched
 
     def running(self) -> list[str]:
         """The message ids watched now."""

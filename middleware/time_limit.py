@@ -102,23 +102,31 @@ class TimeLimit(DramatiqTimeLimit):
         self.manager.add_timeout(threading.get_ident(), limit_ms)
 
     def disarm(self) -> None:
-        """Stop this thread's limit. The broker calls it before any after-hook runs; the
-        after-hooks' own call then finds nothing left to stop, and takes no lock."""
+        """Stop this thread's limit. The broker calls it before any after-hook runs.
+
+        Always under the timers' lock, even when this thread's deadline looks gone: the
+        timers delete a fired deadline before they raise its interruption, both under
+        that lock, so only taking it makes sure an interruption on its way has been set,
+        and is delivered (and dropped) by the broker's disarm, not in the after-hooks."""
         if self._started:
-            manager = self.manager
-            ident = threading.get_ident()
-            # Only this thread arms its own deadline: when it is not there (disarmed, or
-            # fired), nothing can put it back before this thread's next job.
-            if type(manager) is not Timers or ident in manager.deadlines:
-                manager.remove_timeout(ident)
+            self.manager.remove_timeout(threading.get_ident())
         deadline.clear()
+
+    def _disarm_unless_disarmed(self) -> None:
+        """The after-hooks' disarm: nothing to do when the broker's disarm ran for this run
+        (it cleared the run's deadline, which every run of this policy sets, and removed
+        the thread's timer under the lock: only this thread arms it again). Otherwise (a
+        broker that does not disarm first) the whole :meth:`disarm`."""
+        manager = self.manager
+        if deadline.armed() or type(manager) is not Timers or threading.get_ident() in manager.deadlines:
+            self.disarm()
 
     def after_process_message(
         self, broker: Any, message: MessageProxy, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
-        self.disarm()
+        self._disarm_unless_disarmed()
 
     def after_skip_message(  # type: ignore[override]  # Dramatiq aliases it to after_process_message
         self, broker: Any, message: MessageProxy
     ) -> None:
-        self.disarm()
+        self._disarm_unless_disarmed()

@@ -43,9 +43,7 @@ class CancellationWatcher(deadline.WatchedRuns):
             return 0
         with db.connection(timeout_s=self.poll_s * 5) as conn:
             cancelled = [row[0] for row in conn.execute(CANCELLED_AMONG, {"ids": ids}).fetchall()]
-        if cancelled:
-            deadline.mark_cancelled(cancelled)
-        return len(cancelled)
+        return len(self.mark_cancelled(cancelled))  # those still running: one may have ended since
 
     def stop(self) -> None:
         with self._lock:

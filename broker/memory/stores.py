@@ -87,7 +87,4 @@ class MemoryCancellations(deadline.WatchedRuns):
 
     def cancel(self, message_id: str) -> bool:
         """Mark ``message_id`` cancelled if it runs now; whether it does."""
-        running = message_id in self.running()
-        if running:
-            deadline.mark_cancelled([message_id])
-        return running
+        return bool(self.mark_cancelled([message_id]))

@@ -168,3 +168,88 @@ def test_a_thread_past_its_deadline_is_interrupted_and_then_has_nothing_to_disar
     thread.join(WAIT_S)
     assert not thread.is_alive()
     assert limit.manager.deadlines == {}
+
+
+def test_a_limit_firing_as_the_run_ends_is_delivered_to_the_brokers_disarm_not_after_it():
+    """The timers delete a fired deadline, log, then raise its interruption, all under
+    their lock: a disarm that found the deadline gone and did not wait for the lock let
+    the interruption land later, in the after-hooks or the thread's next job."""
+    import logging
+
+    from dramatiq.middleware.time_limit import TimeLimitExceeded
+
+    from broker.engine.runs import disarm
+
+    # Given the timers paused inside their log line, the job's deadline already deleted
+    inside, release = threading.Event(), threading.Event()
+
+    class Paused(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            inside.set()
+            release.wait(WAIT_S)
+
+    log = logging.getLogger("standmeet.time_limit")
+    handler = Paused()
+    log.addHandler(handler)
+    limit = TimeLimit(interval_ms=1000)
+    limit._started = True
+    armed, disarm_returned, fired = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def job() -> None:
+        limit.manager.add_timeout(threading.get_ident(), 0)  # its limit has just passed
+        armed.set()
+        try:
+            inside.wait(WAIT_S)
+            # When the run ends and the broker disarms, before any after-hook
+            seen["late"] = disarm([limit.disarm])
+            disarm_returned.set()
+            fired.wait(WAIT_S)
+            for _ in range(1000):  # the after-hooks, the settle, the next job
+                _ = len(seen)
+            seen["after"] = None
+        except TimeLimitExceeded as exc:
+            seen["after"] = exc
+        finally:
+            disarm_returned.set()
+
+    worker = threading.Thread(target=job, daemon=True)
+    try:
+        worker.start()
+        assert armed.wait(WAIT_S)
+        firer = threading.Thread(target=limit.manager.fire_due, daemon=True)
+        firer.start()
+        assert inside.wait(WAIT_S)
+        # (a disarm that does not wait for the timers' lock returns now)
+        disarm_returned.wait(0.5)
+        release.set()
+        firer.join(WAIT_S)
+        fired.set()
+        worker.join(WAIT_S)
+        assert not worker.is_alive()
+    finally:
+        release.set()
+        log.removeHandler(handler)
+    # Then the interruption reached the broker's disarm, and nothing arrived after it
+    assert isinstance(seen["late"], TimeLimitExceeded), seen
+    assert seen["after"] is None, seen
+
+
+def test_a_cancel_read_for_a_run_that_has_ended_since_leaves_no_mark_behind():
+    # Given the watcher read two running ids, and one of the runs ended before its answer
+    runs = WatchedRuns()
+    runs.watch("still-running")
+    runs.watch("ended-meanwhile")
+    read = runs.running()
+    runs.unwatch("ended-meanwhile")
+    try:
+        # When the answer says both were cancelled
+        marked = runs.mark_cancelled(read)
+        # Then only the running one is marked; the ended one leaves nothing behind (a run
+        # of the same message later in this process would otherwise start cancelled)
+        assert marked == ["still-running"]
+        assert "still-running" in deadline._cancelled
+        assert "ended-meanwhile" not in deadline._cancelled
+    finally:
+        runs.unwatch("still-running")
+    assert "still-running" not in deadline._cancelled
