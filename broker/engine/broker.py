@@ -56,7 +56,7 @@ from broker.engine import enqueue as writer
 from broker.engine import sql
 from broker.engine.codec import options_json, refuse_non_json_encoder, storable_text
 from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
-from broker.engine.hooks import HookTable, MiddlewareList, RunHook
+from broker.engine.hooks import HookTable, MiddlewareList
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
 from broker.engine.runs import disarm, run_signal
@@ -213,11 +213,6 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         """The middleware methods that really handle ``name`` (``before_enqueue`` …), in
         order (:mod:`broker.engine.hooks`)."""
         return self._hook_table.of(self.middleware, name)
-
-    def _calls(self, name: str) -> tuple[RunHook, ...]:
-        """What emitting ``name`` calls, in calling order, with the gates of a run's
-        policies (:meth:`broker.engine.hooks.HookTable.calls`)."""
-        return self._hook_table.calls(self.middleware, name)
 
     def _run_options(self, proxy: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         """The options of a run's message and of its actor: the dictionaries themselves,
