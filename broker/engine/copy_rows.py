@@ -2,17 +2,21 @@
 format), a chunk at a time: how :mod:`broker.engine.enqueue`, the one writer of message
 rows, writes a batch of messages without a unique key.
 
-A :class:`CopyBatch` checks every message of its batch when it is made, as every send
-is checked (:func:`broker.engine.codec.check_message`, and its encoded size against
-STANDMEET_MESSAGE_MAX_BYTES), so the writer runs no statement for a batch that holds a
-message Postgres or its run would refuse. The size needs no encoding where a bound of it
-is under the limit (:func:`text_size_bound`, a walk of the message's values; the common
-message's are a few scalars): the rows are made afterwards, a chunk at a time, while
-the COPY is under way, so Postgres stores one chunk while the next is made. A chunk ends
-at :data:`CHUNK_MESSAGES` messages or once the bound of its rows reaches
-:data:`CHUNK_CHARS` characters (a message larger than that is a chunk of its own): a
-batch of any length holds one chunk's rows in memory at once, beside the caller's
-messages. Nothing here runs a statement.
+A :class:`CopyBatch` checks every message of its batch, as every send is checked
+(:func:`broker.engine.codec.check_message`, and its encoded size against
+STANDMEET_MESSAGE_MAX_BYTES): all of them when it is made, so the writer runs no
+statement for a batch that holds a message Postgres or its run would refuse; or, made
+with ``check_now=False`` (the writer's own transaction, which a refusal rolls back
+whole), each chunk's just before its rows are made, so Postgres stores the first rows
+while the rest are checked. The size needs no encoding where a bound of it is under the
+limit (:func:`text_size_bound`, a walk of the message's values; the common message's are
+a few scalars): the rows are made a chunk at a time, while the COPY is under way, so
+Postgres stores one chunk while the next is made. The first chunk is small
+(:data:`FIRST_CHUNK_MESSAGES`), so Postgres starts at once, and each is twice the one
+before, up to :data:`CHUNK_MESSAGES` messages; a chunk also ends once the bound of its
+rows reaches :data:`CHUNK_CHARS` characters (a message larger than that is a chunk of its
+own): a batch of any length holds one chunk's rows in memory at once, beside the
+caller's messages. Nothing here runs a statement.
 
 A row is ``queue_name, message_id, "state", message, priority`` (and ``eta``, when the
 writer gives one), each escaped as COPY's text format wants (a backslash, tab, newline or
@@ -46,6 +50,9 @@ from broker.settings import MIB
 
 #: A chunk of rows ends after this many messages…
 CHUNK_MESSAGES = 1000
+#: … the first after this many (each next one twice the one before, up to CHUNK_MESSAGES:
+#: Postgres stores the first rows while the next are checked and made)…
+FIRST_CHUNK_MESSAGES = 100
 #: … or once the bound of its rows' size reaches this many characters (a message over it
 #: is a chunk alone).
 CHUNK_CHARS = MIB
@@ -194,32 +201,45 @@ class CopyBatch:
 
     Made from the messages (none with a unique key) and the size limit; raises
     :class:`broker.errors.InvalidMessage` or :class:`broker.errors.MessageTooLarge`,
-    naming the message, for a batch that holds one that would be refused. ``queues``: the
-    queues of its messages, to wake; :meth:`spans`: its chunks; :meth:`texts`: its rows,
-    made a chunk at a time."""
+    naming the message, for a batch that holds one that would be refused: when it is
+    made, or, with ``check_now=False``, when the chunk that holds it is reached (by
+    :meth:`spans`, :meth:`texts` or :attr:`queues`). ``queues``: the queues of its
+    messages, to wake; :meth:`spans`: its chunks; :meth:`texts`: its rows, made a chunk at
+    a time."""
 
-    def __init__(self, messages: Sequence[Message], *, max_bytes: int) -> None:
+    def __init__(self, messages: Sequence[Message], *, max_bytes: int, check_now: bool = True) -> None:
         self.messages = messages
         self.max_bytes = max_bytes
-        #: Where each chunk ends (an index into ``messages``).
+        #: Where each chunk checked so far ends (an index into ``messages``).
         self.ends: list[int] = []
         self._fast = type(dramatiq.get_encoder()) is dramatiq.JSONEncoder
         self._queue_fields: dict[str, str] = {}
         self._priorities: dict[str, str] = {}
         self._prefixes: dict[tuple[str, str], str] = {}
-        self._check()
+        if check_now:
+            self._check_all()
 
     @property
     def queues(self) -> list[str]:
-        """The queues of the batch's messages, in order of name."""
+        """The queues of the batch's messages, in order of name (each message checked first)."""
+        self._check_all()
         return sorted(self._queue_fields)
 
     def spans(self) -> Iterator[tuple[int, int]]:
-        """Each chunk's (start, end) in ``messages``."""
-        start = 0
-        for end in self.ends:
+        """Each chunk's (start, end) in ``messages``; a chunk not checked yet is checked
+        just before it is given (raising for a refused message there)."""
+        start = k = 0
+        while True:
+            end = self.ends[k] if k < len(self.ends) else self._check_chunk()
+            if end is None:
+                return
             yield start, end
-            start = end
+            start, k = end, k + 1
+
+    def _check_all(self) -> None:
+        """Check every message not checked yet."""
+        while self._check_chunk() is not None:
+            pass
 
     def texts(self, end_of_row: str = "\n") -> Iterator[str]:
         """The batch's rows as pieces of COPY's input, a chunk's made at a time; each row
@@ -229,13 +249,20 @@ class CopyBatch:
             yield end_of_row.join(self._rows(start, end))
             yield end_of_row
 
-    def _check(self) -> None:
-        """Check each message (its values, then its size: bounded, or measured where the
-        bound is over the limit), and end a chunk where its bound says."""
+    def _check_chunk(self) -> int | None:
+        """Check the messages of the next chunk (each one's values, then its size: bounded,
+        or measured where the bound is over the limit), ending it where its bound says;
+        where it ends, or None once every message is checked."""
         messages, limit, fast, prefixes = self.messages, self.max_bytes, self._fast, self._prefixes
         queue_fields = self._queue_fields
+        start = self.ends[-1] if self.ends else 0
+        if start >= len(messages):
+            return None
         count = chars = 0
-        for i, message in enumerate(messages):
+        end = len(messages)
+        most = min(CHUNK_MESSAGES, FIRST_CHUNK_MESSAGES << min(len(self.ends), 20))
+        for i in range(start, len(messages)):
+            message = messages[i]
             if type(message) is not Message:
                 message = as_message(message)
             size = checked_text_size_bound(message, prefixes) if fast and type(message) is Message else None
@@ -252,11 +279,11 @@ class CopyBatch:
                 queue_fields[queue] = copy_text(queue)
             count += 1
             chars += size + _ROW_CHARS + len(queue_fields[queue])
-            if count == CHUNK_MESSAGES or chars >= CHUNK_CHARS:
-                self.ends.append(i + 1)
-                count = chars = 0
-        if count:
-            self.ends.append(len(messages))
+            if count >= most or chars >= CHUNK_CHARS:
+                end = i + 1
+                break
+        self.ends.append(end)
+        return end
 
     def _rows(self, start: int, end: int) -> list[str]:
         """The rows of the messages from ``start`` to ``end`` (checked already)."""

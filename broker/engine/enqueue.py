@@ -13,17 +13,22 @@ Every way a message is written goes through this module, with one hook policy:
 * **A send** (``actor.send()``, :meth:`StandmeetBroker.enqueue`, :func:`send`): hooks as
   above; one autocommit statement on the broker's pool.
 * **A batch** (``broker.enqueue_many``, :func:`send_many`, :func:`enqueue_messages`):
-  hooks as above, for each message; every message checked before the first statement.
-  Those without a unique key are copied, all or none (``COPY_QUEUED``, one COPY fed a
-  chunk of rows at a time by :class:`broker.engine.copy_rows.CopyBatch`), and their
-  queues woken (``WAKE_QUEUES``, at commit), in a transaction of a pooled connection, or
-  under a savepoint of the caller's transaction when given a connection (a transaction
-  of its own on an autocommit one outside any). An id that exists already rolls the copy
-  back, and ``ENQUEUE`` writes them, a chunk at a time, under the same rules as a send's.
-  The checks bound each message's size without encoding it where they can; its row is
-  made while the copy is under way, so Postgres stores one chunk as the next is made.
-  Memory: beside the caller's messages (and a pointer or two per message), one chunk's
-  rows at a time: at most ``copy_rows.CHUNK_MESSAGES`` (1,000) messages or
+  hooks as above, for each message. Those without a unique key are copied, all or none
+  (``COPY_QUEUED``, one COPY fed a chunk of rows at a time by
+  :class:`broker.engine.copy_rows.CopyBatch`), and their queues woken (``WAKE_QUEUES``, at
+  commit), in a transaction of a pooled connection, or under a savepoint of the caller's
+  transaction when given a connection (a transaction of its own on an autocommit one
+  outside any). Given a connection, or holding a unique key, every message is checked
+  before the first statement; in a pooled connection's transaction of its own, each
+  chunk's messages are checked just before its rows are made, while Postgres stores the
+  chunk before: a refused one aborts the copy and rolls the transaction back (nothing
+  written, no queue woken, the same error raised; Postgres logs the aborted COPY). An id
+  that exists already rolls the copy back, and ``ENQUEUE`` writes them, a chunk at a
+  time, under the same rules as a send's. The checks bound each message's size without
+  encoding it where they can; its row is made while the copy is under way, so Postgres
+  stores one chunk as the next is made. Memory: beside the caller's messages (and a
+  pointer or two per message), one chunk's rows at a time: at most
+  ``copy_rows.CHUNK_MESSAGES`` (1,000) messages or
   ``CHUNK_CHARS`` (1 MiB) of rows plus one message; 100,000 small messages in one call
   peak at 1.4 MiB of Python memory (tracemalloc), where the batch encoded whole took 70
   MiB. Those with a unique key are written by :func:`unique_write`, in the same
@@ -53,9 +58,11 @@ Every way a message is written goes through this module, with one hook policy:
   pass's transaction; ``after_enqueue`` runs once the pass has committed.
 * :data:`FINISH_ONE_QUEUED` writes no message (it marks a queued one done): no hook runs.
 
-A message is checked before any statement runs, as ``emit`` checks an event (a batch's,
-every one of them before its first statement), so a refused one leaves the caller's
-transaction usable and the batch unwritten: its arguments must be JSON Postgres
+A message is checked before any statement of the caller's runs, as ``emit`` checks an
+event (a batch's, every one of them before its first statement; a batch in a pooled
+connection's transaction of its own, as its rows are copied, that transaction rolled
+back), so a refused one leaves the caller's transaction usable and the batch
+unwritten: its arguments must be JSON Postgres
 stores (no NaN or infinity, ``\\u0000`` or lone surrogate: ``check_json_value``), its
 options values its run can use, and its encoded size at most STANDMEET_MESSAGE_MAX_BYTES
 (:class:`broker.errors.InvalidMessage`, :class:`broker.errors.MessageTooLarge`).
@@ -99,6 +106,7 @@ from broker.engine.unique import (
     UniqueItem,
     UniqueKey,
     UniqueOutcome,
+    any_unique_key,
     live_messages,
     split_unique,
     unique_item,
@@ -293,17 +301,31 @@ def write_plain(conn: psycopg.Connection[Any], batch: CopyBatch, delay_ms: int |
                     assert row is not None
                     end_of_row = f"\t{row[0]}\n"
                 with conn.cursor().copy(sql_enqueue.COPY_QUEUED_AT if delay_s else sql_enqueue.COPY_QUEUED) as copy:
-                    for text in batch.texts(end_of_row):
-                        copy.write(text)
+                    try:
+                        for text in batch.texts(end_of_row):
+                            copy.write(text)
+                    except MessageRefused as exc:  # the server's log is told no more than that
+                        raise _CopyAbandoned(_ABANDONED) from exc
                 conn.execute(sql_enqueue.WAKE_QUEUES, {"queues": batch.queues})
             return
         except psycopg.errors.UniqueViolation:  # an id exists: nothing was written
             pass
+        except _CopyAbandoned as abandoned:  # rolled back: the refusal itself is the caller's to see
+            raise abandoned.__cause__ from None  # type: ignore[misc]
     with _all_or_nothing(conn):
         for start, end in batch.spans():
             conn.execute(sql_enqueue.ENQUEUE, enqueue_params(batch.messages[start:end], delay_ms,
                                                              max_bytes=batch.max_bytes))
         _answered(conn)  # in a pipeline: a refusal raises here, while its savepoint can undo it
+
+
+class _CopyAbandoned(Exception):
+    """Ends a copy whose batch holds a message the check refused (checked as its chunk
+    came): psycopg tells the server why a copy failed, and Postgres logs it; the
+    refusal, which may quote the message's arguments, is raised to the caller only."""
+
+
+_ABANDONED = "a message of this batch was refused before it was sent: nothing of the batch is written"
 
 
 @contextmanager
@@ -394,12 +416,13 @@ def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psy
     try:
         if conn is not None:
             batch, skipped = _write_batch(conn, broker, batch, delay_ms)
-        elif any(unique_key_of(m, broker) is not None for m in batch):
+        elif any_unique_key(batch, broker):
             with broker.pool.connection() as own, own.transaction():
                 batch, skipped = _write_batch(own, broker, batch, delay_ms)
-        else:  # the fast path: checked, then copied in one transaction of a pooled connection
-            delay_seconds(delay_ms)  # refused before anything else, as the messages are
-            rows = CopyBatch(batch, max_bytes=broker.settings.message_max_bytes)
+        else:  # the fast path: copied in one transaction of a pooled connection, each chunk
+            # checked as its rows are made (a refusal rolls that transaction back whole)
+            delay_seconds(delay_ms)  # refused before anything else
+            rows = CopyBatch(batch, max_bytes=broker.settings.message_max_bytes, check_now=False)
             with broker.pool.connection() as own:
                 write_plain(own, rows, delay_ms)
     except DISCONNECTS as exc:

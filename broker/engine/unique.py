@@ -123,6 +123,28 @@ def unique_key_of(message: Message | MessageProxy, broker: Any = None) -> Unique
         raise
 
 
+def any_unique_key(messages: Sequence[Message | MessageProxy], broker: Any = None) -> bool:
+    """Whether any of ``messages`` carries a unique key (:func:`unique_key_of` is not None
+    for it), in one pass: each actor's ``unique`` option read once, each message's
+    options read twice."""
+    current = broker if broker is not None else dramatiq.broker.global_broker
+    actors = current.actors if current is not None else {}
+    unique_actor: dict[str, bool] = {}
+    for message in messages:
+        name = message.actor_name
+        unique = unique_actor.get(name)
+        if unique is None:
+            actor = actors.get(name)
+            unique = unique_actor[name] = (actor is not None and "unique" in actor.options
+                                           and unique_of(actor) is not None)
+        if unique:
+            return True
+        options = message.options
+        if options.get("unique_key") is not None or options.get("unique_period_s") is not None:
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class UniqueItem:
     """A message to write under its unique key: its id, queue, actor, JSON text and priority."""

@@ -1,8 +1,10 @@
 """``enqueue_many`` copies a batch a chunk at a time: 100,000 messages in one call are all
-written, in one transaction, holding one chunk's rows at once; every message is checked
-before the first statement; the hooks run for each message; a message with a unique key
-is still deduplicated; in the caller's transaction the batch is part of it; and an id that
-exists already is written over as a queued message's, never over a started one."""
+written, in one transaction, holding one chunk's rows at once; every message is checked,
+before the caller's first statement, or as its chunk is copied in a transaction of the
+broker's own that a refusal rolls back; the hooks run for each message; a message with a
+unique key is still deduplicated; in the caller's transaction the batch is part of it;
+and an id that exists already is written over as a queued message's, never over a
+started one."""
 
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def test_a_batch_mixing_unique_keys_with_plain_messages_still_writes_one_message
     (lambda: mark.message(float("nan")), InvalidMessage, "holds nan at"),
     (lambda: mark.message("x" * (MIB + 10)), MessageTooLarge, "over the limit of"),
 ])
-def test_a_message_refused_in_the_last_chunk_refuses_the_batch_before_any_statement(
+def test_a_message_refused_in_the_last_chunk_refuses_the_batch_whole_and_the_callers_before_any_statement(
         broker, database_url, small_chunks, bad, error, words):
     # Given a batch over several chunks whose last message is refused
     messages = [mark.message(f"refused-batch-{n}") for n in range(24)] + [bad()]
@@ -163,6 +165,49 @@ def test_a_message_refused_in_the_last_chunk_refuses_the_batch_before_any_statem
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     # and nothing of the batch was written
     assert scalar(database_url, COUNT, (_ids(messages),)) == 0
+
+
+def test_on_the_brokers_pool_the_copy_is_under_way_while_later_chunks_are_checked_and_a_refusal_undoes_it(
+        broker, database_url, small_chunks, monkeypatch):
+    # Given a batch of three chunks whose last message is refused, a listener on its
+    # queue, and a look at the server each time a message leaves the quick check
+    messages = [mark.message(f"overlapped-{n}") for n in range(24)] + [mark.message(float("nan"))]
+    copying: list[int] = []
+    check = copy_rows.check_message_quickly
+
+    def check_and_look(message: Any) -> None:
+        if message.message_id == messages[-1].message_id:
+            copying.append(scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+                                                "AND query LIKE 'COPY dramatiq.queue %%'"))
+        check(message)
+
+    monkeypatch.setattr(copy_rows, "check_message_quickly", check_and_look)
+    told: list[str] = []  # why the copy ended, as psycopg tells the server (and its log)
+    finish = psycopg.Copy.finish
+
+    def finish_and_note(copy: psycopg.Copy, exc: BaseException | None = None) -> None:
+        told.append(str(exc))
+        finish(copy, exc)
+
+    monkeypatch.setattr(psycopg.Copy, "finish", finish_and_note)
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {CHANNEL}")
+        # When it is enqueued on the broker's pool
+        with pytest.raises(InvalidMessage, match="holds nan at"):
+            enqueue_many(messages)
+        woken = list(listener.notifies(timeout=0.3, stop_after=1))
+    # Then Postgres was storing its first chunks while its last was checked,
+    assert copying == [1]
+    # the server was told the batch was refused, not what the refused message holds,
+    assert told == ["a message of this batch was refused before it was sent: nothing of the batch is written"]
+    # the refusal rolled the copy back: nothing written, no consumer woken,
+    assert scalar(database_url, COUNT, (_ids(messages),)) == 0
+    assert woken == []
+    # and the pool's next batch is written
+    good = [mark.message(f"after-overlapped-{n}") for n in range(3)]
+    enqueue_many(good)
+    assert scalar(database_url, COUNT, (_ids(good),)) == 3
+    _forget(database_url, good)
 
 
 def test_in_the_callers_transaction_a_batch_of_several_chunks_rolls_back_with_it_and_wakes_nobody(

@@ -174,6 +174,37 @@ def test_a_batch_with_a_refused_message_in_its_last_chunk_is_refused_when_it_is_
         CopyBatch([_message(n) for n in range(25)] + [_message("x" * 3000)], max_bytes=2000)
 
 
+def test_chunks_start_small_and_double_up_to_the_most_a_chunk_holds(monkeypatch):
+    # Given a first chunk of 2 messages and at most 10 a chunk
+    monkeypatch.setattr(copy_rows, "FIRST_CHUNK_MESSAGES", 2)
+    monkeypatch.setattr(copy_rows, "CHUNK_MESSAGES", 10)
+    messages = [_message(n) for n in range(40)]
+    # Then 40 messages are made in chunks of 2, 4, 8, then 10, and the rest, checked now or as they come
+    spans = [(0, 2), (2, 6), (6, 14), (14, 24), (24, 34), (34, 40)]
+    assert list(CopyBatch(messages, max_bytes=1 << 20).spans()) == spans
+    assert list(CopyBatch(messages, max_bytes=1 << 20, check_now=False).spans()) == spans
+
+
+def test_a_batch_checked_as_it_is_made_gives_its_first_chunks_rows_then_refuses_at_the_chunk_that_holds_the_refused(
+        monkeypatch):
+    monkeypatch.setattr(copy_rows, "CHUNK_MESSAGES", 10)
+    # Given a batch of three chunks whose last message is refused, checked as it is made
+    messages = [_message(n) for n in range(24)] + [_message(float("nan"))]
+    batch = CopyBatch(messages, max_bytes=1 << 20, check_now=False)
+    texts = batch.texts()
+    # When its rows are made, the first two chunks' come out
+    made = [next(texts), next(texts), next(texts), next(texts)]
+    assert "".join(made).count("\n") == 20
+    # Then the third chunk's check refuses the batch, naming the value
+    with pytest.raises(InvalidMessage, match="holds nan at"):
+        next(texts)
+    # and so does asking for its queues or its chunks
+    with pytest.raises(InvalidMessage, match="holds nan at"):
+        batch.queues  # noqa: B018
+    with pytest.raises(InvalidMessage, match="holds nan at"):
+        list(batch.spans())
+
+
 _CHARS = "ab \"\\\t\n\x00\x1f\x7f~é\u2028\uffff\U0001f600"
 
 
