@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages and tests
     sys.path.insert(0, str(ROOT))
 
-from bench.common import median, quiet  # noqa: E402
+from bench.common import median, quiet, spread  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 QUEUE = "index"
@@ -84,10 +84,6 @@ def one_run(admin_url: str, n: int) -> dict[str, float]:
     finally:
         broker.close()
         testdb.drop_database(admin_url, testdb.conninfo_dbname(url))
-
-
-def spread(values: list[float]) -> str:
-    return f"{median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,6 +110,11 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def spread(values: list[float], fmt: str = ".1f") -> str:
+    """The median of ``values`` and their range: ``12.3 (11.0-14.2)``."""
+    return f"{format(median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
 def pct(values: list[float], p: float) -> float:
     """The p-th quantile of sorted ``values`` (nearest rank)."""
     return values[min(len(values) - 1, int(p * len(values)))]

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages and tests
     sys.path.insert(0, str(ROOT))
 
-from bench.common import median, run_worker  # noqa: E402
+from bench.common import median, run_worker, spread  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 QUEUE = "index"
@@ -115,10 +115,6 @@ def floor_in_child(n: int, threads: int) -> tuple[float, float]:
                          check=True, capture_output=True, text=True, cwd=ROOT).stdout
     rate, cpu = json.loads(out.strip().splitlines()[-1])
     return float(rate), float(cpu)
-
-
-def spread(values: list[float], fmt: str) -> str:
-    return f"{format(median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
 def main(argv: list[str] | None = None) -> int:
