@@ -97,8 +97,9 @@ class InvalidPayload(OutboxError):
 
 
 class MessageRefused(StandmeetError):
-    """A message cannot be sent or enqueued. Raised before anything is written, so the
-    caller's transaction stays usable. The message names the value and the limit."""
+    """A message cannot be sent or enqueued. Raised before anything is committed (on a
+    caller's connection, before any statement), so the caller's transaction stays
+    usable. The message names the value and the limit."""
 
 
 class InvalidMessage(MessageRefused):

@@ -546,3 +546,16 @@ def quick_checked_size_bound(message: Message) -> int | None:
             or not _is_message_id(message.message_id):
         return None
     return plain_args_size_bound(message.args)
+
+
+def followup_params(followups: Sequence[tuple[str, Message, float]]) -> dict[str, Any]:
+    """The parameters of ``sql_enqueue.FOLLOWUPS_OF_SETTLED`` (in the settle statement) for
+    ``followups``: (the id of the run that sent it, the message, its delay in seconds)."""
+    return {
+        "f_parents": [parent for parent, _, _ in followups],
+        "f_queues": [m.queue_name for _, m, _ in followups],
+        "f_ids": [m.message_id for _, m, _ in followups],
+        "f_messages": [message_json(m) for _, m, _ in followups],
+        "f_delays": [delay for _, _, delay in followups],
+        "f_priorities": [message_priority(m) for _, m, _ in followups],
+    }

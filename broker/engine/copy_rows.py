@@ -217,12 +217,12 @@ class CopyBatch:
         self._priorities: dict[str, str] = {}
         self._prefixes: dict[tuple[str, str], str] = {}
         if check_now:
-            self._check_all()
+            self.check_all()
 
     @property
     def queues(self) -> list[str]:
         """The queues of the batch's messages, in order of name (each message checked first)."""
-        self._check_all()
+        self.check_all()
         return sorted(self._queue_fields)
 
     def spans(self) -> Iterator[tuple[int, int]]:
@@ -236,7 +236,13 @@ class CopyBatch:
             yield start, end
             start, k = end, k + 1
 
-    def _check_all(self) -> None:
+    def check_first_chunk(self) -> None:
+        """Check the messages of the first chunk, if not checked yet (a batch no longer
+        than :data:`FIRST_CHUNK_MESSAGES` is then checked whole)."""
+        if not self.ends:
+            self._check_chunk()
+
+    def check_all(self) -> None:
         """Check every message not checked yet."""
         while self._check_chunk() is not None:
             pass
@@ -254,7 +260,7 @@ class CopyBatch:
         or measured where the bound is over the limit), ending it where its bound says;
         where it ends, or None once every message is checked."""
         messages, limit, fast, prefixes = self.messages, self.max_bytes, self._fast, self._prefixes
-        queue_fields = self._queue_fields
+        queue_fields, priorities = self._queue_fields, self._priorities
         start = self.ends[-1] if self.ends else 0
         if start >= len(messages):
             return None
@@ -277,6 +283,8 @@ class CopyBatch:
             queue = message.queue_name
             if queue not in queue_fields:
                 queue_fields[queue] = copy_text(queue)
+            if message.options.get("priority") is None and message.actor_name not in priorities:
+                priorities[message.actor_name] = str(message_priority(message))  # its actor's, checked
             count += 1
             chars += size + _ROW_CHARS + len(queue_fields[queue])
             if count >= most or chars >= CHUNK_CHARS:

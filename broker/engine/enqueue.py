@@ -18,11 +18,14 @@ Every way a message is written goes through this module, with one hook policy:
   :class:`broker.engine.copy_rows.CopyBatch`), and their queues woken (``WAKE_QUEUES``, at
   commit), in a transaction of a pooled connection, or under a savepoint of the caller's
   transaction when given a connection (a transaction of its own on an autocommit one
-  outside any). Given a connection, or holding a unique key, every message is checked
-  before the first statement; in a pooled connection's transaction of its own, each
-  chunk's messages are checked just before its rows are made, while Postgres stores the
-  chunk before: a refused one aborts the copy and rolls the transaction back (nothing
-  written, no queue woken, the same error raised; Postgres logs the aborted COPY). An id
+  outside any). Given a connection, every message is checked before the first
+  statement; holding a unique key, before a connection is taken; otherwise, in a pooled
+  connection's transaction of its own, the first chunk's (up to
+  ``copy_rows.FIRST_CHUNK_MESSAGES``) before a connection is taken, and each later
+  chunk's just before its rows are made, while Postgres stores the chunk before: a
+  refused one ends the copy there and rolls the transaction back (nothing written, no
+  queue woken, the same error raised; the server is told nothing of it, and the rows it
+  had taken stay as dead rows until vacuum). An id
   that exists already rolls the copy back, and ``ENQUEUE`` writes them, a chunk at a
   time, under the same rules as a send's. The checks bound each message's size without
   encoding it where they can; its row is made while the copy is under way, so Postgres
@@ -50,7 +53,7 @@ Every way a message is written goes through this module, with one hook policy:
 * **A run's after-hooks** (a retry, a snooze, a pipeline's next step, a callback:
   :func:`send_from_run`): hooks as above, at once; the message is checked now and written
   by the run's settle, in the settle's statement and transaction, only if the run is
-  settled (``sql_enqueue.FOLLOWUPS_OF_SETTLED``, with :func:`followup_params`). A retry or
+  settled (``sql_enqueue.FOLLOWUPS_OF_SETTLED``, with ``codec.followup_params``). A retry or
   snooze of the run's own message is its settle's outcome, not a new row.
 * **The relay** (:func:`relay_write`, :func:`relay_written`): a routed event's messages
   take the hooks as above, the event's trace counting as the message's own; those that
@@ -60,8 +63,8 @@ Every way a message is written goes through this module, with one hook policy:
 
 A message is checked before any statement of the caller's runs, as ``emit`` checks an
 event (a batch's, every one of them before its first statement; a batch in a pooled
-connection's transaction of its own, as its rows are copied, that transaction rolled
-back), so a refused one leaves the caller's transaction usable and the batch
+connection's transaction of its own, as its rows are copied, that transaction then
+rolled back), so a refused one leaves the caller's transaction usable and the batch
 unwritten: its arguments must be JSON Postgres
 stores (no NaN or infinity, ``\\u0000`` or lone surrogate: ``check_json_value``), its
 options values its run can use, and its encoded size at most STANDMEET_MESSAGE_MAX_BYTES
@@ -243,33 +246,37 @@ def run_steps(conn: psycopg.Connection[Any], steps: Generator[Step, list[Any], U
         return done.value  # type: ignore[no-any-return]
 
 
-def followup_params(followups: Sequence[tuple[str, Message, float]]) -> dict[str, Any]:
-    """The parameters of ``sql_enqueue.FOLLOWUPS_OF_SETTLED`` (in the settle statement) for
-    ``followups``: (the id of the run that sent it, the message, its delay in seconds)."""
-    return {
-        "f_parents": [parent for parent, _, _ in followups],
-        "f_queues": [m.queue_name for _, m, _ in followups],
-        "f_ids": [m.message_id for _, m, _ in followups],
-        "f_messages": [message_json(m) for _, m, _ in followups],
-        "f_delays": [delay for _, _, delay in followups],
-        "f_priorities": [message_priority(m) for _, m, _ in followups],
-    }
+@dataclass
+class PreparedBatch:
+    """A batch checked and split by unique key (:func:`prepare_batch`); ``plain``: the
+    messages without one, a checked :class:`broker.engine.copy_rows.CopyBatch` (or None)."""
+
+    keyed: list[int]
+    items: list[UniqueItem]
+    plain: CopyBatch | None
+
+
+def prepare_batch(broker: StandmeetBroker, messages: Sequence[Message]) -> PreparedBatch:
+    """Check ``messages`` and split them by unique key; no statement, no connection."""
+    keyed, keys = split_unique(messages, broker)
+    limit = broker.settings.message_max_bytes
+    items = [unique_item(messages[i], keys[i], max_bytes=limit) for i in keyed]  # type: ignore[arg-type]
+    plain = [m for m, k in zip(messages, keys, strict=True) if k is None] if keyed else messages
+    return PreparedBatch(keyed, items, CopyBatch(plain, max_bytes=limit) if plain else None)
 
 
 def _write_batch(conn: psycopg.Connection[Any], broker: StandmeetBroker, messages: Sequence[Message],
-                 delay_ms: int | None) -> tuple[list[Message], dict[tuple[str, str], int]]:
+                 delay_ms: int | None, prepared: PreparedBatch | None = None,
+                 ) -> tuple[list[Message], dict[tuple[str, str], int]]:
     """Write ``messages`` on ``conn`` (in its transaction): the plain ones copied
     (:func:`write_plain`), those with a unique key in the statements of
     :func:`unique_write`; each skipped one is replaced by the live message of its key.
-    Every message is checked before the first statement. Returns them, and the skips to count."""
-    keyed, keys = split_unique(messages, broker)
-    limit = broker.settings.message_max_bytes
+    Every message is checked before the first statement (``prepared``: already, by
+    :func:`prepare_batch`). Returns them, and the skips to count."""
     delay_s = delay_seconds(delay_ms)
-    items = [unique_item(messages[i], keys[i], max_bytes=limit) for i in keyed]  # type: ignore[arg-type]
-    plain_batch = None
-    if len(keyed) < len(messages):
-        plain = [m for m, k in zip(messages, keys, strict=True) if k is None] if keyed else messages
-        plain_batch = CopyBatch(plain, max_bytes=limit)
+    if prepared is None:
+        prepared = prepare_batch(broker, messages)
+    keyed, items, plain_batch = prepared.keyed, prepared.items, prepared.plain
     written = list(messages)
     if not items:
         assert plain_batch is not None
@@ -285,14 +292,19 @@ def _write_batch(conn: psycopg.Connection[Any], broker: StandmeetBroker, message
 
 
 def write_plain(conn: psycopg.Connection[Any], batch: CopyBatch, delay_ms: int | None) -> None:
-    """Write a checked batch of messages without a unique key on ``conn``, due after
-    ``delay_ms`` (already checked: :func:`broker.engine.codec.delay_seconds`), all or none
+    """Write a batch of messages without a unique key on ``conn``, due after ``delay_ms``
+    (already checked: :func:`broker.engine.codec.delay_seconds`), all or none
     (:func:`_all_or_nothing`), and wake their queues at commit: copied
     (``sql_enqueue.COPY_QUEUED``), a chunk of rows at a time; where an id exists already,
     rolled back and written again by ``sql_enqueue.ENQUEUE``, a chunk at a time (a queued
-    message takes the new text, a started one is left as it is)."""
+    message takes the new text, a started one is left as it is).
+
+    A message the batch refuses as its chunk comes, or any error making a row, ends the
+    copy there; what was copied is rolled back, then that error is raised as it was (the
+    server is told nothing of it; a refusal stays one even where an id existed)."""
     delay_s = delay_seconds(delay_ms)
     if conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF:  # COPY is not for a pipeline
+        failure: Exception | None = None
         try:
             with _all_or_nothing(conn):
                 end_of_row = "\n"
@@ -301,17 +313,15 @@ def write_plain(conn: psycopg.Connection[Any], batch: CopyBatch, delay_ms: int |
                     assert row is not None
                     end_of_row = f"\t{row[0]}\n"
                 with conn.cursor().copy(sql_enqueue.COPY_QUEUED_AT if delay_s else sql_enqueue.COPY_QUEUED) as copy:
-                    try:
-                        for text in batch.texts(end_of_row):
-                            copy.write(text)
-                    except MessageRefused as exc:  # the server's log is told no more than that
-                        raise _CopyAbandoned(_ABANDONED) from exc
+                    failure = _copy_rows(copy, batch.texts(end_of_row))
+                if failure is not None:
+                    raise _CopyAbandoned  # undoes the rows copied before it
                 conn.execute(sql_enqueue.WAKE_QUEUES, {"queues": batch.queues})
             return
-        except psycopg.errors.UniqueViolation:  # an id exists: nothing was written
+        except (psycopg.errors.UniqueViolation, _CopyAbandoned):  # an id exists, or a row failed: none written
             pass
-        except _CopyAbandoned as abandoned:  # rolled back: the refusal itself is the caller's to see
-            raise abandoned.__cause__ from None  # type: ignore[misc]
+        if failure is not None:
+            raise failure  # outside the handlers: its own traceback and causes, nothing added
     with _all_or_nothing(conn):
         for start, end in batch.spans():
             conn.execute(sql_enqueue.ENQUEUE, enqueue_params(batch.messages[start:end], delay_ms,
@@ -319,13 +329,21 @@ def write_plain(conn: psycopg.Connection[Any], batch: CopyBatch, delay_ms: int |
         _answered(conn)  # in a pipeline: a refusal raises here, while its savepoint can undo it
 
 
+def _copy_rows(copy: psycopg.Copy, texts: Iterator[str]) -> Exception | None:
+    """Feed ``texts`` to ``copy``; the error making the next one raised (a refused message,
+    an encoder's), which ends the rows there, or None. The copy's own errors are raised."""
+    while True:
+        try:
+            text = next(texts)
+        except StopIteration:
+            return None
+        except Exception as exc:
+            return exc
+        copy.write(text)
+
+
 class _CopyAbandoned(Exception):
-    """Ends a copy whose batch holds a message the check refused (checked as its chunk
-    came): psycopg tells the server why a copy failed, and Postgres logs it; the
-    refusal, which may quote the message's arguments, is raised to the caller only."""
-
-
-_ABANDONED = "a message of this batch was refused before it was sent: nothing of the batch is written"
+    """Rolls back a copy ended early because a row of its batch could not be made."""
 
 
 @contextmanager
@@ -413,21 +431,28 @@ def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psy
     before_enqueue(broker, batch, delay_ms)
     check_distinct_ids(batch)  # one row per id: refused before anything is written
     skipped: dict[tuple[str, str], int] = {}
+    rows: CopyBatch | None = None
     try:
-        if conn is not None:
+        if conn is not None:  # every message checked before the caller's first statement
             batch, skipped = _write_batch(conn, broker, batch, delay_ms)
-        elif any_unique_key(batch, broker):
+        elif any_unique_key(batch, broker):  # every message checked before a connection is taken
+            prepared = prepare_batch(broker, batch)
             with broker.pool.connection() as own, own.transaction():
-                batch, skipped = _write_batch(own, broker, batch, delay_ms)
+                batch, skipped = _write_batch(own, broker, batch, delay_ms, prepared)
         else:  # the fast path: copied in one transaction of a pooled connection, each chunk
             # checked as its rows are made (a refusal rolls that transaction back whole)
             delay_seconds(delay_ms)  # refused before anything else
             rows = CopyBatch(batch, max_bytes=broker.settings.message_max_bytes, check_now=False)
+            rows.check_first_chunk()  # a short batch is checked whole before a connection is taken
             with broker.pool.connection() as own:
                 write_plain(own, rows, delay_ms)
     except DISCONNECTS as exc:
+        if rows is not None:
+            rows.check_all()  # a refused message is the error to see, whatever the database did
         raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
     except psycopg.Error as exc:
+        if rows is not None:
+            rows.check_all()
         raise DatabaseError(f"could not enqueue {len(batch)} message(s): Postgres answered {type(exc).__name__}: {first_line(exc)}") from exc
     count_skips(skipped, broker)
     after_enqueue(broker, batch, delay_ms)

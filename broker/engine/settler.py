@@ -22,8 +22,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from broker import app, detach
 from broker.backoff import Backoff
 from broker.engine import sql, sql_history
-from broker.engine.codec import storable_text
-from broker.engine.enqueue import followup_params
+from broker.engine.codec import followup_params, storable_text
 from broker.errors import CutOff, DeadlineExceeded, Deferred
 from broker.pg.long_statement import LongStatement
 from broker.pg.pool import Outage, close_quietly

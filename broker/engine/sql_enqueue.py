@@ -93,7 +93,7 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
 #: The messages that runs settled in the same statement sent from their after-hooks
 #: (pipelines, callbacks): a CTE ``followed`` of ``broker.engine.sql.SETTLE``, written only
 #: for claims the statement settled (its CTE ``settled``), never over an existing id.
-#: Parameters: :func:`broker.engine.enqueue.followup_params`.
+#: Parameters: :func:`broker.engine.codec.followup_params`.
 FOLLOWUPS_OF_SETTLED = """, followed AS (
     INSERT INTO dramatiq.queue AS q
         (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import dramatiq
 import psycopg
 import pytest
 from dramatiq import Middleware
@@ -23,7 +24,7 @@ from broker.engine import copy_rows
 from broker.errors import InvalidMessage, MessageTooLarge
 from broker.settings import MIB
 from tests.support import unique_jobs
-from tests.support.db import query, scalar
+from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import mark
 
 CHANNEL = '"dramatiq.index.enqueue"'
@@ -182,11 +183,11 @@ def test_on_the_brokers_pool_the_copy_is_under_way_while_later_chunks_are_checke
         check(message)
 
     monkeypatch.setattr(copy_rows, "check_message_quickly", check_and_look)
-    told: list[str] = []  # why the copy ended, as psycopg tells the server (and its log)
+    told: list[BaseException | None] = []  # the error psycopg would tell the server (and its log)
     finish = psycopg.Copy.finish
 
     def finish_and_note(copy: psycopg.Copy, exc: BaseException | None = None) -> None:
-        told.append(str(exc))
+        told.append(exc)
         finish(copy, exc)
 
     monkeypatch.setattr(psycopg.Copy, "finish", finish_and_note)
@@ -198,8 +199,8 @@ def test_on_the_brokers_pool_the_copy_is_under_way_while_later_chunks_are_checke
         woken = list(listener.notifies(timeout=0.3, stop_after=1))
     # Then Postgres was storing its first chunks while its last was checked,
     assert copying == [1]
-    # the server was told the batch was refused, not what the refused message holds,
-    assert told == ["a message of this batch was refused before it was sent: nothing of the batch is written"]
+    # the copy was ended without telling the server why (nothing of the message in its log),
+    assert told == [None]
     # the refusal rolled the copy back: nothing written, no consumer woken,
     assert scalar(database_url, COUNT, (_ids(messages),)) == 0
     assert woken == []
@@ -208,6 +209,74 @@ def test_on_the_brokers_pool_the_copy_is_under_way_while_later_chunks_are_checke
     enqueue_many(good)
     assert scalar(database_url, COUNT, (_ids(good),)) == 3
     _forget(database_url, good)
+
+
+def test_with_every_pooled_connection_taken_a_refused_message_is_still_the_error_raised(
+        broker, database_url, small_chunks, monkeypatch):
+    # Given a pool whose every connection is taken, and that gives up waiting at once
+    monkeypatch.setattr(broker.pool, "timeout", 0.2)
+    held = [broker.pool.getconn() for _ in range(broker.pool.max_size)]
+    try:
+        # When batches with a refused message are enqueued: in the first chunk, in a later
+        # one, and a message of a unique actor whose key cannot be made
+        first = [mark.message(float("nan"))] + [mark.message(f"no-pool-{n}") for n in range(5)]
+        later = [mark.message(f"no-pool-later-{n}") for n in range(24)] + [mark.message(float("inf"))]
+        keyed = [unique_jobs.unique.message(float("nan"))]
+        # Then each raises its refusal, not the pool's timeout
+        for batch in (first, later, keyed):
+            with pytest.raises(InvalidMessage, match="holds (nan|inf) at"):
+                enqueue_many(batch)
+    finally:
+        for conn in held:
+            broker.pool.putconn(conn)
+    assert scalar(database_url, COUNT, (_ids(first + later + keyed),)) == 0
+
+
+def test_a_batch_with_an_id_that_exists_and_a_later_refused_message_raises_the_refusal_and_logs_nothing(
+        broker, database_url, caplog, monkeypatch):
+    # Given a queued message, sent again first in a batch whose last chunk holds a refused
+    # one (1,500 rows before it: Postgres stores a copy's rows a thousand at a time)
+    queued = mark.message("exists-then-refused")
+    enqueue_many([queued])
+    batch = ([Message(**{**queued.asdict(), "args": ("again",)})] + [mark.message(f"after-{n}") for n in range(1500)]
+             + [mark.message(float("nan"))])
+    # and the server failing the copy on that id before the refused message is checked
+    copies: list[psycopg.Copy] = []
+    write, check = psycopg.Copy.write, copy_rows.check_message_quickly
+
+    def write_and_keep(copy: psycopg.Copy, data: Any) -> None:
+        copies.append(copy)
+        write(copy, data)
+
+    def check_once_the_server_failed(message: Any) -> None:
+        if message.message_id == batch[-1].message_id:
+            connection = copies[-1].connection
+            connection.pgconn.flush()
+            wait_for(lambda: scalar(database_url, "SELECT state FROM pg_stat_activity WHERE pid = %s",
+                                    (connection.info.backend_pid,)) == "idle in transaction (aborted)",
+                     timeout_s=10, what="the server to fail the copy on the existing id")
+        check(message)
+
+    monkeypatch.setattr(psycopg.Copy, "write", write_and_keep)
+    monkeypatch.setattr(copy_rows, "check_message_quickly", check_once_the_server_failed)
+    # When it is enqueued on the broker's pool
+    with caplog.at_level("WARNING"), pytest.raises(InvalidMessage, match="holds nan at"):
+        enqueue_many(batch)
+    # Then nothing was written, the queued message kept its text, and nothing was logged
+    assert scalar(database_url, COUNT, (_ids(batch[1:]),)) == 0
+    assert scalar(database_url, "SELECT message->'args' FROM dramatiq.queue WHERE message_id = %s",
+                  (queued.message_id,)) == ["exists-then-refused"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
+    _forget(database_url, [queued])
+
+
+def test_an_actor_whose_priority_postgres_cannot_store_is_refused_before_the_callers_first_statement(
+        broker, database_url):
+    actor = dramatiq.actor(lambda: None, actor_name="test.bulk.too_urgent", queue_name="index", priority=2 ** 40)
+    with psycopg.connect(database_url) as conn:
+        with pytest.raises(InvalidMessage, match="has the priority 1099511627776"):
+            enqueue_many([mark.message("fine"), actor.message()], conn=conn)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE  # no statement ran
 
 
 def test_in_the_callers_transaction_a_batch_of_several_chunks_rolls_back_with_it_and_wakes_nobody(

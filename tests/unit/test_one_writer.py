@@ -44,7 +44,7 @@ def test_the_search_finds_the_writers_own_inserts():
 
 
 #: The statements that write message rows; the settle statement (broker.engine.sql) holds
-#: the follow-ups' insert, whose parameters the writer builds (``followup_params``).
+#: the follow-ups' insert, whose parameters the codec builds (``followup_params``).
 WRITING_STATEMENTS = frozenset({"ENQUEUE", "COPY_QUEUED", "COPY_QUEUED_AT", "ENQUEUE_ONE", "ENQUEUE_UNIQUE",
                                 "FOLLOWUPS_OF_SETTLED"})
 MAY_NAME_THEM = WRITER | {Path("broker/engine/sql.py")}
