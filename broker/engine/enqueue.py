@@ -14,28 +14,22 @@ Every way a message is written goes through this module, with one hook policy:
   above; one autocommit statement on the broker's pool.
 * **A batch** (``broker.enqueue_many``, :func:`send_many`, :func:`enqueue_messages`):
   hooks as above, for each message. Those without a unique key are copied, all or none
-  (``COPY_QUEUED``, one COPY fed a chunk of rows at a time by
-  :class:`broker.engine.copy_rows.CopyBatch`), and their queues woken (``WAKE_QUEUES``, at
-  commit), in a transaction of a pooled connection, or under a savepoint of the caller's
-  transaction when given a connection (a transaction of its own on an autocommit one
-  outside any). Given a connection, every message is checked before the first
-  statement; holding a unique key, before a connection is taken; otherwise, in a pooled
-  connection's transaction of its own, the first chunk's (up to
-  ``copy_rows.FIRST_CHUNK_MESSAGES``) before a connection is taken, and each later
-  chunk's just before its rows are made, while Postgres stores the chunk before: a
-  refused one ends the copy there and rolls the transaction back (nothing written, no
-  queue woken, the same error raised; the server is told nothing of it, and the rows it
-  had taken stay as dead rows until vacuum). An id
-  that exists already rolls the copy back, and ``ENQUEUE`` writes them, a chunk at a
-  time, under the same rules as a send's. The checks bound each message's size without
-  encoding it where they can; its row is made while the copy is under way, so Postgres
-  stores one chunk as the next is made. Memory: beside the caller's messages (and a
-  pointer or two per message), one chunk's rows at a time: at most
-  ``copy_rows.CHUNK_MESSAGES`` (1,000) messages or
-  ``CHUNK_CHARS`` (1 MiB) of rows plus one message; 100,000 small messages in one call
-  peak at 1.4 MiB of Python memory (tracemalloc), where the batch encoded whole took 70
-  MiB. Those with a unique key are written by :func:`unique_write`, in the same
-  transaction, all in memory at once.
+  (``COPY_QUEUED``, fed a chunk of rows at a time by :class:`broker.engine.copy_rows.CopyBatch`),
+  their queues woken (``WAKE_QUEUES``, at commit), in a transaction of a pooled connection,
+  or under a savepoint of the caller's transaction when given a connection (a transaction
+  of its own on an autocommit one outside any). Given a connection, every message is
+  checked before the first statement; holding a unique key, before a connection is taken;
+  otherwise the first chunk's before a connection is taken, and each later chunk's just
+  before its rows are made, while Postgres stores the one before: a refused one ends the
+  copy there and rolls the transaction back (nothing written, nobody woken, the same error
+  raised, the server told nothing; the rows it had taken stay dead until vacuum). An id
+  that exists already rolls the copy back, and ``ENQUEUE`` writes them, a chunk at a time,
+  under the same rules as a send's. Sizes are bounded without encoding where they can be.
+  Memory: beside the caller's messages (and a pointer or two per message), one chunk's
+  rows at a time: at most ``copy_rows.CHUNK_MESSAGES`` (1,000) messages or ``CHUNK_CHARS``
+  (1 MiB) of rows plus one message; 100,000 small messages in one call peak at 1.4 MiB of
+  Python memory (tracemalloc), where the batch encoded whole took 70 MiB. Those with a
+  unique key are written by :func:`unique_write`, in the same transaction, all in memory.
 * **The caller's transaction** (:func:`enqueue`, :func:`enqueue_async`,
   :func:`enqueue_message`, :func:`enqueue_messages`): hooks as above; the message row
   and its NOTIFY are part of the caller's transaction (consumers are woken at commit, a
@@ -299,7 +293,7 @@ def write_plain(conn: psycopg.Connection[Any], batch: CopyBatch, delay_ms: int |
     rolled back and written again by ``sql_enqueue.ENQUEUE``, a chunk at a time (a queued
     message takes the new text, a started one is left as it is).
 
-    A message the batch refuses as its chunk comes, or any error making a row, ends the
+    A message the batch refuses as its chunk comes, or any Exception making a row, ends the
     copy there; what was copied is rolled back, then that error is raised as it was (the
     server is told nothing of it; a refusal stays one even where an id existed)."""
     delay_s = delay_seconds(delay_ms)
@@ -447,16 +441,23 @@ def send_many(broker: StandmeetBroker, messages: Sequence[Message], *, conn: psy
             with broker.pool.connection() as own:
                 write_plain(own, rows, delay_ms)
     except DISCONNECTS as exc:
-        if rows is not None:
-            rows.check_all()  # a refused message is the error to see, whatever the database did
+        _refusal_first(rows)  # a refused message is the error to see, whatever the database did
         raise BrokerConnectionError(f"could not enqueue {len(batch)} message(s): {exc}") from exc
     except psycopg.Error as exc:
-        if rows is not None:
-            rows.check_all()
+        _refusal_first(rows)
         raise DatabaseError(f"could not enqueue {len(batch)} message(s): Postgres answered {type(exc).__name__}: {first_line(exc)}") from exc
     count_skips(skipped, broker)
     after_enqueue(broker, batch, delay_ms)
     return batch
+
+
+def _refusal_first(rows: CopyBatch | None) -> None:
+    """Raise the refusal of a message of ``rows`` not checked yet, if any, on its own."""
+    if rows is not None:
+        try:
+            rows.check_all()
+        except MessageRefused as refused:
+            raise refused from None
 
 
 def send_from_run(broker: StandmeetBroker, context: SettleContext, message: Message, delay_ms: int | None) -> Message:

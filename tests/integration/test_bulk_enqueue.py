@@ -222,10 +222,12 @@ def test_with_every_pooled_connection_taken_a_refused_message_is_still_the_error
         first = [mark.message(float("nan"))] + [mark.message(f"no-pool-{n}") for n in range(5)]
         later = [mark.message(f"no-pool-later-{n}") for n in range(24)] + [mark.message(float("inf"))]
         keyed = [unique_jobs.unique.message(float("nan"))]
-        # Then each raises its refusal, not the pool's timeout
+        # Then each raises its refusal, not the pool's timeout, nor chained to it
         for batch in (first, later, keyed):
-            with pytest.raises(InvalidMessage, match="holds (nan|inf) at"):
+            with pytest.raises(InvalidMessage, match="holds (nan|inf) at") as raised:
                 enqueue_many(batch)
+            shown = raised.value.__context__ if not raised.value.__suppress_context__ else None
+            assert not isinstance(raised.value.__cause__ or shown, psycopg.Error)
     finally:
         for conn in held:
             broker.pool.putconn(conn)
