@@ -309,12 +309,8 @@ class CopyBatch:
             else:
                 text = copy_text(message_json(message))
             priority: Any = message.options.get("priority")
-            if priority is not None:
-                priority = int(priority)
-            else:  # the actor's: the same for each of its messages
-                priority = priorities.get(message.actor_name)
-                if priority is None:
-                    priority = priorities[message.actor_name] = str(message_priority(message))
+            # the message's own, or its actor's (read and checked once, by the check)
+            priority = priorities[message.actor_name] if priority is None else int(priority)
             message_id = message.message_id
             rows.append(f"{queue_fields[message.queue_name]}\t"
                         f"{copy_text(message_id if type(message_id) is str else str(message_id))}"
