@@ -68,7 +68,7 @@ class QueueState:
         self.told = False
         #: runs that ended whose outcome the settler has not written yet: their rows
         #: are still ``consumed`` in the database, so they count against the claims
-        #: beyond a slack of one more ``limit``
+        #: beyond a slack of one more ``limit`` and one claim batch (:meth:`_free`)
         self.unsettled = 0
         #: when each running claim was handed to the worker, and the mean run time since
         #: (exponentially weighted), which sizes the default prefetch
@@ -84,13 +84,17 @@ class QueueState:
         os.set_blocking(self._wake_w, False)
 
     def _free(self) -> int:
+        # The slack lets the settler be a claim batch behind without holding up the next
+        # claim: with a slack of one limit alone, a drain of short jobs claimed only once
+        # the outcomes of the last batch were written, and the worker threads ran dry
+        # during each settle and claim round trip (a third of the time, with nothing to run).
         return (self.limit + self.prefetch - len(self.in_flight)
-                - max(0, self.unsettled - self.limit))
+                - max(0, self.unsettled - self.limit - self.claim_batch))
 
     def free(self) -> int:
         """How many more messages this process may claim now: its rows ``consumed`` in the
-        database never exceed ``2 × limit`` + the prefetch's ceiling (finished ones
-        included), however far the settler is behind."""
+        database never exceed ``2 × limit`` + the prefetch + a claim batch (half the
+        prefetch; finished ones included), however far the settler is behind."""
         with self.lock:
             return self._free()
 

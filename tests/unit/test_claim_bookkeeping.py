@@ -81,18 +81,22 @@ def test_a_queue_claims_again_for_an_idle_slot_or_a_batch_not_for_each_finished_
     assert state.should_claim()  # nothing buffered, a slot would idle
 
 
-def test_finished_runs_not_yet_settled_count_against_claims_beyond_one_limit_of_slack():
+def test_finished_runs_not_yet_settled_count_against_claims_beyond_one_limit_and_one_claim_batch():
+    # Given two slots, a prefetch of two (claims of at least one at a time), and seven
+    # runs that ended one after another while the settler wrote none of them
     state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=2))
-    for round_ in range(3):  # three rounds of two runs end; the settler writes none
-        for i in range(2):
-            state.hold(_claim(10 * round_ + i))
-        for _ in range(2):
-            claim = state.next_buffered()
-            state.finished(claim.key)
-    assert state.unsettled == 6
-    # rows consumed in the database: 6 unsettled; at most 2 x limit + prefetch = 6 held
+    assert state.claim_batch == 1
+    for i in range(7):
+        state.hold(_claim(i))
+        state.finished(state.next_buffered().key)
+    assert state.unsettled == 7
+    # Then nothing more is claimed: rows consumed in the database are at most
+    # 2 x limit + prefetch + claim batch = 7, however far the settler is behind
     assert state.free() == 0 and not state.should_claim()
+    # When four are written, the three still unwritten are within the slack (one limit
+    # and one claim batch): they hold up no claim, and the whole room is free again
     state.settled(4)
+    assert state.unsettled == 3
     assert state.free() == 4 and state.should_claim()
 
 
