@@ -94,7 +94,7 @@ class QueueState:
     def free(self) -> int:
         """How many more messages this process may claim now: its rows ``consumed`` in the
         database never exceed ``2 × limit`` + the prefetch + a claim batch (half the
-        prefetch; finished ones included), however far the settler is behind."""
+        prefetch, at least one; finished ones included), however far the settler is behind."""
         with self.lock:
             return self._free()
 
