@@ -444,6 +444,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
                     self._wakeups = WakeListener(self.topology.listen_url, outage=self.outage)
                 state = self.queue_states[queue_name]
                 self._wakeups.add(sql.ENQUEUE_CHANNEL.format(queue=queue_name), state.notified)
+        self.settler.start()  # its connection opens now, not when the first run ends
         return StandmeetConsumer(self, self.queue_states[queue_name], timeout_ms=timeout)
 
     @property

@@ -108,6 +108,7 @@ class Settler:
         #: the outcomes being written now (out of ``_pending`` until written or put back)
         self._writing: list[Outcome] = []
         self._conn: psycopg.Connection[Any] | None = None
+        self._connecting = threading.Lock()
         self._thread: detach.Detached | None = None
         self.written = 0
         #: called on the settler's thread before each batch is written, and at least every
@@ -178,6 +179,7 @@ class Settler:
                     logger.exception("settler: a batch listener (%r) failed; outcomes are still written", listener)
 
     def run(self, stop: threading.Event) -> None:
+        self._connect_ahead(stop)
         backoff = Backoff(start_s=0.05, cap_s=2.0)
         while True:
             with self._cond:
@@ -217,13 +219,28 @@ class Settler:
                 self._writing = []
                 self._cond.notify_all()
 
+    def _connect_ahead(self, stop: threading.Event) -> None:
+        """Open the connection before the first outcome needs it: a drain's first settle
+        otherwise waited for a new connection (and this process's proof that it lives)
+        while every claim after the first waited for that settle. If it cannot be opened,
+        the outage is said and the first settle tries again, with back-off."""
+        if stop.is_set() or self._conn is not None:
+            return
+        try:
+            self._connection()
+        except Exception as exc:
+            self.outage.failed("settle", exc)
+
     def _connection(self) -> psycopg.Connection[Any]:
-        if self._conn is None or self._conn.closed:
-            # Synchronous: once written, an outcome is forgotten here; a settle lost in a server
-            # crash would leave its message consumed by this live process, rescued by nobody.
-            conn = self._connect()
-            self._conn = conn
-        return self._conn
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        with self._connecting:  # one connection, whoever asks while it opens
+            if self._conn is None or self._conn.closed:
+                # Synchronous: once written, an outcome is forgotten here; a settle lost in a
+                # server crash would leave its message consumed by this live process, rescued by nobody.
+                self._conn = self._connect()
+            return self._conn
 
     def settle_once(self, outcomes: Sequence[Outcome], started: Sequence[tuple[str, int]]) -> int:
         """Write ``outcomes`` and start marks in one round trip; return outcomes written."""
