@@ -7,8 +7,9 @@ What it guarantees:
   ``priority`` first, then oldest due), never more than its queue's limit running plus
   its prefetch (by default what its jobs finish in 50 ms, up to 128); it claims again
   when a batch's worth of room is free or a running slot would idle. Runs that finished
-  but whose outcome is not written yet count too, beyond one limit of slack: a process
-  never holds more than ``2 × limit`` + the prefetch's ceiling rows ``consumed``. What
+  but whose outcome is not written yet count too, beyond a slack of one limit and one
+  claim batch: a process never holds more than ``2 × limit`` + the prefetch's ceiling +
+  a claim batch (half that ceiling, at least one) rows ``consumed``. What
   the buffer would hold longer than a second (its jobs turned slow, or hang) goes back
   to the queue unblamed, down to half the limit. It wakes on NOTIFY, or the moment one
   of its jobs finishes. No advisory lock outlives the statement, so the locks held stay
@@ -549,6 +550,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             return
         self.closing = True
         self.liveness.closing = True
+        self.settler.closing = True
         for hook in self._close_hooks:  # the relay first: no new messages from this process
             try:
                 hook()

@@ -26,7 +26,7 @@ from dramatiq.middleware.threading import raise_thread_exception
 from broker import detach
 from broker.engine import sql
 from broker.engine.queues import QueueState
-from broker.errors import CutOff
+from broker.errors import CutOff, DatabaseUnavailable
 from broker.pg.pool import DISCONNECTS, Outage, close_quietly, connect
 from broker.settings import Settings
 
@@ -66,6 +66,8 @@ class Liveness:
         self.confirmed_at: float | None = None
         #: set once the process closes: no heartbeat starts after it
         self.closing = False
+        #: set by :meth:`stop`: no connection proves the process alive after it
+        self.stopped = False
         #: told what each rescue pass did: {queue: (requeued, rejected)}
         self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
         self._lock = threading.Lock()
@@ -80,9 +82,14 @@ class Liveness:
         return self._heartbeat is not None
 
     def connect_proven(self, application_name: str) -> psycopg.Connection[Any]:
-        """A new connection on which this process has just proved it lives (closed if it could not)."""
+        """A new connection on which this process has just proved it lives (closed if it could
+        not). Refused once the process has stopped (:meth:`stop`): a connection that took
+        that long to open must not record a heartbeat after the process was recorded as
+        stopped."""
         conn = connect(self.url, application_name=application_name, at_first_use=True)
         try:
+            if self.stopped:
+                raise DatabaseUnavailable(f"{application_name}: this process has stopped; its new connection is closed")
             self.prove_alive(conn)
         except BaseException:
             close_quietly(conn)
@@ -121,7 +128,8 @@ class Liveness:
                 self._guard = detach.every(
                     f"liveness-guard-{self.worker_id[:8]}", min(0.5, self.settings.heartbeat_s / 2), self.guard_once
                 )
-        self.on_proven()
+        if not self.closing:  # what waits for the proof (the wake-ups) does not start in a closing process
+            self.on_proven()
 
     # -- stepping down when cut off -------------------------------------------------
 
@@ -238,6 +246,7 @@ class Liveness:
     def stop(self) -> None:
         """Stop the heartbeat and the guard, and close the heartbeat's connection."""
         self.closing = True
+        self.stopped = True
         if self._heartbeat is not None:
             self._heartbeat.stop(timeout_s=2)
         if self._guard is not None:

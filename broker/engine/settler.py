@@ -23,7 +23,7 @@ from broker import app, detach
 from broker.backoff import Backoff
 from broker.engine import sql, sql_history
 from broker.engine.codec import followup_params, storable_text
-from broker.errors import CutOff, DeadlineExceeded, Deferred
+from broker.errors import CutOff, DatabaseUnavailable, DeadlineExceeded, Deferred
 from broker.pg.long_statement import LongStatement
 from broker.pg.pool import Outage, close_quietly
 
@@ -109,6 +109,11 @@ class Settler:
         self._writing: list[Outcome] = []
         self._conn: psycopg.Connection[Any] | None = None
         self._connecting = threading.Lock()
+        #: set when the process starts closing: a connection opened ahead of need is no
+        #: longer worth opening, nor its failure worth saying
+        self.closing = False
+        #: set by :meth:`close`: a connection that opens after it is closed at once
+        self._closed = False
         self._thread: detach.Detached | None = None
         self.written = 0
         #: called on the settler's thread before each batch is written, and at least every
@@ -201,7 +206,8 @@ class Settler:
                 self.settle_once(outcomes, started)
                 backoff.reset()
             except Exception as exc:  # never dies: kept, retried with back-off, said once
-                self.outage.failed("settle", exc)
+                if not self._closed:  # closed: the process exits, and says what was not written
+                    self.outage.failed("settle", exc)
                 close_quietly(self._conn)
                 self._conn = None
                 with self._cond:  # keep them, in order, for the next attempt
@@ -210,7 +216,7 @@ class Settler:
                     self._busy = False
                     self._writing = []
                     self._cond.notify_all()
-                if self.abandoned:
+                if self.abandoned or self._closed:
                     return  # closing: what is left stays consumed and runs again
                 time.sleep(backoff.next_s()) if stop.is_set() else stop.wait(backoff.next_s())
                 continue
@@ -224,23 +230,34 @@ class Settler:
         otherwise waited for a new connection (and this process's proof that it lives)
         while every claim after the first waited for that settle. If it cannot be opened,
         the outage is said and the first settle tries again, with back-off."""
-        if stop.is_set() or self._conn is not None:
+        if stop.is_set() or self.closing or self._conn is not None:
             return
         try:
             self._connection()
         except Exception as exc:
-            self.outage.failed("settle", exc)
+            if not (stop.is_set() or self.closing):
+                self.outage.failed("settle", exc)
 
     def _connection(self) -> psycopg.Connection[Any]:
         conn = self._conn
         if conn is not None and not conn.closed:
             return conn
         with self._connecting:  # one connection, whoever asks while it opens
-            if self._conn is None or self._conn.closed:
+            conn = self._conn
+            if conn is None or conn.closed:
+                if self._closed:
+                    raise DatabaseUnavailable("the settler is closed: it opens no connection")
                 # Synchronous: once written, an outcome is forgotten here; a settle lost in a
                 # server crash would leave its message consumed by this live process, rescued by nobody.
-                self._conn = self._connect()
-            return self._conn
+                conn = self._connect()
+                with self._lock:
+                    kept = not self._closed
+                    if kept:
+                        self._conn = conn
+                if not kept:  # closed while it opened: nothing may hold it now
+                    close_quietly(conn)
+                    raise DatabaseUnavailable("the settler was closed while its connection opened")
+            return conn
 
     def settle_once(self, outcomes: Sequence[Outcome], started: Sequence[tuple[str, int]]) -> int:
         """Write ``outcomes`` and start marks in one round trip; return outcomes written."""
@@ -277,8 +294,10 @@ class Settler:
         return len(outcomes)
 
     def close(self) -> None:
-        close_quietly(self._conn)
-        self._conn = None
+        with self._lock:  # never held while a connection opens: close does not wait for one
+            self._closed = True
+            conn, self._conn = self._conn, None
+        close_quietly(conn)
 
 
 def timing_params(outcomes: Sequence[Outcome], now: float) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 ``cut()`` closes every proxied connection and refuses new ones (accepts and closes
 them at once, as a server that is down behind a load balancer does); ``restore()``
-lets connections through again. Works in front of a TCP server or the embedded
+lets connections through again; ``connect_delay_s`` makes new connections wait (a
+server slow to accept). Works in front of a TCP server or the embedded
 server's Unix socket. Tests may own threads; this one runs the proxy.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -34,6 +36,8 @@ class PostgresProxy:
         self._down = False
         self._stopped = False
         self.refused = 0
+        #: each new connection reaches the server only this long after it was accepted
+        self.connect_delay_s = 0.0
         threading.Thread(target=self._accept_loop, name="pg-proxy", daemon=True).start()
 
     def cut(self) -> None:
@@ -64,17 +68,28 @@ class PostgresProxy:
                 self.refused += 1
                 _close(client)
                 continue
-            family, address = self._upstream
-            server = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                server.connect(address)
-            except OSError:
-                _close(client)
-                _close(server)
-                continue
-            with self._lock:
-                self._open.update((client, server))
-            threading.Thread(target=self._pump, args=(client, server), name="pg-proxy-pump", daemon=True).start()
+            if self.connect_delay_s > 0:  # a server slow to accept: this one waits, not the others
+                threading.Thread(target=self._link_later, args=(client, self.connect_delay_s),
+                                 name="pg-proxy-delay", daemon=True).start()
+            else:
+                self._link(client)
+
+    def _link_later(self, client: socket.socket, delay_s: float) -> None:
+        time.sleep(delay_s)
+        self._link(client)
+
+    def _link(self, client: socket.socket) -> None:
+        family, address = self._upstream
+        server = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            server.connect(address)
+        except OSError:
+            _close(client)
+            _close(server)
+            return
+        with self._lock:
+            self._open.update((client, server))
+        threading.Thread(target=self._pump, args=(client, server), name="pg-proxy-pump", daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         peers = {a: b, b: a}
