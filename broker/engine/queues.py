@@ -87,7 +87,7 @@ class QueueState:
         # The slack lets the settler be a claim batch behind without holding up the next
         # claim: with a slack of one limit alone, a drain of short jobs claimed only once
         # the outcomes of the last batch were written, and the worker threads ran dry
-        # during each settle and claim round trip (a third of the time, with nothing to run).
+        # during each settle and claim round trip (nearly half the time, with nothing to run).
         return (self.limit + self.prefetch - len(self.in_flight)
                 - max(0, self.unsettled - self.limit - self.claim_batch))
 

@@ -229,7 +229,8 @@ class Settler:
         """Open the connection before the first outcome needs it: a drain's first settle
         otherwise waited for a new connection (and this process's proof that it lives)
         while every claim after the first waited for that settle. If it cannot be opened,
-        the outage is said and the first settle tries again, with back-off."""
+        the outage is said (unless the process is closing by then) and the first settle
+        tries again, with back-off."""
         if stop.is_set() or self.closing or self._conn is not None:
             return
         try:
