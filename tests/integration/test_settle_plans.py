@@ -6,6 +6,7 @@ each with every outcome: quadratic in the batch, and growing with each process b
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -26,6 +27,28 @@ def plan_without_the_primary_key(database_url: str, statement: str, params: dict
             conn.execute("ALTER TABLE dramatiq.queue DROP CONSTRAINT queue_pkey CASCADE")
             conn.execute("SET LOCAL enable_seqscan = off")
             return "\n".join(row[0] for row in conn.execute(("EXPLAIN " + statement).encode(), params).fetchall())
+        finally:
+            conn.rollback()
+
+
+def generic_plan_without_the_primary_key(database_url: str, statement: str) -> str:
+    """As :func:`plan_without_the_primary_key`, the plan made for any values: the one the
+    broker's own connections run from the first execution (``broker.pg.pool.plans_generic``)."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)[sb]", placeholder, statement).replace("%%", "%")
+    with psycopg.connect(database_url) as conn:
+        if conn.info.server_version < 160000:
+            pytest.skip("EXPLAIN (GENERIC_PLAN) needs Postgres 16 or later")
+        try:
+            conn.execute("ALTER TABLE dramatiq.queue DROP CONSTRAINT queue_pkey CASCADE")
+            conn.execute("SET LOCAL enable_seqscan = off")
+            return "\n".join(row[0] for row in conn.execute(("EXPLAIN (GENERIC_PLAN) " + text).encode()).fetchall())
         finally:
             conn.rollback()
 
@@ -59,4 +82,11 @@ STATEMENTS = {
 @pytest.mark.parametrize("name", sorted(STATEMENTS))
 def test_a_claim_is_found_by_its_message_id_never_through_the_index_of_every_claim(broker, database_url, name):
     plan = plan_without_the_primary_key(database_url, getattr(sql, name), STATEMENTS[name]())
+    assert CLAIMED_INDEX not in plan, plan
+
+
+@pytest.mark.parametrize("name", sorted(STATEMENTS))
+def test_the_plan_made_for_any_claim_finds_it_by_its_message_id_never_through_the_index_of_every_claim(
+        broker, direct_database_url, name):
+    plan = generic_plan_without_the_primary_key(direct_database_url, getattr(sql, name))
     assert CLAIMED_INDEX not in plan, plan
