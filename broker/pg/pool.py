@@ -14,9 +14,6 @@
   message never waits on a consumer's connection. Sends, heartbeats and rescue share
   :func:`open_send_pool`, a ``psycopg_pool`` pool whose size does not depend on the
   number of queues.
-* The broker's own connections (the consumers', the settler's, the heartbeat's, the send
-  pool's) prepare their statements at first use and, where the session is ours, plan
-  them once, generically (:func:`plans_generic`).
 * Pooled connections are checked when handed out (:func:`check_cheaply`): one that died
   with a restarted server is replaced, not handed to a job.
 
@@ -312,39 +309,10 @@ class Outage:
         logger.warning("%s: database reachable again after %.1f s", self.name, time.monotonic() - since)
 
 
-#: A session's prepared statements run their generic plan from their first execution.
-FORCE_GENERIC_PLANS = "SELECT set_config('plan_cache_mode', 'force_generic_plan', false)"
-
-
-def plans_generic(url: str, *, at_first_use: bool) -> bool:
-    """Whether a connection to ``url`` plans its prepared statements generically from the
-    first execution (:data:`FORCE_GENERIC_PLANS`): the broker's own connections, which
-    prepare ``at_first_use`` (:func:`connect`'s and :func:`open_send_pool`'s), where
-    statements are prepared and the session is ours."""
-    topology = topology_for(url)
-    return at_first_use and topology.prepare and topology.session_state
-
-
 def connect(url: str, *, application_name: str, at_first_use: bool = False) -> psycopg.Connection[Any]:
-    """A dedicated autocommit connection (a consumer's, the settler's, a listener's, the relay's).
-
-    One that prepares its statements ``at_first_use`` (the broker's own: claims, settles,
-    heartbeats, each keyed by a queue or by message ids, with its states spelt in the
-    statement) also plans them once, generically, where the session is ours: Postgres
-    otherwise plans each of a prepared statement's first five executions for its values
-    (planning a claim takes 0.36 ms here) before settling on the generic plan, which it
-    then keeps: every new connection's first jobs paid for planning.
-    The plans are the ones it settles on anyway (the claim's and the settle's, in a drain
-    and one job at a time alike)."""
-    conn = psycopg.connect(url, autocommit=True, application_name=application_name,
+    """A dedicated autocommit connection (a consumer's, the settler's, a listener's, the relay's)."""
+    return psycopg.connect(url, autocommit=True, application_name=application_name,
                            **connect_kwargs(url, at_first_use=at_first_use))
-    if plans_generic(url, at_first_use=at_first_use):
-        try:
-            conn.execute(FORCE_GENERIC_PLANS)
-        except BaseException:
-            close_quietly(conn)
-            raise
-    return conn
 
 
 def open_send_pool(url: str, *, max_size: int, wait_s: float = DEFAULT_POOL_WAIT_S) -> ConnectionPool:
@@ -374,23 +342,17 @@ def open_pool(url: str, *, max_size: int, timeout_s: float, name: str, min_size:
                               **connect_kwargs(url, at_first_use=at_first_use)}
     check: Any = check_cheaply
     configure: Any = None
-    session: list[tuple[str, tuple[str, ...]]] = []  # what each new connection sets for its session
-    if plans_generic(url, at_first_use=at_first_use):
-        session.append((FORCE_GENERIC_PLANS, ()))
     if statement_timeout_ms is not None:
         timeout = str(int(statement_timeout_ms))
         if topology_for(url).session_state:
-            session.append((SET_STATEMENT_TIMEOUT, (timeout,)))
+            def configure(conn: psycopg.Connection[Any]) -> None:
+                conn.execute(SET_STATEMENT_TIMEOUT, (timeout,))
         else:
             kwargs["autocommit"] = False
 
             def check(conn: psycopg.Connection[Any]) -> None:
                 check_cheaply(conn)
                 conn.execute(SET_LOCAL_STATEMENT_TIMEOUT, (timeout,))
-    if session:
-        def configure(conn: psycopg.Connection[Any]) -> None:
-            for statement, params in session:
-                conn.execute(statement, params)
     return ConnectionPool(
         url, min_size=min_size, max_size=max_size, open=True, timeout=timeout_s, check=check,
         configure=configure, kwargs=kwargs, name=name,
