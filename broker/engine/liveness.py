@@ -192,10 +192,44 @@ class Liveness:
                 return  # not proven after all: the next heartbeat tries again
         for state in self.queue_states.values():
             state.forget({(m, n) for m, n, q in lost if q == state.name})
+        try:
+            self._give_back_unknown(conn, {key for key, _ in held})
+        except DISCONNECTS:
+            return  # not proven after all: the next heartbeat tries again
         self.stepped_down = False
         logger.warning("stepping up: heartbeat confirmed again; %d claim(s) lost, claiming again", len(lost))
         for state in self.queue_states.values():
             state.notified()
+
+    def _known_claims(self) -> set[tuple[str, int]]:
+        return {*(key for state in self.queue_states.values() for key in state.held()),
+                *(key for key, _ in self.pending_claims())}
+
+    def _give_back_unknown(self, conn: psycopg.Connection[Any] | None, known: set[tuple[str, int]]) -> None:
+        """Give back, unblamed, what the database says this process holds and it does not
+        know: the server it was cut off from may have lost, in a failover, the outcome
+        this process wrote (replicated too late), or sent the answer to a claim that never
+        arrived. Nobody else takes a claim back from a live process: those messages would
+        stay claimed until it stops. (A claim taken or a run ended meanwhile is known by the
+        time the database has answered: it is looked up again then.)"""
+        params = {"worker_id": self.worker_id}
+        rows = conn.execute(sql.HELD_HERE, params).fetchall() if conn is not None else self.execute(sql.HELD_HERE, params)
+        unknown = [(str(m), int(n), str(q)) for m, n, q in rows if (str(m), int(n)) not in known]
+        if unknown:
+            now_known = self._known_claims()
+            unknown = [(m, n, q) for m, n, q in unknown if (m, n) not in now_known]
+        if not unknown:
+            return
+        requeue = {"ids": [m for m, _, _ in unknown], "claims": [n for _, n, _ in unknown],
+                   "worker_id": self.worker_id}
+        if conn is not None:
+            conn.execute(sql.REQUEUE, requeue)
+        else:
+            self.execute(sql.REQUEUE, requeue)
+        for message_id, number, queue_name in unknown:
+            logger.warning("message %s (queue %r, claim %d) was held by this process in the database but not here "
+                           "(an outcome or a claim lost with the server it was written to): given back, it runs again",
+                           message_id, queue_name, number)
 
     def heartbeat_once(self) -> dict[str, tuple[int, int]]:
         """Prove this process alive, and rescue the messages of dead ones.

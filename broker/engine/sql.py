@@ -318,6 +318,12 @@ JOIN unnest(%(ids)b::uuid[], %(claims)s::int[]) AS h(message_id, claims)
 WHERE q."state" = 'consumed' AND q.worker_id = %(worker_id)s
 """
 
+#: Every claim the database says this process holds (the index of every claim, by worker).
+HELD_HERE = """
+SELECT q.message_id::text, q.claims, q.queue_name FROM dramatiq.queue q
+WHERE q."state" = 'consumed' AND q.worker_id = %(worker_id)s
+"""
+
 #: A process that stepped down (cut off, not crashed) takes back what rescue laid on the
 #: claims it lost: the crash counted on it (a message rejected for it alone goes back to
 #: its queue) and the suspicion of its set. Returns how many messages were cleared. A

@@ -139,6 +139,41 @@ def test_a_worker_that_was_cut_off_takes_back_the_crash_rescue_blamed_on_it(
              what="the job to run again and finish")
 
 
+
+def test_a_worker_back_from_a_cut_gives_back_what_the_database_says_it_holds_and_it_does_not(
+    broker, database_url, admin_url, start_worker, caplog
+):
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
+
+    # Given a worker running one long job, cut off from the database
+    start_worker(queues=["index"], threads=2)
+    running = held_through_a_cut.send("cut-d", 60.0)
+    wait_for(lambda: _started(database_url, running.message_id), timeout_s=10, what="the job to start")
+    unknown = held_through_a_cut.message("cut-e", 0.0)
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        with cut_off(admin_url, database_url) as keeper:
+            wait_for(lambda: "cut-d:CutOff" in CUT_RUNS, timeout_s=broker.settings.rescue_after_s,
+                     what="the running job to be interrupted")
+            # and a message the database says this process holds, started, which the process
+            # does not know (the server it wrote that message's outcome to was lost in a
+            # failover before the outcome reached the standby; or a claim's answer never came)
+            keeper.execute(sql_enqueue.ENQUEUE, enqueue_params([unknown]))
+            keeper.execute("UPDATE dramatiq.queue SET state = 'consumed', claims = 1, worker_id = %s, "
+                           "started_at = now() WHERE message_id = %s", (broker.worker_id, unknown.message_id))
+        # When the process is back
+        wait_for(lambda: not broker.stepped_down, timeout_s=10, what="the worker to step up")
+        # Then it gives that message back, saying so, and it runs to the end
+        wait_for(lambda: "cut-e:done" in CUT_RUNS, timeout_s=10, what="the message to run again")
+        given_back = [r.getMessage() for r in caplog.records if "held by this process in the database" in r.getMessage()]
+        assert len(given_back) == 1 and unknown.message_id in given_back[0]
+    wait_for(lambda: (_state(database_url, unknown.message_id) or ("",))[0] == "done", timeout_s=10,
+             what="the message to be done")
+    # and the job it knew it held was neither given back nor lost
+    wait_for(lambda: _state(database_url, running.message_id) == ("done", 2), timeout_s=10,
+             what="the interrupted job to run again and finish")
+    assert not [r for r in caplog.records if "lost claim" in r.getMessage()]
+
 def _blame(database_url: str, message_id: str) -> tuple[int, str | None]:
     from tests.support.db import query
 
