@@ -171,9 +171,8 @@ class Liveness:
         if held:
             params = {"ids": [key[0] for key, _ in held], "claims": [key[1] for key, _ in held],
                       "worker_id": self.worker_id}
-            try:  # on the connection that just proved it: the pool may still be reconnecting
-                rows = (conn.execute(sql.STILL_HELD, params).fetchall() if conn is not None
-                        else self.execute(sql.STILL_HELD, params))
+            try:
+                rows = self._on(conn, sql.STILL_HELD, params)
             except DISCONNECTS:
                 return  # not proven after all: the next heartbeat tries again
             kept = {(row[0], int(row[1])) for row in rows}
@@ -184,10 +183,7 @@ class Liveness:
         if lost:  # cut off, not crashed: the blame rescue laid on this process is taken back
             params = {"ids": sorted({m for m, _, _ in lost}), "worker_id": self.worker_id}
             try:
-                if conn is not None:
-                    conn.execute(sql.CLEAR_BLAME, params)
-                else:
-                    self.execute(sql.CLEAR_BLAME, params)
+                self._on(conn, sql.CLEAR_BLAME, params)
             except DISCONNECTS:
                 return  # not proven after all: the next heartbeat tries again
         for state in self.queue_states.values():
@@ -201,6 +197,14 @@ class Liveness:
         for state in self.queue_states.values():
             state.notified()
 
+    def _on(self, conn: psycopg.Connection[Any] | None, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """One statement's rows, on the connection that just proved this process alive (the
+        pool may still be reconnecting), or on the pool."""
+        if conn is None:
+            return self.execute(query, params)
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
     def _known_claims(self) -> set[tuple[str, int]]:
         return {*(key for state in self.queue_states.values() for key in state.held()),
                 *(key for key, _ in self.pending_claims())}
@@ -212,20 +216,15 @@ class Liveness:
         arrived. Nobody else takes a claim back from a live process: those messages would
         stay claimed until it stops. (A claim taken or a run ended meanwhile is known by the
         time the database has answered: it is looked up again then.)"""
-        params = {"worker_id": self.worker_id}
-        rows = conn.execute(sql.HELD_HERE, params).fetchall() if conn is not None else self.execute(sql.HELD_HERE, params)
+        rows = self._on(conn, sql.HELD_HERE, {"worker_id": self.worker_id})
         unknown = [(str(m), int(n), str(q)) for m, n, q in rows if (str(m), int(n)) not in known]
         if unknown:
             now_known = self._known_claims()
             unknown = [(m, n, q) for m, n, q in unknown if (m, n) not in now_known]
         if not unknown:
             return
-        requeue = {"ids": [m for m, _, _ in unknown], "claims": [n for _, n, _ in unknown],
-                   "worker_id": self.worker_id}
-        if conn is not None:
-            conn.execute(sql.REQUEUE, requeue)
-        else:
-            self.execute(sql.REQUEUE, requeue)
+        self._on(conn, sql.REQUEUE, {"ids": [m for m, _, _ in unknown], "claims": [n for _, n, _ in unknown],
+                                     "worker_id": self.worker_id})
         for message_id, number, queue_name in unknown:
             logger.warning("message %s (queue %r, claim %d) was held by this process in the database but not here "
                            "(an outcome or a claim lost with the server it was written to): given back, it runs again",

@@ -19,22 +19,13 @@ from broker.engine.settler import Outcome, timing_params
 CLAIMED_INDEX = "queue_consumed_idx"
 
 
-def plan_without_the_primary_key(database_url: str, statement: str, params: dict) -> str:
+def plan_without_the_primary_key(database_url: str, statement: str, params: dict | None = None) -> str:
     """The plan of ``statement`` with the queue's primary key gone (in a transaction
-    rolled back) and sequential scans discouraged: what else it could read to find a row."""
-    with psycopg.connect(database_url) as conn:
-        try:
-            conn.execute("ALTER TABLE dramatiq.queue DROP CONSTRAINT queue_pkey CASCADE")
-            conn.execute("SET LOCAL enable_seqscan = off")
-            return "\n".join(row[0] for row in conn.execute(("EXPLAIN " + statement).encode(), params).fetchall())
-        finally:
-            conn.rollback()
-
-
-def generic_plan_without_the_primary_key(database_url: str, statement: str) -> str:
-    """As :func:`plan_without_the_primary_key`, the plan made for any values: the one
-    Postgres keeps for a prepared statement after its first five runs when it costs no
-    more than theirs (the settler's statements, in a drain and one job at a time alike)."""
+    rolled back) and sequential scans discouraged: what else it could read to find a row.
+    For ``params``' values; without them, the plan made for any values (``EXPLAIN
+    (GENERIC_PLAN)``): the one Postgres keeps for a prepared statement after its first
+    five runs when it costs no more than theirs (the settler's statements, in a drain and
+    one job at a time alike)."""
     names: list[str] = []
 
     def placeholder(match: re.Match[str]) -> str:
@@ -42,14 +33,15 @@ def generic_plan_without_the_primary_key(database_url: str, statement: str) -> s
             names.append(match.group(1))
         return f"${names.index(match.group(1)) + 1}"
 
-    text = re.sub(r"%\((\w+)\)[sb]", placeholder, statement).replace("%%", "%")
+    explain = ("EXPLAIN " + statement if params is not None
+               else "EXPLAIN (GENERIC_PLAN) " + re.sub(r"%\((\w+)\)[sb]", placeholder, statement).replace("%%", "%"))
     with psycopg.connect(database_url) as conn:
-        if conn.info.server_version < 160000:
+        if params is None and conn.info.server_version < 160000:
             pytest.skip("EXPLAIN (GENERIC_PLAN) needs Postgres 16 or later")
         try:
             conn.execute("ALTER TABLE dramatiq.queue DROP CONSTRAINT queue_pkey CASCADE")
             conn.execute("SET LOCAL enable_seqscan = off")
-            return "\n".join(row[0] for row in conn.execute(("EXPLAIN (GENERIC_PLAN) " + text).encode()).fetchall())
+            return "\n".join(row[0] for row in conn.execute(explain.encode(), params).fetchall())
         finally:
             conn.rollback()
 
@@ -89,5 +81,5 @@ def test_a_claim_is_found_by_its_message_id_never_through_the_index_of_every_cla
 @pytest.mark.parametrize("name", sorted(STATEMENTS))
 def test_the_plan_made_for_any_claim_finds_it_by_its_message_id_never_through_the_index_of_every_claim(
         broker, direct_database_url, name):
-    plan = generic_plan_without_the_primary_key(direct_database_url, getattr(sql, name))
+    plan = plan_without_the_primary_key(direct_database_url, getattr(sql, name))
     assert CLAIMED_INDEX not in plan, plan
