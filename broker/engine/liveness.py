@@ -165,8 +165,7 @@ class Liveness:
                 self._step_up_once(conn)
 
     def _step_up_once(self, conn: psycopg.Connection[Any] | None) -> None:
-        held = list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
-                                     for key in state.held()), *self.pending_claims()]))
+        held = self._held()
         lost: list[tuple[str, int, str]] = []
         if held:
             params = {"ids": [key[0] for key, _ in held], "claims": [key[1] for key, _ in held],
@@ -205,9 +204,11 @@ class Liveness:
         cur = conn.execute(query, params)
         return cur.fetchall() if cur.description else []
 
-    def _known_claims(self) -> set[tuple[str, int]]:
-        return {*(key for state in self.queue_states.values() for key in state.held()),
-                *(key for key, _ in self.pending_claims())}
+    def _held(self) -> list[tuple[tuple[str, int], str]]:
+        """Every claim this process knows it holds, with its queue: held by a queue (running,
+        buffered, given back) or ended with its outcome not yet written."""
+        return list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
+                                     for key in state.held()), *self.pending_claims()]))
 
     def _give_back_unknown(self, conn: psycopg.Connection[Any] | None, known: set[tuple[str, int]]) -> None:
         """Give back, unblamed, what the database says this process holds and it does not
@@ -219,7 +220,7 @@ class Liveness:
         rows = self._on(conn, sql.HELD_HERE, {"worker_id": self.worker_id})
         unknown = [(str(m), int(n), str(q)) for m, n, q in rows if (str(m), int(n)) not in known]
         if unknown:
-            now_known = self._known_claims()
+            now_known = {key for key, _ in self._held()}
             unknown = [(m, n, q) for m, n, q in unknown if (m, n) not in now_known]
         if not unknown:
             return
