@@ -486,6 +486,11 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         """Record a heartbeat (registering this process if needed), on ``conn`` or the pool."""
         self.liveness.prove_alive(conn)
 
+    def give_back_unknown(self, conn: psycopg.Connection[Any] | None = None, *, queue: str | None = None) -> int:
+        """Give back, unblamed, the claims the database says this process holds (of
+        ``queue``) and it does not know; returns how many."""
+        return self.liveness.give_back_unknown(conn, queue=queue)
+
     def ensure_registered(self) -> None:
         self.liveness.prove_alive()
 

@@ -96,6 +96,10 @@ class StandmeetConsumer(Consumer):
         self.give_back_after = 0.0
         self.give_back_backoff = Backoff(start_s=0.1, cap_s=5.0)
         self.channel = sql.ENQUEUE_CHANNEL.format(queue=state.name)
+        #: this consumer's connection failed: a claim it made may have committed with its
+        #: answer lost, so what the database says this process holds of the queue is
+        #: checked on the next connection, before any claim
+        self.claims_in_doubt = False
 
     def __iter__(self) -> StandmeetConsumer:
         return self
@@ -111,6 +115,7 @@ class StandmeetConsumer(Consumer):
             return self._claim_or_wait()
         except psycopg.Error as exc:  # any database error: said once, retried with back-off
             self.broker.outage.failed(f"consumer {self.state.name}", exc)
+            self.claims_in_doubt = True
             self._drop_connection()
             self._wait_on_pipe(self.backoff.next_s())
             return None
@@ -154,6 +159,10 @@ class StandmeetConsumer(Consumer):
 
     def claim_once(self, conn: psycopg.Connection[Any]) -> int:
         """Claim up to the free slots of this queue; return how many were claimed."""
+        with self.state.claim_lock:  # nothing checks what this process holds of the queue meanwhile
+            return self._claim_once(conn)
+
+    def _claim_once(self, conn: psycopg.Connection[Any]) -> int:
         want = self.state.free()
         if want <= 0:
             return 0
@@ -301,6 +310,9 @@ class StandmeetConsumer(Consumer):
             self.broker.prove_alive(conn)
             if self.broker.listens_on_claims:  # else the process's listener wakes us, or we poll
                 conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
+            if self.claims_in_doubt:  # a claim's answer lost with the last connection is given back
+                self.broker.give_back_unknown(conn, queue=self.state.name)
+                self.claims_in_doubt = False
         except BaseException:
             close_quietly(conn)
             raise

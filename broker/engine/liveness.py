@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import psycopg
@@ -188,7 +189,7 @@ class Liveness:
         for state in self.queue_states.values():
             state.forget({(m, n) for m, n, q in lost if q == state.name})
         try:
-            self._give_back_unknown(conn, {key for key, _ in held})
+            self.give_back_unknown(conn)
         except DISCONNECTS:
             return  # not proven after all: the next heartbeat tries again
         self.stepped_down = False
@@ -210,26 +211,49 @@ class Liveness:
         return list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
                                      for key in state.held()), *self.pending_claims()]))
 
-    def _give_back_unknown(self, conn: psycopg.Connection[Any] | None, known: set[tuple[str, int]]) -> None:
-        """Give back, unblamed, what the database says this process holds and it does not
-        know: the server it was cut off from may have lost, in a failover, the outcome
-        this process wrote (replicated too late), or sent the answer to a claim that never
-        arrived. Nobody else takes a claim back from a live process: those messages would
-        stay claimed until it stops. (A claim taken or a run ended meanwhile is known by the
-        time the database has answered: it is looked up again then.)"""
-        rows = self._on(conn, sql.HELD_HERE, {"worker_id": self.worker_id})
-        unknown = [(str(m), int(n), str(q)) for m, n, q in rows if (str(m), int(n)) not in known]
-        if unknown:
-            now_known = {key for key, _ in self._held()}
-            unknown = [(m, n, q) for m, n, q in unknown if (m, n) not in now_known]
-        if not unknown:
-            return
-        self._on(conn, sql.REQUEUE, {"ids": [m for m, _, _ in unknown], "claims": [n for _, n, _ in unknown],
-                                     "worker_id": self.worker_id})
+    def give_back_unknown(self, conn: psycopg.Connection[Any] | None, *, queue: str | None = None) -> int:
+        """Give back, unblamed, what the database says this process holds (of ``queue``, or
+        of every queue) and it does not know: the server it was cut off from may have lost,
+        in a failover, the outcome this process wrote (replicated too late), or sent the
+        answer to a claim that never arrived. Nobody else takes a claim back from a live
+        process: those messages would stay claimed until it stops. Returns how many.
+
+        No claim of those queues is made meanwhile (their claim locks are held), and a claim
+        is known while it is held here, while its outcome waits to be written, and for a
+        while after its run ended (:meth:`broker.engine.queues.QueueState.known`); what
+        ended as the database answered is looked up again then."""
+        states = sorted((s for s in self.queue_states.values() if queue is None or s.name == queue),
+                        key=lambda s: s.name)
+        with ExitStack() as locks:
+            for state in states:
+                locks.enter_context(state.claim_lock)
+            known = self._known(states)
+            rows = self._on(conn, sql.HELD_HERE, {"worker_id": self.worker_id})
+            unknown = [(str(m), int(n), str(q)) for m, n, q in rows
+                       if (queue is None or q == queue) and (str(m), int(n)) not in known]
+            if unknown:
+                now_known = self._known(states)
+                unknown = [(m, n, q) for m, n, q in unknown if (m, n) not in now_known]
+            if not unknown:
+                return 0
+            self._on(conn, sql.REQUEUE, {"ids": [m for m, _, _ in unknown], "claims": [n for _, n, _ in unknown],
+                                         "worker_id": self.worker_id})
         for message_id, number, queue_name in unknown:
             logger.warning("message %s (queue %r, claim %d) was held by this process in the database but not here "
-                           "(an outcome or a claim lost with the server it was written to): given back, it runs again",
+                           "(an outcome or a claim lost with the server it was written to, or a claim's answer "
+                           "lost with its connection): given back, it runs again",
                            message_id, queue_name, number)
+        return len(unknown)
+
+    def _known(self, states: list[QueueState]) -> set[tuple[str, int]]:
+        """The claims this process knows of ``states``' queues (held, ran lately, or waiting
+        for their outcome to be written)."""
+        names = {state.name for state in states}
+        known: set[tuple[str, int]] = set()
+        for state in states:
+            known |= state.known()
+        known.update(key for key, queue in self.pending_claims() if queue in names)
+        return known
 
     def heartbeat_once(self) -> dict[str, tuple[int, int]]:
         """Prove this process alive, and rescue the messages of dead ones.

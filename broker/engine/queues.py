@@ -19,6 +19,10 @@ from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, 
 
 #: Weight of the latest run in a queue's mean run time.
 RUN_TIME_WEIGHT = 0.1
+#: How many of a queue's latest ended runs are remembered: a run that has ended is known
+#: neither as running nor yet as an outcome to write for a moment, and a check of what the
+#: database says this process holds must not take it for a claim it never knew.
+RECENTLY_ENDED = 1024
 
 
 @dataclass
@@ -52,6 +56,13 @@ class QueueState:
         self.limit = settings.max_workers
         self.prefetch = settings.prefetch
         self.lock = threading.Lock()
+        #: held while a claim of the queue is made and its claims are held here, and while
+        #: what the database says this process holds of it is checked against what it knows
+        #: (:meth:`broker.engine.liveness.Liveness.give_back_unknown`): never a claim
+        #: committed in the database but not yet known here
+        self.claim_lock = threading.Lock()
+        #: the claims of the latest runs that ended (:data:`RECENTLY_ENDED`)
+        self.ended: deque[tuple[str, int]] = deque(maxlen=RECENTLY_ENDED)
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
@@ -197,6 +208,11 @@ class QueueState:
         with self.lock:
             return [*self.in_flight, *(c.key for c in self.returning if c.key not in self.in_flight)]
 
+    def known(self) -> set[tuple[str, int]]:
+        """Every claim of the queue this process holds (:meth:`held`) or ran lately."""
+        with self.lock:
+            return {*self.in_flight, *(c.key for c in self.returning), *self.ended}
+
     def forget(self, keys: set[tuple[str, int]]) -> None:
         """Claims taken back by another process: never started here. A running one ends as
         usual, and its outcome is fenced off by its claim number."""
@@ -228,6 +244,7 @@ class QueueState:
         with self.lock:
             self.running.discard(key)
             self.in_flight.discard(key)
+            self.ended.append(key)
             self._ran(key)
             self.unsettled += 1
             claim = None

@@ -174,6 +174,69 @@ def test_a_worker_back_from_a_cut_gives_back_what_the_database_says_it_holds_and
              what="the interrupted job to run again and finish")
     assert not [r for r in caplog.records if "lost claim" in r.getMessage()]
 
+#: Ends the worker's claim connection of queue ``index``, and no other of its sessions.
+END_INDEX_CONSUMER = """
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = 'standmeet-consumer-index'
+"""
+
+
+def test_a_claim_whose_answer_is_lost_in_a_blip_too_short_to_step_down_is_given_back(
+    broker, database_url, start_worker, caplog
+):
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
+    from tests.support.db import query
+
+    # Given a worker running one job, and proving it lives all along
+    start_worker(queues=["index"], threads=2)
+    running = held_through_a_cut.send("blip-a", 2.0)
+    wait_for(lambda: _started(database_url, running.message_id), timeout_s=10, what="the job to start")
+    lost_answer = held_through_a_cut.message("blip-b", 0.0)
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # When a claim of this process commits a message as its own, started...
+        with psycopg.connect(database_url) as conn:
+            conn.execute(sql_enqueue.ENQUEUE, enqueue_params([lost_answer]))
+            conn.execute("UPDATE dramatiq.queue SET state = 'consumed', claims = 1, worker_id = %s, "
+                         "started_at = now() WHERE message_id = %s", (broker.worker_id, lost_answer.message_id))
+        # ...and its answer is lost with the claim connection, which the server ends
+        assert query(database_url, END_INDEX_CONSUMER)[0][0] == 1
+        # Then, on its next connection, the consumer gives that message back, saying so,
+        # and it runs to the end, without the process ever stepping down
+        wait_for(lambda: "blip-b:done" in CUT_RUNS, timeout_s=10, what="the message whose answer was lost to run")
+        given_back = [r.getMessage() for r in caplog.records if "held by this process in the database" in r.getMessage()]
+        assert len(given_back) == 1 and lost_answer.message_id in given_back[0]
+        # and the job it knew it held, running meanwhile, was neither given back nor run twice
+        wait_for(lambda: _state(database_url, running.message_id) == ("done", 1), timeout_s=10,
+                 what="the running job to finish")
+    assert CUT_RUNS.count("blip-a:done") == 1 and "blip-a:CutOff" not in CUT_RUNS
+    assert not [r for r in caplog.records if "stepping down" in r.getMessage() or "lost claim" in r.getMessage()]
+    wait_for(lambda: (_state(database_url, lost_answer.message_id) or ("",))[0] == "done", timeout_s=10,
+             what="the message to be done")
+
+
+def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_knew(broker, database_url):
+    # Given a message this process claimed and ran, whose outcome is not yet handed to
+    # the settler (the moment between a run's end and its settle)
+    message = held_through_a_cut.send("ended-a", 0.0)
+    state = broker.queue_states["index"]
+    consumer = broker.consume("index")
+    try:
+        assert consumer.claim_once(consumer._connection()) == 1
+        claim = state.next_buffered()
+        assert claim is not None and claim.key == (message.message_id, 1)
+        state.finished(claim.key)
+        # When the process checks what the database says it holds against what it knows
+        given_back = broker.give_back_unknown(queue="index")
+        # Then that claim is known: not given back, to run a second time
+        assert given_back == 0
+        assert _state(database_url, message.message_id) == ("consumed", 1)
+    finally:
+        consumer.close()
+        scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
+                             "RETURNING 1", (message.message_id,))
+
+
 def _blame(database_url: str, message_id: str) -> tuple[int, str | None]:
     from tests.support.db import query
 
