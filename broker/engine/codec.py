@@ -269,9 +269,10 @@ def check_message_fields(message: Message | MessageProxy) -> None:
                              f"a whole number of milliseconds from 0 to {MAX_TIMESTAMP_MS}")
 
 
-#: Up to this many messages, a batch's ids are compared in a set; beyond, sorted in a list
-#: (a set of 100,000 ids holds 4 MiB, the sorted list of references 0.8).
-DISTINCT_IN_A_SET = 2000
+#: Up to this many messages, a batch's ids are compared in a set (of at most 0.5 MiB);
+#: beyond, sorted in a list (a set of 100,000 ids holds 4 MiB, the sorted list of
+#: references 0.8). The check of 5,000 ids, before the first row is sent: 1.4 ms sorted, 0.9 in a set.
+DISTINCT_IN_A_SET = 10_000
 
 
 def check_distinct_ids(messages: Sequence[Message | MessageProxy]) -> None:

@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from broker import enqueue_many
+from broker.engine.codec import DISTINCT_IN_A_SET
 from broker.errors import ConfigError, DatabaseError, InvalidMessage, MessageRefused
 from tests.support import unique_jobs
 from tests.support.db import query, scalar
@@ -207,9 +208,10 @@ def test_a_unique_actors_message_that_is_not_json_is_refused_in_one_line_before_
     assert scalar(database_url, "SELECT count(*) FROM dramatiq.queue") == before
 
 
-def test_in_a_batch_of_thousands_one_id_twice_far_apart_is_refused_naming_it(broker, database_url):
-    messages = [mark.message(f"far-{n}") for n in range(2500)]
-    messages[2400] = messages[3].copy(args=("far-again",))
+@pytest.mark.parametrize("size", [2500, DISTINCT_IN_A_SET + 500], ids=["ids-in-a-set", "ids-sorted"])
+def test_in_a_batch_of_thousands_one_id_twice_far_apart_is_refused_naming_it(broker, database_url, size):
+    messages = [mark.message(f"far-{n}") for n in range(size)]
+    messages[size - 100] = messages[3].copy(args=("far-again",))
     with pytest.raises(InvalidMessage, match=f"the message id '{messages[3].message_id}' is in this batch twice"):
         enqueue_many(messages)
     assert scalar(database_url, COUNT, (_ids(messages),)) == 0
