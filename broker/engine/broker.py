@@ -376,9 +376,12 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         # The slot is free: this thread hands the next buffered claim to the worker itself.
         consumer_thread = self._consumer_thread(proxy.queue_name) if self.may_claim else None
         following = state.finished(key, hand_off=consumer_thread is not None)
-        if following is not None:
-            self._hand_to_worker(state, following, consumer_thread)
-        self.settler.submit(outcome)
+        try:
+            if following is not None:
+                self._hand_to_worker(state, following, consumer_thread)
+            self.settler.submit(outcome)
+        finally:
+            state.submitted(key)
 
     def proxy_for(self, claim: Claim) -> ClaimedMessage:
         """The proxy a worker runs for a claim leaving the buffer, marked started (in the

@@ -23,7 +23,7 @@ from broker.backoff import Backoff
 from broker.engine import sql
 from broker.engine.codec import claim_size_params, logged_call
 from broker.engine.queues import Claim, QueueState
-from broker.pg.pool import DISCONNECTS, close_quietly, connect, readable
+from broker.pg.pool import DIRECT, DISCONNECTS, close_quietly, connect, readable
 
 if TYPE_CHECKING:
     from broker.engine.broker import StandmeetBroker
@@ -37,6 +37,9 @@ MESSAGE_FIELDS = frozenset(field.name for field in dataclasses.fields(Message))
 MIN_WAIT_S = 0.005
 #: How often a consumer that no longer claims (shutdown) returns to Dramatiq's loop.
 SHUTDOWN_POLL_S = 0.05
+#: How long a consumer waits for its abandoned claim session to end before it checks what
+#: this process holds (the check goes on either way).
+ABANDONED_SESSION_WAIT_MS = 5000
 
 
 class ClaimedMessage(MessageProxy):
@@ -96,10 +99,9 @@ class StandmeetConsumer(Consumer):
         self.give_back_after = 0.0
         self.give_back_backoff = Backoff(start_s=0.1, cap_s=5.0)
         self.channel = sql.ENQUEUE_CHANNEL.format(queue=state.name)
-        #: this consumer's connection failed: a claim it made may have committed with its
-        #: answer lost, so what the database says this process holds of the queue is
-        #: checked on the next connection, before any claim
-        self.claims_in_doubt = False
+        #: the server session of this consumer's connection (direct connections): ended
+        #: before the check of what this process holds, once the connection has failed
+        self.session: tuple[int, Any] | None = None
 
     def __iter__(self) -> StandmeetConsumer:
         return self
@@ -115,7 +117,7 @@ class StandmeetConsumer(Consumer):
             return self._claim_or_wait()
         except psycopg.Error as exc:  # any database error: said once, retried with back-off
             self.broker.outage.failed(f"consumer {self.state.name}", exc)
-            self.claims_in_doubt = True
+            self.state.claims_in_doubt = True
             self._drop_connection()
             self._wait_on_pipe(self.backoff.next_s())
             return None
@@ -310,15 +312,41 @@ class StandmeetConsumer(Consumer):
             self.broker.prove_alive(conn)
             if self.broker.listens_on_claims:  # else the process's listener wakes us, or we poll
                 conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
-            if self.claims_in_doubt:  # a claim's answer lost with the last connection is given back
+            if self.state.claims_in_doubt:  # a claim's answer lost with a failed connection is given back
+                self._end_abandoned_session(conn)
                 self.broker.give_back_unknown(conn, queue=self.state.name)
-                self.claims_in_doubt = False
+                self.state.claims_in_doubt = False
+            if self.broker.topology.mode == DIRECT:
+                row = conn.execute(sql.SESSION_OF).fetchone()
+                self.session = (int(row[0]), row[1]) if row is not None else None
         except BaseException:
             close_quietly(conn)
             raise
         self.conn = conn
         self.next_due_s = 0.0  # we may have missed notifications: look now
         return conn
+
+    def _end_abandoned_session(self, conn: psycopg.Connection[Any]) -> None:
+        """End this consumer's last server session, if it is still there: a claim it was
+        running (waiting for a lock; or its client cut off by a partition, which the server
+        learns of only much later) must not commit after the check of what this process
+        holds. Direct connections only: behind a pooler, a server session outlives its
+        client's, and serves others."""
+        session, self.session = self.session, None
+        if session is None:
+            return
+        pid, started = session
+        try:
+            row = conn.execute(sql.END_ABANDONED_SESSION, {"pid": pid, "started": started,
+                                                           "timeout_ms": ABANDONED_SESSION_WAIT_MS}).fetchone()
+        except psycopg.errors.InsufficientPrivilege as exc:  # the role may not end sessions: checked anyway
+            logger.warning("queue %r: the claim connection given up on (server process %d) could not be ended "
+                           "before checking what this process holds: %s", self.state.name, pid, exc)
+            return
+        if row is not None:
+            logger.info("queue %r: the claim connection given up on (server process %d) %s before checking what "
+                        "this process holds", self.state.name, pid,
+                        "was ended" if row[0] else f"did not end within {ABANDONED_SESSION_WAIT_MS} ms")
 
     def _drop_connection(self) -> None:
         close_quietly(self.conn)

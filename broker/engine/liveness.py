@@ -219,9 +219,9 @@ class Liveness:
         process: those messages would stay claimed until it stops. Returns how many.
 
         No claim of those queues is made meanwhile (their claim locks are held), and a claim
-        is known while it is held here, while its outcome waits to be written, and for a
-        while after its run ended (:meth:`broker.engine.queues.QueueState.known`); what
-        ended as the database answered is looked up again then."""
+        is known while it is held here, from its run's end until its outcome is handed to
+        the settler (:meth:`broker.engine.queues.QueueState.known`), and while its outcome
+        waits to be written; what ended as the database answered is looked up again then."""
         states = sorted((s for s in self.queue_states.values() if queue is None or s.name == queue),
                         key=lambda s: s.name)
         with ExitStack() as locks:
@@ -229,8 +229,8 @@ class Liveness:
                 locks.enter_context(state.claim_lock)
             known = self._known(states)
             rows = self._on(conn, sql.HELD_HERE, {"worker_id": self.worker_id})
-            unknown = [(str(m), int(n), str(q)) for m, n, q in rows
-                       if (queue is None or q == queue) and (str(m), int(n)) not in known]
+            names = {state.name for state in states}  # (a queue declared meanwhile is not checked)
+            unknown = [(str(m), int(n), str(q)) for m, n, q in rows if q in names and (str(m), int(n)) not in known]
             if unknown:
                 now_known = self._known(states)
                 unknown = [(m, n, q) for m, n, q in unknown if (m, n) not in now_known]
@@ -246,8 +246,9 @@ class Liveness:
         return len(unknown)
 
     def _known(self, states: list[QueueState]) -> set[tuple[str, int]]:
-        """The claims this process knows of ``states``' queues (held, ran lately, or waiting
-        for their outcome to be written)."""
+        """The claims this process knows of ``states``' queues: held, ending, or waiting for
+        their outcome to be written (the queues read first: a claim moves from them to the
+        settler)."""
         names = {state.name for state in states}
         known: set[tuple[str, int]] = set()
         for state in states:

@@ -19,10 +19,7 @@ from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, 
 
 #: Weight of the latest run in a queue's mean run time.
 RUN_TIME_WEIGHT = 0.1
-#: How many of a queue's latest ended runs are remembered: a run that has ended is known
-#: neither as running nor yet as an outcome to write for a moment, and a check of what the
-#: database says this process holds must not take it for a claim it never knew.
-RECENTLY_ENDED = 1024
+
 
 
 @dataclass
@@ -61,8 +58,14 @@ class QueueState:
         #: (:meth:`broker.engine.liveness.Liveness.give_back_unknown`): never a claim
         #: committed in the database but not yet known here
         self.claim_lock = threading.Lock()
-        #: the claims of the latest runs that ended (:data:`RECENTLY_ENDED`)
-        self.ended: deque[tuple[str, int]] = deque(maxlen=RECENTLY_ENDED)
+        #: claims whose run has ended and whose outcome is not yet handed to the settler
+        #: (:meth:`finished` to :meth:`submitted`): known neither as running nor as an
+        #: outcome to write for that moment, yet this process's
+        self.ending: set[tuple[str, int]] = set()
+        #: a consumer's claim connection failed: a claim may have committed with its answer
+        #: lost, so what the database says this process holds of the queue is checked on
+        #: the next connection of whichever consumer of the queue, before it claims
+        self.claims_in_doubt = False
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
@@ -209,9 +212,16 @@ class QueueState:
             return [*self.in_flight, *(c.key for c in self.returning if c.key not in self.in_flight)]
 
     def known(self) -> set[tuple[str, int]]:
-        """Every claim of the queue this process holds (:meth:`held`) or ran lately."""
+        """Every claim of the queue this process holds (:meth:`held`), or whose run has
+        ended with its outcome not yet handed to the settler: read before the settler's
+        pending outcomes, a claim is in one or the other until its outcome is written."""
         with self.lock:
-            return {*self.in_flight, *(c.key for c in self.returning), *self.ended}
+            return {*self.in_flight, *(c.key for c in self.returning), *self.ending}
+
+    def submitted(self, key: tuple[str, int]) -> None:
+        """The outcome of a run that ended (:meth:`finished`) is the settler's now (or its
+        hand-over failed: the claim is then no longer known here, and given back)."""
+        self.ending.discard(key)  # one operation on a set, whole under the interpreter lock: no lock taken per run
 
     def forget(self, keys: set[tuple[str, int]]) -> None:
         """Claims taken back by another process: never started here. A running one ends as
@@ -244,7 +254,7 @@ class QueueState:
         with self.lock:
             self.running.discard(key)
             self.in_flight.discard(key)
-            self.ended.append(key)
+            self.ending.add(key)
             self._ran(key)
             self.unsettled += 1
             claim = None

@@ -324,6 +324,19 @@ SELECT q.message_id::text, q.claims, q.queue_name FROM dramatiq.queue q
 WHERE q."state" = 'consumed' AND q.worker_id = %(worker_id)s
 """
 
+#: Who a claim connection's session is on the server (direct connections): found again
+#: by :data:`END_ABANDONED_SESSION` once the connection is given up.
+SESSION_OF = "SELECT pg_backend_pid(), backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+#: A claim connection given up on (its client saw it fail) may still be running a claim on
+#: the server (waiting for a lock, or not yet told its client is gone): that session is
+#: ended, and its end waited for up to ``timeout_ms``, so the claim has committed or rolled
+#: back before the process checks what it holds. Only the same session (its start too: a
+#: process id is reused). True once it has ended, NULL when it was gone already.
+END_ABANDONED_SESSION = """
+SELECT pg_terminate_backend(pid, %(timeout_ms)s) FROM pg_stat_activity
+WHERE pid = %(pid)s AND backend_start = %(started)s
+"""
+
 #: A process that stepped down (cut off, not crashed) takes back what rescue laid on the
 #: claims it lost: the crash counted on it (a message rejected for it alone goes back to
 #: its queue) and the suspicion of its set. Returns how many messages were cleared. A

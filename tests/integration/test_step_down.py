@@ -10,14 +10,17 @@ lost meanwhile, and their late outcomes are fenced off by the claim number.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
+import pytest
 from psycopg import sql as pgsql
 
-from tests.support.db import conninfo_dbname, scalar, wait_for
+from tests.support.db import conninfo_dbname, query, scalar, wait_for
 from tests.support.jobs import CUT_RUNS, held_through_a_cut
 
 END_SESSIONS = """
@@ -186,7 +189,6 @@ def test_a_claim_whose_answer_is_lost_in_a_blip_too_short_to_step_down_is_given_
 ):
     from broker.engine import sql_enqueue
     from broker.engine.codec import enqueue_params
-    from tests.support.db import query
 
     # Given a worker running one job, and proving it lives all along
     start_worker(queues=["index"], threads=2)
@@ -235,6 +237,91 @@ def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_kn
         consumer.close()
         scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
                              "RETURNING 1", (message.message_id,))
+
+
+#: What a standby promoted in a failover holds when a run's claim reached it and its
+#: settle did not: the row consumed by this worker, under the claim that ran here.
+SETTLE_LOST_IN_A_FAILOVER = ("UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s, started_at = now() "
+                             "WHERE message_id = %s AND claims = 1 RETURNING 1")
+
+
+def _given_back(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "held by this process in the database" in r.getMessage()]
+
+
+def test_a_settle_lost_in_a_failover_is_given_back_at_step_up_however_recent_its_run(
+    broker, database_url, admin_url, start_worker, caplog
+):
+    # Given a run that ended here a moment ago, its outcome written
+    start_worker(queues=["index"], threads=2)
+    ran = held_through_a_cut.send("failover-a", 0.0)
+    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # When the worker is cut off long enough to step down, and the server it comes back
+        # to (a promoted standby) had the run's claim but not its settle
+        with cut_off(admin_url, database_url) as keeper:
+            wait_for(lambda: broker.stepped_down, timeout_s=2 * broker.settings.rescue_after_s, what="a step-down")
+            assert keeper.execute(SETTLE_LOST_IN_A_FAILOVER, (broker.worker_id, ran.message_id)).fetchall() == [(1,)]
+        wait_for(lambda: not broker.stepped_down, timeout_s=10, what="the worker to step up")
+        # Then the message is given back and runs again
+        wait_for(lambda: CUT_RUNS.count("failover-a:done") == 2, timeout_s=10,
+                 what="the run whose settle was lost to run again")
+        assert len(_given_back(caplog)) == 1
+
+
+def test_a_settle_lost_in_a_failover_too_quick_to_step_down_is_given_back_after_the_blip(
+    broker, database_url, start_worker, caplog
+):
+    # Given a run that ended here a moment ago, its outcome written
+    start_worker(queues=["index"], threads=2)
+    ran = held_through_a_cut.send("failover-b", 0.0)
+    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # When a failover too quick to step down loses its settle (its claim replicated)
+        # and ends the claim connection
+        assert query(database_url, SETTLE_LOST_IN_A_FAILOVER, (broker.worker_id, ran.message_id)) == [(1,)]
+        assert query(database_url, END_INDEX_CONSUMER)[0][0] == 1
+        # Then the consumer's check on its next connection gives it back, and it runs again
+        wait_for(lambda: CUT_RUNS.count("failover-b:done") == 2, timeout_s=10,
+                 what="the run whose settle was lost to run again")
+        assert len(_given_back(caplog)) == 1
+    assert not broker.stepped_down
+
+
+def test_a_claim_still_waiting_on_the_server_when_its_connection_is_given_up_never_commits_unknown(
+    broker, database_url, start_worker, caplog
+):
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
+
+    # Given the worker's claim of a new message waiting on the server for a table lock (a
+    # migration's, a VACUUM FULL's)
+    worker = start_worker(queues=["index"], threads=2)
+    wait_for(lambda: query(database_url, "SELECT 1 FROM pg_stat_activity WHERE application_name = "
+                                         "'standmeet-consumer-index' AND datname = current_database()"),
+             timeout_s=10, what="the consumer to connect")
+    message = held_through_a_cut.message("waiting-claim", 0.0)
+    waiting_claim = ("SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                     "AND application_name = 'standmeet-consumer-index'")
+    with psycopg.connect(database_url) as holder, caplog.at_level(logging.INFO, logger="standmeet.broker"):
+        holder.execute("LOCK TABLE standmeet.queue_pauses IN ACCESS EXCLUSIVE MODE")
+        query(database_url, sql_enqueue.ENQUEUE, enqueue_params([message]))
+        old_pid = wait_for(lambda: query(database_url, waiting_claim), timeout_s=10, what="the claim to wait")[0][0]
+        # When the client gives that connection up (as its keepalives would in a partition:
+        # the server does not know it yet) and the consumer connects again
+        conn = worker.consumers["index"].consumer.conn
+        cut = socket.socket(fileno=os.dup(conn.fileno()))
+        cut.shutdown(socket.SHUT_RDWR)
+        cut.close()
+        # Then the abandoned session is ended before the check, its claim rolled back
+        wait_for(lambda: any(f"server process {old_pid}) was ended" in r.getMessage() for r in caplog.records),
+                 timeout_s=10, what="the consumer to end the abandoned claim session")
+        assert not query(database_url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (old_pid,))
+        holder.commit()
+    # and the message is claimed again and runs, not left claimed by this live worker
+    wait_for(lambda: "waiting-claim:done" in CUT_RUNS, timeout_s=10, what="the message to run")
+    wait_for(lambda: _state(database_url, message.message_id) == ("done", 1), timeout_s=10,
+             what="the message to be done on its first claim")
 
 
 def _blame(database_url: str, message_id: str) -> tuple[int, str | None]:
