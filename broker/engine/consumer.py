@@ -23,7 +23,7 @@ from broker.backoff import Backoff
 from broker.engine import sql
 from broker.engine.codec import claim_size_params, logged_call
 from broker.engine.queues import Claim, QueueState
-from broker.pg.pool import DIRECT, DISCONNECTS, close_quietly, connect, readable
+from broker.pg.pool import DISCONNECTS, close_quietly, connect, readable
 
 if TYPE_CHECKING:
     from broker.engine.broker import StandmeetBroker
@@ -117,7 +117,7 @@ class StandmeetConsumer(Consumer):
             return self._claim_or_wait()
         except psycopg.Error as exc:  # any database error: said once, retried with back-off
             self.broker.outage.failed(f"consumer {self.state.name}", exc)
-            self.state.claims_in_doubt = True
+            self.state.doubt()
             self._drop_connection()
             self._wait_on_pipe(self.backoff.next_s())
             return None
@@ -312,13 +312,15 @@ class StandmeetConsumer(Consumer):
             self.broker.prove_alive(conn)
             if self.broker.listens_on_claims:  # else the process's listener wakes us, or we poll
                 conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
-            if self.state.claims_in_doubt:  # a claim's answer lost with a failed connection is given back
+            doubts = self.state.in_doubt()
+            if doubts is not None:  # a claim's answer lost with a failed connection is given back
                 self._end_abandoned_session(conn)
                 self.broker.give_back_unknown(conn, queue=self.state.name)
-                self.state.claims_in_doubt = False
-            if self.broker.topology.mode == DIRECT:
+                self.state.checked(doubts)
+            if self.broker.topology.known_direct:
                 row = conn.execute(sql.SESSION_OF).fetchone()
-                self.session = (int(row[0]), row[1]) if row is not None else None
+                # (a role that may not see its own sessions' start gets NULL: nothing to end)
+                self.session = (int(row[0]), row[1]) if row is not None and row[1] is not None else None
         except BaseException:
             close_quietly(conn)
             raise
@@ -332,7 +334,7 @@ class StandmeetConsumer(Consumer):
         learns of only much later) must not commit after the check of what this process
         holds. Direct connections only: behind a pooler, a server session outlives its
         client's, and serves others."""
-        session, self.session = self.session, None
+        session = self.session
         if session is None:
             return
         pid, started = session
@@ -340,9 +342,11 @@ class StandmeetConsumer(Consumer):
             row = conn.execute(sql.END_ABANDONED_SESSION, {"pid": pid, "started": started,
                                                            "timeout_ms": ABANDONED_SESSION_WAIT_MS}).fetchone()
         except psycopg.errors.InsufficientPrivilege as exc:  # the role may not end sessions: checked anyway
+            self.session = None
             logger.warning("queue %r: the claim connection given up on (server process %d) could not be ended "
                            "before checking what this process holds: %s", self.state.name, pid, exc)
             return
+        self.session = None  # ended, or gone already (kept until then: a failure here tries again)
         if row is not None:
             logger.info("queue %r: the claim connection given up on (server process %d) %s before checking what "
                         "this process holds", self.state.name, pid,

@@ -76,6 +76,9 @@ class Liveness:
         self._heartbeat: detach.Detached | None = None
         self._guard: detach.Detached | None = None
         self._beat_conn: psycopg.Connection[Any] | None = None
+        #: since when the server has been the database's, as last seen (its change: a
+        #: restart or a failover)
+        self._epoch: Any = None
 
     @property
     def started(self) -> bool:
@@ -111,14 +114,22 @@ class Liveness:
             "rescue_after_s": self.settings.rescue_after_s,
         }
         if conn is not None:
-            conn.execute(sql.HEARTBEAT, params)
+            row = conn.execute(sql.HEARTBEAT, params).fetchone()
         else:
-            self.execute(sql.HEARTBEAT, params)
+            rows = self.execute(sql.HEARTBEAT, params)
+            row = rows[0] if rows else None
+        epoch = row[0] if row is not None else None
         self.confirmed_at = time.monotonic()
         self.outage.ok()
         self._start_heartbeat()
         if self.stepped_down:
-            self._step_up(conn)
+            self._step_up(conn)  # its check covers a changed server too
+        elif self._epoch is not None and epoch != self._epoch:
+            # Restarted, or failed over (behind a pooler, maybe with no connection of ours
+            # seen to fail): an outcome this process wrote may have been lost with it.
+            logger.warning("the database server restarted or failed over: checking what this process holds")
+            self.give_back_unknown(conn)
+        self._epoch = epoch
 
     def _start_heartbeat(self) -> None:
         with self._lock:

@@ -62,10 +62,12 @@ class QueueState:
         #: (:meth:`finished` to :meth:`submitted`): known neither as running nor as an
         #: outcome to write for that moment, yet this process's
         self.ending: set[tuple[str, int]] = set()
-        #: a consumer's claim connection failed: a claim may have committed with its answer
-        #: lost, so what the database says this process holds of the queue is checked on
-        #: the next connection of whichever consumer of the queue, before it claims
-        self.claims_in_doubt = False
+        #: how many times a consumer's claim connection of the queue failed, and how many of
+        #: those a check has covered: a claim may have committed with its answer lost, so
+        #: what the database says this process holds of the queue is checked on the next
+        #: connection of whichever consumer of the queue, before it claims
+        self.doubts = 0
+        self.doubts_checked = 0
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
@@ -218,10 +220,28 @@ class QueueState:
         with self.lock:
             return {*self.in_flight, *(c.key for c in self.returning), *self.ending}
 
+    def doubt(self) -> None:
+        """A claim connection of the queue failed: what this process holds is checked."""
+        with self.lock:
+            self.doubts += 1
+
+    def in_doubt(self) -> int | None:
+        """The failures not yet covered by a check (pass it to :meth:`checked`), or None."""
+        with self.lock:
+            return self.doubts if self.doubts != self.doubts_checked else None
+
+    def checked(self, doubts: int) -> None:
+        """A check made after ``doubts`` failures has ended: those are covered."""
+        with self.lock:
+            self.doubts_checked = max(self.doubts_checked, doubts)
+
     def submitted(self, key: tuple[str, int]) -> None:
         """The outcome of a run that ended (:meth:`finished`) is the settler's now (or its
         hand-over failed: the claim is then no longer known here, and given back)."""
-        self.ending.discard(key)  # one operation on a set, whole under the interpreter lock: no lock taken per run
+        # One operation on a set, whole under the interpreter lock: no lock taken per run.
+        # (Anything that iterates ``ending`` must copy it in one operation, as ``known``
+        # does: a loop over it in Python would meet a discard from another thread.)
+        self.ending.discard(key)
 
     def forget(self, keys: set[tuple[str, int]]) -> None:
         """Claims taken back by another process: never started here. A running one ends as

@@ -302,12 +302,15 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM (SELECT DISTINC
 #: alive this way before it claims again after an outage.
 #: A process's queues only grow while it lives; each consumer registers the ones known when
 #: it connects, and two of them may commit out of order: the row keeps their union, so a
-#: late commit of an older list never hides a queue the process serves.
+#: late commit of an older list never hides a queue the process serves. Returns since when
+#: the answering server has been the database's (:data:`RESCUE`'s epoch): a new value
+#: means a restart or a failover, which may have lost outcomes this process wrote.
 HEARTBEAT = """
 INSERT INTO standmeet.worker_processes AS w (id, hostname, pid, queues, rescue_after_s)
 VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s, %(rescue_after_s)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, rescue_after_s = EXCLUDED.rescue_after_s,
     queues = ARRAY(SELECT DISTINCT q FROM unnest(w.queues || EXCLUDED.queues) AS q ORDER BY q)
+RETURNING standmeet.server_epoch_since()
 """
 
 #: Which of some claims this process still holds (after it was cut off, to say which it lost).

@@ -71,6 +71,11 @@ class Topology:
     poll_s: float = 0.05
 
     @property
+    def known_direct(self) -> bool:
+        """Direct, as probed or told: not merely assumed (a probe that got no answer)."""
+        return self.mode == DIRECT and not self.how.startswith(UNPROBED)
+
+    @property
     def session_state(self) -> bool:
         """Whether a session-level setting stays with this client (not through a transaction pooler)."""
         return self.mode != TRANSACTION

@@ -324,6 +324,67 @@ def test_a_claim_still_waiting_on_the_server_when_its_connection_is_given_up_nev
              what="the message to be done on its first claim")
 
 
+def test_an_outcome_lost_in_a_failover_no_connection_saw_is_given_back_at_the_next_heartbeat(
+    broker, database_url, start_worker, caplog
+):
+    # Given a run that ended here a moment ago, its outcome written
+    start_worker(queues=["index"], threads=2)
+    ran = held_through_a_cut.send("failover-c", 0.0)
+    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # When the database fails over behind a pooler, which hides it from every connection
+        # of the process (the server answering now is another: a new timeline), and the
+        # promoted server had the run's claim but not its settle
+        with psycopg.connect(database_url) as conn:
+            conn.execute("UPDATE standmeet.server_epoch SET identity = 'another server/0000000F'")
+            conn.execute(SETTLE_LOST_IN_A_FAILOVER, (broker.worker_id, ran.message_id))
+        # Then the next heartbeat sees the server changed, and the message is given back
+        wait_for(lambda: CUT_RUNS.count("failover-c:done") == 2, timeout_s=4 * broker.settings.heartbeat_s + 10,
+                 what="the run whose settle was lost to run again")
+        assert len(_given_back(caplog)) == 1
+        assert any("restarted or failed over" in r.getMessage() for r in caplog.records)
+    assert not broker.stepped_down
+
+
+def test_an_abandoned_claim_session_is_kept_until_it_has_been_ended(broker, database_url):
+    # Given a consumer connected directly, its server session recorded
+    assert broker.topology.known_direct
+    consumer = broker.consume("index")
+    try:
+        first = consumer._connection()
+        session = consumer.session
+        assert session is not None and session[0] == first.info.backend_pid
+        # When ending it, once that connection is given up, fails (the new connection is lost too)
+        lost = psycopg.connect(database_url)
+        lost.close()
+        with pytest.raises(psycopg.OperationalError):
+            consumer._end_abandoned_session(lost)
+        # Then the session is kept, and ended by the next attempt
+        assert consumer.session == session
+        with psycopg.connect(database_url, autocommit=True) as live:
+            consumer._end_abandoned_session(live)
+        assert consumer.session is None
+        assert not query(database_url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (session[0],))
+    finally:
+        consumer.close()
+
+
+def test_a_consumer_records_no_session_to_end_where_the_connection_was_only_assumed_direct(broker, monkeypatch):
+    from broker.pg.pool import DIRECT, UNPROBED, Topology
+
+    # Given a topology the probe could not see (a pooler that did not answer at start-up)
+    monkeypatch.setattr(broker, "topology", Topology(mode=DIRECT, prepare=True, listen_url=broker.url,
+                                                      how=f"{UNPROBED}: the server did not answer the probe"))
+    consumer = broker.consume("index")
+    try:
+        # When it connects, Then it records no server session it could end later: behind a
+        # pooler that session would be another client's
+        consumer._connection()
+        assert consumer.session is None
+    finally:
+        consumer.close()
+
+
 def _blame(database_url: str, message_id: str) -> tuple[int, str | None]:
     from tests.support.db import query
 

@@ -315,3 +315,19 @@ def test_runs_ending_while_the_consumer_sleeps_wake_it_with_one_pipe_write():
     assert state.going_to_sleep()
     state.finished(claim.key, hand_off=True)
     assert _pipe_bytes(state) == 1
+
+
+def test_a_claim_connection_failing_during_a_check_leaves_the_queue_in_doubt():
+    state = QueueState(QueueSettings("q", max_workers=2, time_limit_s=1, prefetch_setting=1))
+    # Given a failure, and a check that began after it
+    state.doubt()
+    doubts = state.in_doubt()
+    assert doubts is not None
+    # When another consumer's connection of the queue fails while that check runs
+    state.doubt()
+    state.checked(doubts)
+    # Then the queue is still in doubt, until a check begun after the second failure ends
+    later = state.in_doubt()
+    assert later is not None
+    state.checked(later)
+    assert state.in_doubt() is None
