@@ -21,7 +21,6 @@ from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, 
 RUN_TIME_WEIGHT = 0.1
 
 
-
 @dataclass
 class Claim:
     """One claim of a message by this process: (message id, claim number)."""

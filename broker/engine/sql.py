@@ -334,7 +334,8 @@ SESSION_OF = "SELECT pg_backend_pid(), backend_start FROM pg_stat_activity WHERE
 #: the server (waiting for a lock, or not yet told its client is gone): that session is
 #: ended, and its end waited for up to ``timeout_ms``, so the claim has committed or rolled
 #: back before the process checks what it holds. Only the same session (its start too: a
-#: process id is reused). True once it has ended, NULL when it was gone already.
+#: process id is reused). True once it has ended, false if it did not end in time; no row
+#: when it was gone already.
 END_ABANDONED_SESSION = """
 SELECT pg_terminate_backend(pid, %(timeout_ms)s) FROM pg_stat_activity
 WHERE pid = %(pid)s AND backend_start = %(started)s

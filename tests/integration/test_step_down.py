@@ -13,9 +13,11 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import dramatiq
 import psycopg
 import pytest
 from psycopg import sql as pgsql
@@ -249,13 +251,19 @@ def _given_back(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "held by this process in the database" in r.getMessage()]
 
 
+def _a_run_done_here(database_url: str, start_worker: Callable[..., Any], key: str) -> dramatiq.Message:
+    """A worker on queue ``index``, and a message it has run, its outcome written."""
+    start_worker(queues=["index"], threads=2)
+    ran = held_through_a_cut.send(key, 0.0)
+    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    return ran
+
+
 def test_a_settle_lost_in_a_failover_is_given_back_at_step_up_however_recent_its_run(
     broker, database_url, admin_url, start_worker, caplog
 ):
     # Given a run that ended here a moment ago, its outcome written
-    start_worker(queues=["index"], threads=2)
-    ran = held_through_a_cut.send("failover-a", 0.0)
-    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    ran = _a_run_done_here(database_url, start_worker, "failover-a")
     with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
         # When the worker is cut off long enough to step down, and the server it comes back
         # to (a promoted standby) had the run's claim but not its settle
@@ -273,9 +281,7 @@ def test_a_settle_lost_in_a_failover_too_quick_to_step_down_is_given_back_after_
     broker, database_url, start_worker, caplog
 ):
     # Given a run that ended here a moment ago, its outcome written
-    start_worker(queues=["index"], threads=2)
-    ran = held_through_a_cut.send("failover-b", 0.0)
-    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    ran = _a_run_done_here(database_url, start_worker, "failover-b")
     with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
         # When a failover too quick to step down loses its settle (its claim replicated)
         # and ends the claim connection
@@ -328,9 +334,7 @@ def test_an_outcome_lost_in_a_failover_no_connection_saw_is_given_back_at_the_ne
     broker, database_url, start_worker, caplog
 ):
     # Given a run that ended here a moment ago, its outcome written
-    start_worker(queues=["index"], threads=2)
-    ran = held_through_a_cut.send("failover-c", 0.0)
-    wait_for(lambda: _state(database_url, ran.message_id) == ("done", 1), timeout_s=10, what="the run to be done")
+    ran = _a_run_done_here(database_url, start_worker, "failover-c")
     with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
         # When the database fails over behind a pooler, which hides it from every connection
         # of the process (the server answering now is another: a new timeline), and the
