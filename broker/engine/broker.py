@@ -60,7 +60,7 @@ from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
 from broker.engine.hooks import HookTable, MiddlewareList
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
-from broker.engine.runs import disarm, run_signal
+from broker.engine.runs import RunningJobs, disarm, run_signal
 from broker.engine.settler import (
     Outcome,
     SettleContext,
@@ -124,8 +124,8 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         #: their own connection, on a listener of the process, or poll
         self.topology = topology_for(url)
         self._wakeups: WakeListener | None = None
-        #: the worker thread running each message (thread id -> proxy), to interrupt them
-        self._job_threads: dict[int, MessageProxy] = {}
+        #: the worker threads running a job, to interrupt them on a step-down
+        self._running = RunningJobs()
         self.closing = False
         self.queue_states: dict[str, QueueState] = {}
         self.served: set[str] = set()
@@ -135,7 +135,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         self.liveness = Liveness(
             worker_id=self.worker_id, url=url, settings=settings, outage=self.outage, execute=self.execute,
             served=self.served, queue_states=self.queue_states, pending_claims=self._pending_claims,
-            job_threads=self._job_threads, claiming=lambda: self.claiming, on_proven=self._start_wakeups)
+            running=self._running, claiming=lambda: self.claiming, on_proven=self._start_wakeups)
         self.settler = Settler(
             worker_id=self.worker_id, connect=functools.partial(self.liveness.connect_proven, "standmeet-settler"),
             outage=self.outage, max_runs_without_outcome=settings.max_runs_without_outcome,
@@ -223,7 +223,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
-            self._job_threads[threading.get_ident()] = args[0]
+            self._running.enter(args[0])
             args[0].standmeet_started_mono = time.monotonic()
         elif signal == "worker_boot" and args:
             # before its threads start: a job may end before Worker.start() returns
@@ -300,9 +300,10 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             self._emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
-        self._job_threads.pop(threading.get_ident(), None)
-        # The time limit never fires in the settle path; one that fired as the job ended is dropped.
-        late = disarm(self._hook_table.bound(self.middleware, "disarm"))
+        # Neither a step-down's interruption nor the time limit fires in the settle path;
+        # one that was raised as the job ended is dropped (broker.engine.runs).
+        late = self._running.leave()
+        late = disarm(self._hook_table.bound(self.middleware, "disarm")) or late
         if late is not None:
             logger.info("message %s: %s arrived after the job had ended; ignored",
                         proxy.message_id, type(late).__name__)

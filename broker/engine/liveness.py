@@ -21,12 +21,11 @@ from contextlib import ExitStack
 from typing import Any
 
 import psycopg
-from dramatiq.broker import MessageProxy
-from dramatiq.middleware.threading import raise_thread_exception
 
 from broker import detach
 from broker.engine import sql
 from broker.engine.queues import QueueState
+from broker.engine.runs import RunningJobs
 from broker.errors import CutOff, DatabaseUnavailable
 from broker.pg.pool import DISCONNECTS, Outage, close_quietly, connect
 from broker.settings import Settings
@@ -43,12 +42,11 @@ class Liveness:
     def __init__(self, *, worker_id: str, url: str, settings: Settings, outage: Outage, execute: Execute,
                  served: set[str], queue_states: Mapping[str, QueueState],
                  pending_claims: Callable[[], list[tuple[tuple[str, int], str]]],
-                 job_threads: Mapping[int, MessageProxy], claiming: Callable[[], bool],
+                 running: RunningJobs, claiming: Callable[[], bool],
                  on_proven: Callable[[], None]) -> None:
         """``served``: the queues this process serves (it grows); ``queue_states``: what it
         holds of each; ``pending_claims``: the settler's claims whose outcome waits to be
-        written; ``job_threads``: the worker threads running jobs (thread id -> message),
-        interrupted on a step-down; ``claiming``: whether the process still claims (not
+        written; ``running``: the worker threads running jobs, interrupted on a step-down; ``claiming``: whether the process still claims (not
         shutting down); ``on_proven``: called each time it proved it lives."""
         self.worker_id = worker_id
         self.url = url
@@ -58,7 +56,7 @@ class Liveness:
         self.served = served
         self.queue_states = queue_states
         self.pending_claims = pending_claims
-        self.job_threads = job_threads
+        self.running = running
         self.claiming = claiming
         self.on_proven = on_proven
         #: set while this process cannot prove it lives (see :meth:`guard_once`)
@@ -161,13 +159,11 @@ class Liveness:
         window, and a run must not go on here then. Prefetched claims are kept unstarted;
         what this process still holds when it can prove it lives again is checked then."""
         self.stepped_down = True
-        running = list(self.job_threads.items())
-        for thread_id, _proxy in running:
-            raise_thread_exception(thread_id, CutOff)
+        interrupted = self.running.interrupt_all(CutOff)  # never a run that has ended
         logger.warning(
             "stepping down: no heartbeat confirmed for %.1f s (another process may rescue this one's jobs after "
             "%g s): claiming stopped, %d running job(s) interrupted; they run again",
-            silent_s, self.settings.rescue_after_s, len(running))
+            silent_s, self.settings.rescue_after_s, interrupted)
 
     def _step_up(self, conn: psycopg.Connection[Any] | None) -> None:
         """This process proved it lives again: say which of its claims were taken back

@@ -11,16 +11,22 @@ one and the memory one): which signal its after-hooks see. No database code.
   else reads the run (:func:`disarm`). An interruption already on its way when the job
   ended (its timer fired between the job's last line and the disarm) is delivered there
   and dropped: the run's outcome is what the job did, and every after-hook still runs.
+* The same holds for an interruption of every running job at once (a worker stepping
+  down): :class:`RunningJobs` raises it only into threads still in their run, under the
+  lock a thread takes to leave its run, and one raised just before the thread left is
+  delivered as it leaves, and dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Interrupt
+from dramatiq.middleware.threading import raise_thread_exception
 
 from broker.errors import Deferred, ResultRefused
 
@@ -33,6 +39,52 @@ RefuseResult = Callable[[Any, MessageProxy, Any], "str | None"]
 def _interruptible() -> None:
     """A Python call does nothing but let the interpreter deliver an asynchronous
     exception set for this thread (it is checked on entering a Python frame)."""
+
+
+class RunningJobs:
+    """The worker threads running a job here (thread id -> message), and the one way to
+    interrupt them all: never a thread whose run has ended.
+
+    A thread enters when its run starts and leaves before anything reads the run's
+    outcome. :meth:`interrupt_all` raises into the threads still in their run under the
+    lock :meth:`leave` takes, so a thread that has left is never interrupted (an
+    interruption landing in its settle would drop an outcome the job produced, or keep
+    its slot counted as running); one raised just before the thread left is delivered in
+    :meth:`leave` and returned, as :func:`disarm` returns a late time limit.
+    """
+
+    def __init__(self) -> None:
+        self._threads: dict[int, MessageProxy] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    def enter(self, proxy: MessageProxy) -> None:
+        """This thread's run starts (lock-free: an interruption raised before it counts)."""
+        self._threads[threading.get_ident()] = proxy
+
+    def leave(self) -> Interrupt | None:
+        """This thread's run has ended: no interruption is raised into it from now on; one
+        already on its way is delivered here and returned instead of raised."""
+        ident = threading.get_ident()
+        try:
+            with self._lock:
+                self._threads.pop(ident, None)
+            _interruptible()
+        except Interrupt as exc:
+            with self._lock:  # it may have landed before the thread left
+                self._threads.pop(ident, None)
+            return exc
+        return None
+
+    def interrupt_all(self, exception: type[Interrupt]) -> int:
+        """Raise ``exception`` into every thread still in its run; how many."""
+        with self._lock:
+            running = list(self._threads)
+            for thread_id in running:
+                raise_thread_exception(thread_id, exception)
+        return len(running)
 
 
 def disarm(hooks: Iterable[Callable[[], None]]) -> Interrupt | None:

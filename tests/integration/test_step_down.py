@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,10 +21,12 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
+from dramatiq.middleware import Middleware
 from psycopg import sql as pgsql
 
+from broker.engine import runs
 from tests.support.db import conninfo_dbname, query, scalar, wait_for
-from tests.support.jobs import CUT_RUNS, held_through_a_cut
+from tests.support.jobs import CUED_RUNS, CUES, CUT_RUNS, ended_on_cue, held_through_a_cut
 
 END_SESSIONS = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -85,6 +88,54 @@ def test_a_cut_off_worker_interrupts_its_jobs_before_the_rescue_window_and_runs_
     assert not [r for r in caplog.records if "lost claim" in r.getMessage()]
     assert scalar(database_url, "SELECT message->'options'->>'retries' FROM dramatiq.queue WHERE message_id = %s",
                   (message.message_id,)) in (None, "0")
+
+
+class _HoldsTheEndedRun(Middleware):
+    """Keeps a worker thread in its after-hook, where a run that has ended is read and
+    settled, until told to go on (a Python loop: an interruption raised meanwhile lands)."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.go_on = threading.Event()
+
+    def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        self.reached.set()
+        deadline = time.monotonic() + 5
+        while not self.go_on.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def test_a_step_down_never_interrupts_a_run_that_has_already_ended(
+    broker, database_url, start_worker, monkeypatch, caplog
+):
+    # Given a worker running a job that ends on cue, and a step-down that has counted it
+    # among the running jobs: its interruption goes out only after the job has ended
+    # and had the time to reach its after-hooks
+    held = _HoldsTheEndedRun()
+    broker.add_middleware(held)
+    start_worker(queues=["index"], threads=1)
+    message = ended_on_cue.send("ended-b")
+    wait_for(lambda: _started(database_url, message.message_id), timeout_s=10, what="the job to start")
+    raise_thread_exception = runs.raise_thread_exception
+
+    def raised_once_the_run_has_ended(thread_id: int, exception: type[BaseException]) -> None:
+        CUES["ended-b"].set()
+        held.reached.wait(1)  # with the fix, the thread waits to leave its run instead
+        raise_thread_exception(thread_id, exception)
+        held.go_on.set()
+
+    monkeypatch.setattr(runs, "raise_thread_exception", raised_once_the_run_has_ended)
+    with caplog.at_level(logging.INFO, logger="standmeet.broker"):
+        # When the worker steps down
+        broker.liveness.step_down(broker.settings.step_down_after_s)
+        # Then, back up, it writes the run's outcome: done, after one run
+        wait_for(lambda: _state(database_url, message.message_id) == ("done", 1), timeout_s=10,
+                 what="the run's outcome to be written")
+    assert CUED_RUNS.count("ended-b") == 1
+    # and the interruption reached the thread only once its run had ended, and was dropped
+    assert any(f"message {message.message_id}: CutOff arrived after the job had ended" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_worker_back_from_a_cut_says_which_claims_it_lost_and_writes_no_stale_settle(

@@ -9,6 +9,7 @@ from rows, not from in-process counters.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import dramatiq
@@ -202,6 +203,21 @@ def held_through_a_cut(key: str, seconds: float) -> None:
         CUT_RUNS.append(f"{key}:{type(exc).__name__}")
         raise
     CUT_RUNS.append(f"{key}:done")
+
+
+#: The cue each first run of ``test.ended_on_cue`` waits for, by key; and every run's key.
+CUES: dict[str, threading.Event] = {}
+CUED_RUNS: list[str] = []
+
+
+@dramatiq.actor(actor_name="test.ended_on_cue", queue_name="index", max_retries=0)
+def ended_on_cue(key: str) -> None:
+    """The first run of ``key`` waits (up to 30 s) for ``CUES[key]`` to be set, then
+    ends; later ones end at once. Each run is counted in :data:`CUED_RUNS`."""
+    first = key not in CUED_RUNS
+    CUED_RUNS.append(key)
+    if first:
+        CUES.setdefault(key, threading.Event()).wait(30)
 
 
 @dramatiq.actor(actor_name="test.woken_while_snoozing", queue_name="index", max_retries=0)
