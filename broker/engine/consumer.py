@@ -40,6 +40,10 @@ SHUTDOWN_POLL_S = 0.05
 #: How long a consumer waits for its abandoned claim session to end before it checks what
 #: this process holds (the check goes on either way).
 ABANDONED_SESSION_WAIT_MS = 5000
+#: How long after a claim's window (sql.CLAIM_WITHIN_S) has passed since a claim connection
+#: failed the check of what this process holds is made again, where the abandoned server
+#: session could not be ended: room for the commit of a claim made at the window's end.
+RECHECK_MARGIN_S = 1.0
 
 
 class ClaimedMessage(MessageProxy):
@@ -130,6 +134,8 @@ class StandmeetConsumer(Consumer):
 
     def _claim_or_wait(self) -> MessageProxy | None:
         conn = self._connection()
+        if self.state.recheck_due():  # a claim on a session not ended can no longer commit: checked again
+            self.broker.give_back_unknown(conn, queue=self.state.name)
         if self.broker.may_claim:
             self._give_back_excess()
         if self.broker.may_claim and self._due() and self.state.should_claim():
@@ -170,7 +176,7 @@ class StandmeetConsumer(Consumer):
             return 0
         start_now = self.state.start_now()
         rows = conn.execute(sql.CLAIM, {"queue": self.state.name, "n": want, "n_start": start_now,
-                                        "worker_id": self.broker.worker_id,
+                                        "worker_id": self.broker.worker_id, "claim_within_s": sql.CLAIM_WITHIN_S,
                                         **claim_size_params(self.broker.settings.message_max_bytes)}).fetchall()
         rows.sort(key=lambda row: row[2])
         for text, number, rank, row_id, row_queue, refusal in rows:
@@ -314,9 +320,11 @@ class StandmeetConsumer(Consumer):
                 conn.execute('LISTEN "' + self.channel.replace('"', '""') + '"')
             doubts = self.state.in_doubt()
             if doubts is not None:  # a claim's answer lost with a failed connection is given back
-                self._end_abandoned_session(conn)
+                ended = self._end_abandoned_session(conn)
                 self.broker.give_back_unknown(conn, queue=self.state.name)
-                self.state.checked(doubts)
+                # a claim still running on a session not ended commits, if ever, within its
+                # window: checked again once that has passed
+                self.state.checked(doubts, again_after_s=None if ended else sql.CLAIM_WITHIN_S + RECHECK_MARGIN_S)
             if self.broker.topology.known_direct:
                 row = conn.execute(sql.SESSION_OF).fetchone()
                 # (a role that may not see its own sessions' start gets NULL: nothing to end)
@@ -328,15 +336,16 @@ class StandmeetConsumer(Consumer):
         self.next_due_s = 0.0  # we may have missed notifications: look now
         return conn
 
-    def _end_abandoned_session(self, conn: psycopg.Connection[Any]) -> None:
+    def _end_abandoned_session(self, conn: psycopg.Connection[Any]) -> bool:
         """End this consumer's last server session, if it is still there: a claim it was
         running (waiting for a lock; or its client cut off by a partition, which the server
         learns of only much later) must not commit after the check of what this process
         holds. Direct connections only: behind a pooler, a server session outlives its
-        client's, and serves others."""
+        client's, and serves others. Whether no claim of it can commit any more (False:
+        none was known, or it did not end)."""
         session = self.session
         if session is None:
-            return
+            return False
         pid, started = session
         try:
             row = conn.execute(sql.END_ABANDONED_SESSION, {"pid": pid, "started": started,
@@ -345,12 +354,13 @@ class StandmeetConsumer(Consumer):
             self.session = None
             logger.warning("queue %r: the claim connection given up on (server process %d) could not be ended "
                            "before checking what this process holds: %s", self.state.name, pid, exc)
-            return
+            return False
         self.session = None  # ended, or gone already (kept until then: a failure here tries again)
         if row is not None:
             logger.info("queue %r: the claim connection given up on (server process %d) %s before checking what "
                         "this process holds", self.state.name, pid,
                         "was ended" if row[0] else f"did not end within {ABANDONED_SESSION_WAIT_MS} ms")
+        return row is None or bool(row[0])
 
     def _drop_connection(self) -> None:
         close_quietly(self.conn)

@@ -67,6 +67,12 @@ class QueueState:
         #: connection of whichever consumer of the queue, before it claims
         self.doubts = 0
         self.doubts_checked = 0
+        #: when the last of those failures was seen (monotonic)
+        self.doubted_at = 0.0
+        #: when what this process holds of the queue is to be checked again (monotonic):
+        #: a claim left running on a server session that could not be ended may commit
+        #: until the claim window after the failure has passed (sql.CLAIM_WITHIN_S)
+        self.recheck_at: float | None = None
         self.in_flight: set[tuple[str, int]] = set()
         self.running: set[tuple[str, int]] = set()
         self.buffer: deque[Claim] = deque()
@@ -223,16 +229,34 @@ class QueueState:
         """A claim connection of the queue failed: what this process holds is checked."""
         with self.lock:
             self.doubts += 1
+            self.doubted_at = time.monotonic()
 
     def in_doubt(self) -> int | None:
         """The failures not yet covered by a check (pass it to :meth:`checked`), or None."""
         with self.lock:
             return self.doubts if self.doubts != self.doubts_checked else None
 
-    def checked(self, doubts: int) -> None:
-        """A check made after ``doubts`` failures has ended: those are covered."""
+    def checked(self, doubts: int, *, again_after_s: float | None = None) -> None:
+        """A check made after ``doubts`` failures has ended: those are covered, but for a
+        claim that may still commit on a server session the check could not end, until
+        ``again_after_s`` after the last failure: then the check is made again (:meth:`recheck_due`)."""
         with self.lock:
             self.doubts_checked = max(self.doubts_checked, doubts)
+            if again_after_s is not None:
+                at = self.doubted_at + again_after_s
+                self.recheck_at = at if self.recheck_at is None else max(self.recheck_at, at)
+
+    def recheck_due(self) -> bool:
+        """Whether the check made again is due now (it is then no longer pending: a failure
+        while it is made is a new doubt)."""
+        at = self.recheck_at
+        if at is None or time.monotonic() < at:
+            return False
+        with self.lock:
+            if self.recheck_at != at:
+                return False
+            self.recheck_at = None
+        return True
 
     def submitted(self, key: tuple[str, int]) -> None:
         """The outcome of a run that ended (:meth:`finished`) is the settler's now (or its

@@ -54,6 +54,14 @@ def _oversize(alias: str) -> str:
             " WHERE t.n > %(claim_max_bytes)s) END")
 
 
+#: How long after it reaches the server a claim may still claim (:data:`CLAIM`). A claim
+#: left running on the server by a client that gave its connection up (waiting for a
+#: lock, say) therefore commits, if it ever does, within this window of the failure:
+#: behind a pooler, where that server session cannot be ended, what the process holds is
+#: checked again once the window has passed (broker.engine.consumer). Far above a
+#: claim's time: a claim that took longer claims nothing, and the next one is made.
+CLAIM_WITHIN_S = 5.0
+
 #: Claim up to ``n`` due messages of a queue for this worker process, lower priority
 #: number first, then oldest due. Rows locked by a concurrent claimer are skipped, not
 #: waited on. The first ``n_start`` are marked started (they run at once); the rest are
@@ -65,6 +73,10 @@ def _oversize(alias: str) -> str:
 #: A picked row that must not run is rejected by the claim itself, with the reason, and
 #: comes back with no text (NULL): a cancelled one (none should be queued; whatever put
 #: it back, it never runs), or one whose text is over ``claim_max_bytes`` (_oversize).
+#: A claim claims only within ``claim_within_s`` of its transaction's start (CLAIM_WITHIN_S;
+#: the start, not the statement's, which the server sets again as it reads each message of
+#: the extended protocol, after a lock taken while parsing was waited for): one that
+#: waited longer (for a lock) claims nothing.
 CLAIM = """
 WITH normal AS (
     SELECT message_id, priority, eta, cancelled_at IS NOT NULL AS cancelled, """ + _oversize("n") + """ AS oversize
@@ -104,6 +116,7 @@ SET "state" = (CASE WHEN picked.refused THEN 'rejected' ELSE 'consumed' END)::dr
                  ELSE q.error END
 FROM picked, """ + _ASYNC_COMMIT + """
 WHERE q.message_id = picked.message_id
+  AND clock_timestamp() < now() + make_interval(secs => %(claim_within_s)s)
 RETURNING CASE WHEN picked.refused THEN NULL ELSE q.message::text END, q.claims, picked.rn, q.message_id::text,
           q.queue_name, CASE WHEN picked.refused THEN q.error END
 """

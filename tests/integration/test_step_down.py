@@ -381,6 +381,87 @@ def test_a_claim_still_waiting_on_the_server_when_its_connection_is_given_up_nev
              what="the message to be done on its first claim")
 
 
+def test_a_claim_that_commits_after_the_check_on_a_session_that_could_not_be_ended_is_given_back_later(
+    broker, database_url, start_worker, caplog, monkeypatch
+):
+    from broker.engine import sql, sql_enqueue
+    from broker.engine.codec import enqueue_params
+    from broker.pg.pool import DIRECT, UNPROBED, Topology
+
+    # Given a worker whose connections may be a pooler's (its server sessions cannot be
+    # ended), whose claims go out only when the test says so
+    monkeypatch.setattr(broker, "topology", Topology(mode=DIRECT, prepare=True, listen_url=broker.url,
+                                                      how=f"{UNPROBED}: the server did not answer the probe"))
+    worker = start_worker(queues=["index"], threads=2)
+    consumer = worker.consumers["index"].consumer
+    claim_once, claiming, go_on = consumer.claim_once, threading.Event(), threading.Event()
+
+    def claim_once_when_told(conn: psycopg.Connection) -> int:
+        claiming.set()
+        go_on.wait(10)
+        return claim_once(conn)
+
+    monkeypatch.setattr(consumer, "claim_once", claim_once_when_told)
+    message = held_through_a_cut.message("late-claim", 0.0)
+    query(database_url, sql_enqueue.ENQUEUE, enqueue_params([message]))
+    assert claiming.wait(10), "the consumer did not claim"
+    waiting = ("SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' "
+               "AND application_name = 'standmeet-consumer-index'")
+    with psycopg.connect(database_url) as holder, caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+        # and its claim of a queued message waiting on the server for a table lock
+        holder.execute("LOCK TABLE dramatiq.queue IN SHARE MODE")  # no claim's update until it goes
+        # (sent whole: a claim psycopg prepares first would wait in its Parse, the rest unsent)
+        consumer.conn.prepare_threshold = None
+        claiming.clear()
+        go_on.set()
+        wait_for(lambda: query(database_url, waiting), timeout_s=10, what="the claim to wait")
+        go_on.clear()
+        # When the client gives that connection up and the consumer connects again and
+        # checks what this process holds, and only then the lock goes: the abandoned
+        # claim commits after the check, within its window
+        cut = socket.socket(fileno=os.dup(consumer.conn.fileno()))
+        cut.shutdown(socket.SHUT_RDWR)
+        cut.close()
+        assert claiming.wait(sql.CLAIM_WITHIN_S / 2), "the consumer did not connect again and check"
+        holder.commit()
+    wait_for(lambda: _state(database_url, message.message_id) == ("consumed", 1), timeout_s=sql.CLAIM_WITHIN_S / 2,
+             what="the abandoned claim to commit")
+    go_on.set()
+    # Then, once no claim of the abandoned session can commit any more, what this process
+    # holds is checked again: the message is given back, runs and is done
+    wait_for(lambda: _state(database_url, message.message_id) == ("done", 2), timeout_s=sql.CLAIM_WITHIN_S + 10,
+             what="the message claimed after the check to be given back and run")
+    assert "late-claim:done" in CUT_RUNS
+    assert len(_given_back(caplog)) == 1
+
+
+def test_a_claim_that_waited_longer_than_its_window_claims_nothing(database_url):
+    from broker.engine import sql, sql_enqueue
+    from broker.engine.codec import claim_size_params, enqueue_params
+
+    # Given a claim waiting on the server for a table lock
+    message = held_through_a_cut.message("window-a", 0.0)
+    query(database_url, sql_enqueue.ENQUEUE, enqueue_params([message]))
+    params = {"queue": "index", "n": 5, "n_start": 5, "worker_id": "00000000-0000-0000-0000-000000000001",
+              "claim_within_s": 0.2, **claim_size_params(1 << 20)}
+    claimed: list[Any] = []
+    with psycopg.connect(database_url) as holder, psycopg.connect(database_url, autocommit=True) as claimer:
+        holder.execute("LOCK TABLE standmeet.queue_pauses IN ACCESS EXCLUSIVE MODE")
+        pid = claimer.info.backend_pid
+        claiming = threading.Thread(target=lambda: claimed.extend(claimer.execute(sql.CLAIM, params).fetchall()))
+        claiming.start()
+        # When the lock goes only after the claim's window has passed
+        wait_for(lambda: query(database_url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = "
+                                             "'Lock' AND now() - query_start > interval '0.3 s'", (pid,)),
+                 timeout_s=10, what="the claim to wait past its window")
+        holder.commit()
+        claiming.join(10)
+    # Then it claimed nothing: the message is still queued, for the next claim
+    assert not claiming.is_alive() and claimed == []
+    assert _state(database_url, message.message_id) == ("queued", 0)
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = %s RETURNING 1", (message.message_id,))
+
+
 def test_an_outcome_lost_in_a_failover_no_connection_saw_is_given_back_at_the_next_heartbeat(
     broker, database_url, start_worker, caplog
 ):
