@@ -214,9 +214,11 @@ class Liveness:
 
     def _held(self) -> list[tuple[tuple[str, int], str]]:
         """Every claim this process knows it holds, with its queue: held by a queue (running,
-        buffered, given back) or ended with its outcome not yet written."""
+        buffered, given back), ended with its outcome not yet handed to the settler, or
+        waiting for it to be written (the queues read first: a claim moves from them to
+        the settler)."""
         return list(dict.fromkeys([*((key, state.name) for state in self.queue_states.values()
-                                     for key in state.held()), *self.pending_claims()]))
+                                     for key in state.known()), *self.pending_claims()]))
 
     def give_back_unknown(self, conn: psycopg.Connection[Any] | None, *, queue: str | None = None) -> int:
         """Give back, unblamed, what the database says this process holds (of ``queue``, or

@@ -287,6 +287,35 @@ def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_kn
         assert given_back == 0
         assert _state(database_url, message.message_id) == ("consumed", 1)
     finally:
+        state.submitted((message.message_id, 1))
+        consumer.close()
+        scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
+                             "RETURNING 1", (message.message_id,))
+
+
+def test_a_worker_back_from_a_cut_says_it_lost_the_claim_of_a_run_that_had_just_ended(broker, database_url, caplog):
+    # Given a message this process claimed and ran, its outcome not yet handed to the
+    # settler, while the process was cut off and another host took the message over
+    message = held_through_a_cut.send("ended-c", 0.0)
+    state = broker.queue_states["index"]
+    consumer = broker.consume("index")
+    try:
+        assert consumer.claim_once(consumer._connection()) == 1
+        claim = state.next_buffered()
+        assert claim is not None and claim.key == (message.message_id, 1)
+        broker.liveness.step_down(broker.settings.step_down_after_s)
+        state.finished(claim.key)
+        scalar(database_url, "UPDATE dramatiq.queue SET claims = claims + 1, worker_id = gen_random_uuid() "
+                             "WHERE message_id = %s RETURNING 1", (message.message_id,))
+        with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
+            # When the process proves it lives again
+            broker.liveness.prove_alive()
+        # Then it says that claim was lost (its outcome is not written)
+        assert not broker.stepped_down
+        lost = [r.getMessage() for r in caplog.records if "lost claim" in r.getMessage()]
+        assert lost == [m for m in lost if f"lost claim 1 of message {message.message_id}" in m] and lost
+    finally:
+        state.submitted(claim.key)
         consumer.close()
         scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
                              "RETURNING 1", (message.message_id,))
