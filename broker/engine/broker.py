@@ -60,7 +60,7 @@ from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
 from broker.engine.hooks import HookTable, MiddlewareList
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
-from broker.engine.runs import RunningJobs, disarm, run_signal
+from broker.engine.runs import RunningJobs, as_run, disarm, in_a_run, run_signal
 from broker.engine.settler import (
     Outcome,
     SettleContext,
@@ -201,6 +201,13 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         """Write many messages in one statement (on ``conn``, in its transaction, if given)."""
         return writer.send_many(self, messages, conn=conn, delay_ms=delay)
 
+    def declare_actor(self, actor: Any) -> None:
+        # Its function is bracketed as a job's body, so a step-down interrupts a job while
+        # it runs and at no other moment (broker.engine.runs.as_run); called anywhere but
+        # in a worker thread of this broker, the function is called as it is.
+        actor.fn = as_run(actor.fn)
+        super().declare_actor(actor)
+
     # -- signals ----------------------------------------------------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -223,7 +230,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
-            self._running.enter(args[0])
+            in_a_run(self._running, self._hook_table.bound(self.middleware, "disarm"))
             args[0].standmeet_started_mono = time.monotonic()
         elif signal == "worker_boot" and args:
             # before its threads start: a job may end before Worker.start() returns
@@ -302,7 +309,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         proxy = args[0]
         # Neither a step-down's interruption nor the time limit fires in the settle path;
         # one that was raised as the job ended is dropped (broker.engine.runs).
-        late = self._running.leave()
+        late = in_a_run(None)  # an interruption that arrived as the job ended (broker.engine.runs.as_run)
         late = disarm(self._hook_table.bound(self.middleware, "disarm")) or late
         if late is not None:
             logger.info("message %s: %s arrived after the job had ended; ignored",

@@ -200,6 +200,7 @@ class Liveness:
         except DISCONNECTS:
             return  # not proven after all: the next heartbeat tries again
         self.stepped_down = False
+        self.running.resume()
         logger.warning("stepping up: heartbeat confirmed again; %d claim(s) lost, claiming again", len(lost))
         for state in self.queue_states.values():
             state.notified()

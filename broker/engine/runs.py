@@ -12,13 +12,14 @@ one and the memory one): which signal its after-hooks see. No database code.
   ended (its timer fired between the job's last line and the disarm) is delivered there
   and dropped: the run's outcome is what the job did, and every after-hook still runs.
 * The same holds for an interruption of every running job at once (a worker stepping
-  down): :class:`RunningJobs` raises it only into threads still in their run, under the
-  lock a thread takes to leave its run, and one raised just before the thread left is
-  delivered as it leaves, and dropped.
+  down): :class:`RunningJobs` raises it only into threads inside a job's body, under the
+  lock a thread takes to leave it, and one raised just before the thread left is
+  delivered as it leaves, and dropped; a job that had not started does not start.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -42,49 +43,135 @@ def _interruptible() -> None:
 
 
 class RunningJobs:
-    """The worker threads running a job here (thread id -> message), and the one way to
-    interrupt them all: never a thread whose run has ended.
+    """The worker threads inside a job's body here, and the one way to interrupt them all
+    (a worker stepping down): never a thread whose job has returned, nor one that has not
+    started it.
 
-    A thread enters when its run starts and leaves before anything reads the run's
-    outcome. :meth:`interrupt_all` raises into the threads still in their run under the
-    lock :meth:`leave` takes, so a thread that has left is never interrupted (an
-    interruption landing in its settle would drop an outcome the job produced, or keep
-    its slot counted as running); one raised just before the thread left is delivered in
-    :meth:`leave` and returned, as :func:`disarm` returns a late time limit.
+    The body is bracketed by :func:`as_run` (the actor's function, wrapped when the actor
+    is declared): a thread enters as the function is called and leaves as it returns or
+    raises, before anything reads the run. :meth:`interrupt_all` raises into the threads
+    inside under the lock both take, and makes every later :meth:`enter` raise the same
+    interruption until :meth:`resume` (a job handed to a thread just before the step-down
+    does not start while the process is stepped down). One raised into a thread that
+    leaves before it was delivered is delivered as it leaves, and dropped (as
+    :func:`disarm` drops a late time limit): the run's outcome is what the job did. One
+    delivered as the job's function returns is the job's interruption: it runs again.
     """
 
     def __init__(self) -> None:
-        self._threads: dict[int, MessageProxy] = {}
+        self._threads: set[int] = set()
+        #: the threads inside a job's body that an interruption was raised into, with it
+        self._raised: dict[int, type[Interrupt]] = {}
         self._lock = threading.Lock()
+        self._cut: type[Interrupt] | None = None
 
     def __len__(self) -> int:
         return len(self._threads)
 
-    def enter(self, proxy: MessageProxy) -> None:
-        """This thread's run starts (lock-free: an interruption raised before it counts)."""
-        self._threads[threading.get_ident()] = proxy
+    def enter(self) -> None:
+        """This thread's job starts, unless the jobs were interrupted and not resumed: then
+        the interruption is raised here, before the job."""
+        with self._lock:
+            if self._cut is not None:
+                raise self._cut
+            self._threads.add(threading.get_ident())
 
-    def leave(self) -> Interrupt | None:
-        """This thread's run has ended: no interruption is raised into it from now on; one
-        already on its way is delivered here and returned instead of raised."""
+    def leave(self, disarms: Iterable[Callable[[], None]] = ()) -> Interrupt | None:
+        """This thread's job has ended: no interruption is raised into it from now on, one
+        raised into it is delivered here (again, if the job took it already) and returned,
+        and its time limit is disarmed (``disarms``: the broker's ``disarm`` hooks). One
+        delivered on entering this call is raised in the caller's frame: call it inside a
+        ``try`` (:func:`as_run`).
+
+        Raised again, because delivery alone is not enough to rely on: before Python 3.13
+        the interpreter signals a pending one through a flag all threads share, which the
+        first thread to take its own clears, so another thread's can stay pending past
+        the point it was meant for. Set again by this thread, which holds the interpreter
+        lock until its next check, it is delivered at that check."""
         ident = threading.get_ident()
+        with self._lock:
+            self._threads.discard(ident)
+            raised = self._raised.pop(ident, None)
+        late: Interrupt | None = None
         try:
-            with self._lock:
-                self._threads.pop(ident, None)
+            if raised is not None:
+                raise_thread_exception(ident, raised)
             _interruptible()
         except Interrupt as exc:
-            with self._lock:  # it may have landed before the thread left
-                self._threads.pop(ident, None)
-            return exc
-        return None
+            late = exc
+        return disarm(disarms) or late
 
     def interrupt_all(self, exception: type[Interrupt]) -> int:
-        """Raise ``exception`` into every thread still in its run; how many."""
+        """Raise ``exception`` into every thread inside a job's body, and into every thread
+        that enters one until :meth:`resume`; how many were inside."""
         with self._lock:
+            self._cut = exception
             running = list(self._threads)
             for thread_id in running:
+                self._raised[thread_id] = exception
                 raise_thread_exception(thread_id, exception)
         return len(running)
+
+    def resume(self) -> None:
+        """Jobs start again (the process proved it lives again)."""
+        with self._lock:
+            self._cut = None
+
+
+#: The run of a message this thread is in (set by the broker for Dramatiq's worker
+#: threads from ``before_process_message`` to the run's after-hooks): its RunningJobs and
+#: disarm hooks, and an interruption that arrived after its job ended.
+_run = threading.local()
+
+
+def in_a_run(running: RunningJobs | None, disarms: Iterable[Callable[[], None]] = ()) -> Interrupt | None:
+    """Mark this thread as in a run of ``running`` (None: out of it); return the late
+    interruption its job's end dropped, if any."""
+    late: Interrupt | None = getattr(_run, "late", None)
+    _run.jobs = running
+    _run.disarms = disarms
+    _run.late = None
+    return late
+
+
+def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (an actor's function) bracketed as a job's body when a worker thread of this
+    runtime runs it (:class:`RunningJobs`); called anywhere else, ``fn`` alone."""
+    if getattr(fn, "standmeet_as_run", False):
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        running: RunningJobs | None = getattr(_run, "jobs", None)
+        if running is None:
+            return fn(*args, **kwargs)
+        disarms = _run.disarms
+        # An interruption is delivered in the job (or as enter() returns: the job is then
+        # interrupted before it starts), or taken back by leave(), or delivered as the
+        # interpreter enters leave(): each call of it is made inside a try. After one was
+        # delivered, only a time limit can still come (the thread is no longer inside a
+        # job once leave() has run), so the third call is the last.
+        try:
+            running.enter()
+            result = fn(*args, **kwargs)
+        except BaseException:
+            try:
+                running.leave(disarms)
+            except Interrupt:
+                running.leave(disarms)
+            raise
+        try:
+            late = running.leave(disarms)
+        except Interrupt as exc:
+            try:
+                late = running.leave(disarms) or exc
+            except Interrupt as again:
+                late = running.leave(disarms) or again
+        _run.late = late
+        return result
+
+    run.standmeet_as_run = True  # type: ignore[attr-defined]
+    return run
 
 
 def disarm(hooks: Iterable[Callable[[], None]]) -> Interrupt | None:
