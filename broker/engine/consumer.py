@@ -176,7 +176,8 @@ class StandmeetConsumer(Consumer):
             return 0
         start_now = self.state.start_now()
         rows = conn.execute(sql.CLAIM, {"queue": self.state.name, "n": want, "n_start": start_now,
-                                        "worker_id": self.broker.worker_id, "claim_within_s": sql.CLAIM_WITHIN_S,
+                                        "worker_id": self.broker.worker_id,
+                                        "claim_until_s": self.broker.liveness.server_time_s(sql.CLAIM_WITHIN_S),
                                         **claim_size_params(self.broker.settings.message_max_bytes)}).fetchall()
         rows.sort(key=lambda row: row[2])
         for text, number, rank, row_id, row_queue, refusal in rows:

@@ -36,6 +36,11 @@ logger = logging.getLogger("standmeet.broker")
 Execute = Callable[[str, dict[str, Any]], list[tuple[Any, ...]]]
 
 
+#: A heartbeat whose round trip took longer does not set the server's clock again (the
+#: clock is taken as read at its end: a claim's deadline would come that much early).
+CLOCK_READ_MAX_S = 0.5
+
+
 class Liveness:
     """Heartbeat, step down and up, rescue: what keeps this process's claims its own."""
 
@@ -77,6 +82,9 @@ class Liveness:
         #: since when the server has been the database's, as last seen (its change: a
         #: restart or a failover)
         self._epoch: Any = None
+        #: the server's clock (seconds since the epoch) minus this process's monotonic
+        #: clock, as the last heartbeat read it (None before the first)
+        self._server_clock_s: float | None = None
 
     @property
     def started(self) -> bool:
@@ -111,12 +119,18 @@ class Liveness:
             "queues": sorted(self.served),
             "rescue_after_s": self.settings.rescue_after_s,
         }
+        sent = time.monotonic()
         if conn is not None:
             row = conn.execute(sql.HEARTBEAT, params).fetchone()
         else:
             rows = self.execute(sql.HEARTBEAT, params)
             row = rows[0] if rows else None
         epoch = row[0] if row is not None else None
+        got = time.monotonic()
+        if row is not None and row[1] is not None and (got - sent < CLOCK_READ_MAX_S or self._server_clock_s is None):
+            # read between sent and got: taken as read at got, the server's clock is never
+            # overestimated (a claim's deadline comes early, by the round trip at most)
+            self._server_clock_s = float(row[1]) - got
         self.confirmed_at = time.monotonic()
         self.outage.ok()
         self._start_heartbeat()
@@ -128,6 +142,12 @@ class Liveness:
             logger.warning("the database server restarted or failed over: checking what this process holds")
             self.give_back_unknown(conn)
         self._epoch = epoch
+
+    def server_time_s(self, after_s: float) -> float | None:
+        """The server's clock ``after_s`` from now, in seconds since the epoch (None before
+        the first heartbeat)."""
+        offset = self._server_clock_s
+        return None if offset is None else time.monotonic() + offset + after_s
 
     def _start_heartbeat(self) -> None:
         with self._lock:

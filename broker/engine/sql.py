@@ -54,12 +54,13 @@ def _oversize(alias: str) -> str:
             " WHERE t.n > %(claim_max_bytes)s) END")
 
 
-#: How long after it reaches the server a claim may still claim (:data:`CLAIM`). A claim
-#: left running on the server by a client that gave its connection up (waiting for a
-#: lock, say) therefore commits, if it ever does, within this window of the failure:
-#: behind a pooler, where that server session cannot be ended, what the process holds is
-#: checked again once the window has passed (broker.engine.consumer). Far above a
-#: claim's time: a claim that took longer claims nothing, and the next one is made.
+#: How long after the client sends it a claim may still claim (:data:`CLAIM`; the server's
+#: clock, read by every heartbeat, sets the deadline). A claim a client gave up on (a
+#: pooler holding it while its server connections are busy, or the server waiting for a
+#: lock) therefore commits, if it ever does, within this window of the failure: behind a
+#: pooler, where that server session cannot be ended, what the process holds is checked
+#: again once the window has passed (broker.engine.consumer). Far above a claim's time:
+#: a claim that took longer claims nothing, and the next one is made.
 CLAIM_WITHIN_S = 5.0
 
 #: Claim up to ``n`` due messages of a queue for this worker process, lower priority
@@ -73,10 +74,10 @@ CLAIM_WITHIN_S = 5.0
 #: A picked row that must not run is rejected by the claim itself, with the reason, and
 #: comes back with no text (NULL): a cancelled one (none should be queued; whatever put
 #: it back, it never runs), or one whose text is over ``claim_max_bytes`` (_oversize).
-#: A claim claims only within ``claim_within_s`` of its transaction's start (CLAIM_WITHIN_S;
-#: the start, not the statement's, which the server sets again as it reads each message of
-#: the extended protocol, after a lock taken while parsing was waited for): one that
-#: waited longer (for a lock) claims nothing.
+#: A claim claims only until ``claim_until_s`` (by the server's clock, in seconds since the
+#: epoch; NULL: no bound), which the client sets CLAIM_WITHIN_S after it sends the claim:
+#: one that reaches the server later (held by a pooler) or waited longer (for a lock)
+#: claims nothing.
 CLAIM = """
 WITH normal AS (
     SELECT message_id, priority, eta, cancelled_at IS NOT NULL AS cancelled, """ + _oversize("n") + """ AS oversize
@@ -116,7 +117,7 @@ SET "state" = (CASE WHEN picked.refused THEN 'rejected' ELSE 'consumed' END)::dr
                  ELSE q.error END
 FROM picked, """ + _ASYNC_COMMIT + """
 WHERE q.message_id = picked.message_id
-  AND clock_timestamp() < now() + make_interval(secs => %(claim_within_s)s)
+  AND clock_timestamp() < coalesce(to_timestamp(%(claim_until_s)s::float8), 'infinity')
 RETURNING CASE WHEN picked.refused THEN NULL ELSE q.message::text END, q.claims, picked.rn, q.message_id::text,
           q.queue_name, CASE WHEN picked.refused THEN q.error END
 """
@@ -317,13 +318,14 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM (SELECT DISTINC
 #: it connects, and two of them may commit out of order: the row keeps their union, so a
 #: late commit of an older list never hides a queue the process serves. Returns since when
 #: the answering server has been the database's (:data:`RESCUE`'s epoch): a new value
-#: means a restart or a failover, which may have lost outcomes this process wrote.
+#: means a restart or a failover, which may have lost outcomes this process wrote; and the
+#: server's clock (seconds since the epoch), which claims' deadlines are set by.
 HEARTBEAT = """
 INSERT INTO standmeet.worker_processes AS w (id, hostname, pid, queues, rescue_after_s)
 VALUES (%(worker_id)s, %(hostname)s, %(pid)s, %(queues)s, %(rescue_after_s)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), stopped_at = NULL, rescue_after_s = EXCLUDED.rescue_after_s,
     queues = ARRAY(SELECT DISTINCT q FROM unnest(w.queues || EXCLUDED.queues) AS q ORDER BY q)
-RETURNING standmeet.server_epoch_since()
+RETURNING standmeet.server_epoch_since(), extract(epoch FROM clock_timestamp())::float8
 """
 
 #: Which of some claims this process still holds (after it was cut off, to say which it lost).

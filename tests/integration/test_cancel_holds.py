@@ -17,7 +17,7 @@ from broker.settings import MIB
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import noop, record_finish, record_start
 
-CLAIM_SIZES = {**claim_size_params(MIB), "claim_within_s": sql.CLAIM_WITHIN_S}
+CLAIM_SIZES = {**claim_size_params(MIB), "claim_until_s": None}
 #: How long the holding actor waits for its release before it gives up (a test bound).
 HOLD_LIMIT_S = 30
 

@@ -18,7 +18,7 @@ from tests.support.db import query
 from tests.support.jobs import mark
 
 #: What the claim statement refuses, at the default STANDMEET_MESSAGE_MAX_BYTES.
-CLAIM_SIZES = {**claim_size_params(MIB), "claim_within_s": sql.CLAIM_WITHIN_S}
+CLAIM_SIZES = {**claim_size_params(MIB), "claim_until_s": None}
 
 
 def _state(url: str, message_id: str) -> list[tuple[str, int]]:

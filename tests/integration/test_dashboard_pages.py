@@ -114,7 +114,7 @@ def test_the_overview_and_workers_pages_say_how_many_running_jobs_are_not_yet_st
                 for i in range(3)]
     query(database_url, sql_enqueue.ENQUEUE, enqueue_params(messages))
     query(database_url, sql.CLAIM, {"queue": "dash_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id,
-                                    **claim_size_params(MIB), "claim_within_s": sql.CLAIM_WITHIN_S})
+                                    **claim_size_params(MIB), "claim_until_s": None})
     try:
         with dashboard() as client:
             page = client.get("/")

@@ -453,7 +453,7 @@ def test_the_overviews_say_how_many_of_the_running_jobs_are_claimed_and_not_yet_
                 for i in range(3)]
     conn.execute(sql_enqueue.ENQUEUE, enqueue_params(messages))
     conn.execute(sql.CLAIM, {"queue": "ops_prefetch", "n": 3, "n_start": 1, "worker_id": broker.worker_id,
-                             **claim_size_params(MIB), "claim_within_s": sql.CLAIM_WITHIN_S})
+                             **claim_size_params(MIB), "claim_until_s": None})
     try:
         # Then all three count as running, two of them as prefetched
         (status,) = [q for q in ops.queue_overview(conn) if q.name == "ops_prefetch"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,6 @@ from typing import Any
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.middleware import Middleware
 from psycopg import sql as pgsql
 
 from broker.engine import runs
@@ -90,49 +90,41 @@ def test_a_cut_off_worker_interrupts_its_jobs_before_the_rescue_window_and_runs_
                   (message.message_id,)) in (None, "0")
 
 
-class _HoldsTheEndedRun(Middleware):
-    """Keeps a worker thread in its after-hook, where a run that has ended is read and
-    settled, until told to go on (a Python loop: an interruption raised meanwhile lands)."""
-
-    def __init__(self) -> None:
-        self.reached = threading.Event()
-        self.go_on = threading.Event()
-
-    def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
-        self.reached.set()
-        deadline = time.monotonic() + 5
-        while not self.go_on.is_set() and time.monotonic() < deadline:
-            time.sleep(0.001)
+def _in_leave(thread_id: int) -> bool:
+    """Whether the thread is inside ``RunningJobs.leave`` (its job has returned)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code is runs.RunningJobs.leave.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_a_step_down_never_interrupts_a_run_that_has_already_ended(
     broker, database_url, start_worker, monkeypatch, caplog
 ):
     # Given a worker running a job that ends on cue, and a step-down that has counted it
-    # among the running jobs: its interruption goes out only after the job has ended
-    # and had the time to reach its after-hooks
-    held = _HoldsTheEndedRun()
-    broker.add_middleware(held)
+    # among the running jobs: its interruption goes out only once the job has returned
+    # (its thread then waits for the lock the step-down holds, to leave its run)
     start_worker(queues=["index"], threads=1)
     message = ended_on_cue.send("ended-b")
     wait_for(lambda: _started(database_url, message.message_id), timeout_s=10, what="the job to start")
     raise_thread_exception = runs.raise_thread_exception
 
-    def raised_once_the_run_has_ended(thread_id: int, exception: type[BaseException]) -> None:
-        CUES["ended-b"].set()
-        held.reached.wait(1)  # with the fix, the thread waits to leave its run instead
+    def raised_once_the_job_has_returned(thread_id: int, exception: type[BaseException]) -> None:
+        if thread_id != threading.get_ident():  # (the step-down's; not the thread's own as it leaves)
+            CUES["ended-b"].set()
+            wait_for(lambda: _in_leave(thread_id), timeout_s=10, what="the job to return")
         raise_thread_exception(thread_id, exception)
-        held.go_on.set()
 
-    monkeypatch.setattr(runs, "raise_thread_exception", raised_once_the_run_has_ended)
+    monkeypatch.setattr(runs, "raise_thread_exception", raised_once_the_job_has_returned)
     with caplog.at_level(logging.INFO, logger="standmeet.broker"):
         # When the worker steps down
         broker.liveness.step_down(broker.settings.step_down_after_s)
         # Then, back up, it writes the run's outcome: done, after one run
-        wait_for(lambda: _state(database_url, message.message_id) == ("done", 1), timeout_s=10,
+        wait_for(lambda: (_state(database_url, message.message_id) or ("",))[0] == "done", timeout_s=10,
                  what="the run's outcome to be written")
-    assert CUED_RUNS.count("ended-b") == 1
+    assert (_state(database_url, message.message_id), CUED_RUNS.count("ended-b")) == (("done", 1), 1)
     # and the interruption reached the thread only once its run had ended, and was dropped
     assert any(f"message {message.message_id}: CutOff arrived after the job had ended" in r.getMessage()
                for r in caplog.records)
@@ -464,25 +456,27 @@ def test_a_claim_that_commits_after_the_check_on_a_session_that_could_not_be_end
     assert len(_given_back(caplog)) == 1
 
 
-def test_a_claim_that_waited_longer_than_its_window_claims_nothing(database_url):
+def test_a_claim_that_waited_past_its_deadline_claims_nothing(database_url):
     from broker.engine import sql, sql_enqueue
     from broker.engine.codec import claim_size_params, enqueue_params
 
-    # Given a claim waiting on the server for a table lock
+    # Given a claim due to end 0.2 s from now by the server's clock, waiting on the
+    # server for a table lock
     message = held_through_a_cut.message("window-a", 0.0)
     query(database_url, sql_enqueue.ENQUEUE, enqueue_params([message]))
     params = {"queue": "index", "n": 5, "n_start": 5, "worker_id": "00000000-0000-0000-0000-000000000001",
-              "claim_within_s": 0.2, **claim_size_params(1 << 20)}
+              "claim_until_s": scalar(database_url, "SELECT extract(epoch FROM clock_timestamp())::float8 + 0.2"),
+              **claim_size_params(1 << 20)}
     claimed: list[Any] = []
     with psycopg.connect(database_url) as holder, psycopg.connect(database_url, autocommit=True) as claimer:
         holder.execute("LOCK TABLE standmeet.queue_pauses IN ACCESS EXCLUSIVE MODE")
         pid = claimer.info.backend_pid
         claiming = threading.Thread(target=lambda: claimed.extend(claimer.execute(sql.CLAIM, params).fetchall()))
         claiming.start()
-        # When the lock goes only after the claim's window has passed
+        # When the lock goes only after the claim's deadline has passed
         wait_for(lambda: query(database_url, "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = "
                                              "'Lock' AND now() - query_start > interval '0.3 s'", (pid,)),
-                 timeout_s=10, what="the claim to wait past its window")
+                 timeout_s=10, what="the claim to wait past its deadline")
         holder.commit()
         claiming.join(10)
     # Then it claimed nothing: the message is still queued, for the next claim
