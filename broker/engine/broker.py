@@ -309,8 +309,9 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         proxy = args[0]
         # Neither a step-down's interruption nor the time limit fires in the settle path;
         # one that was raised as the job ended is dropped (broker.engine.runs).
-        late = in_a_run(None)  # an interruption that arrived as the job ended (broker.engine.runs.as_run)
-        late = disarm(self._hook_table.bound(self.middleware, "disarm")) or late
+        left, late = in_a_run(None)  # an interruption that arrived as the job ended (broker.engine.runs.as_run)
+        if not left:  # (a job that left its body was disarmed then)
+            late = disarm(self._hook_table.bound(self.middleware, "disarm")) or late
         if late is not None:
             logger.info("message %s: %s arrived after the job had ended; ignored",
                         proxy.message_id, type(late).__name__)

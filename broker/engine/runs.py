@@ -124,14 +124,18 @@ class RunningJobs:
 _run = threading.local()
 
 
-def in_a_run(running: RunningJobs | None, disarms: Iterable[Callable[[], None]] = ()) -> Interrupt | None:
-    """Mark this thread as in a run of ``running`` (None: out of it); return the late
-    interruption its job's end dropped, if any."""
+def in_a_run(running: RunningJobs | None,
+             disarms: Iterable[Callable[[], None]] = ()) -> tuple[bool, Interrupt | None]:
+    """Mark this thread as in a run of ``running`` (None: out of it). Returns whether the
+    run's job has left its body (its time limit disarmed then), and the late interruption
+    its end dropped, if any."""
+    left: bool = getattr(_run, "left", False)
     late: Interrupt | None = getattr(_run, "late", None)
     _run.jobs = running
     _run.disarms = disarms
+    _run.left = False
     _run.late = None
-    return late
+    return left, late
 
 
 def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,6 +163,7 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
                 running.leave(disarms)
             except Interrupt:
                 running.leave(disarms)
+            _run.left = True
             raise
         try:
             late = running.leave(disarms)
@@ -168,6 +173,7 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
             except Interrupt as again:
                 late = running.leave(disarms) or again
         _run.late = late
+        _run.left = True
         return result
 
     run.standmeet_as_run = True  # type: ignore[attr-defined]

@@ -122,8 +122,14 @@ def test_a_step_down_never_interrupts_a_run_that_has_already_ended(
         # When the worker steps down
         broker.liveness.step_down(broker.settings.step_down_after_s)
         # Then, back up, it writes the run's outcome: done, after one run
-        wait_for(lambda: (_state(database_url, message.message_id) or ("",))[0] == "done", timeout_s=10,
-                 what="the run's outcome to be written")
+        try:
+            wait_for(lambda: (_state(database_url, message.message_id) or ("",))[0] == "done", timeout_s=10,
+                     what="the run's outcome to be written")
+        except AssertionError as exc:  # what the process was doing, for whoever reads the failure
+            raise AssertionError(f"{exc}: row {_state(database_url, message.message_id)}, stepped down "
+                                 f"{broker.stepped_down}, runs {CUED_RUNS.count('ended-b')}, outcomes waiting "
+                                 f"{broker.settler.pending_claims()}, log {[r.getMessage() for r in caplog.records]}"
+                                 ) from exc
     assert (_state(database_url, message.message_id), CUED_RUNS.count("ended-b")) == (("done", 1), 1)
     # and the interruption reached the thread only once its run had ended, and was dropped
     assert any(f"message {message.message_id}: CutOff arrived after the job had ended" in r.getMessage()
