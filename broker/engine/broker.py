@@ -308,9 +308,10 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             return
         proxy = args[0]
         # Neither a step-down's interruption nor the time limit fires in the settle path;
-        # one that was raised as the job ended is dropped (broker.engine.runs).
-        left, late = in_a_run(None)  # an interruption that arrived as the job ended (broker.engine.runs.as_run)
-        if not left:  # (a job that left its body was disarmed then)
+        # one that was raised as the job ended is dropped (broker.engine.runs). A job that
+        # left its body was disarmed then; one that never started is disarmed here.
+        left, late = in_a_run(None)
+        if not left:
             late = disarm(self._hook_table.bound(self.middleware, "disarm")) or late
         if late is not None:
             logger.info("message %s: %s arrived after the job had ended; ignored",

@@ -51,8 +51,9 @@ class Liveness:
                  on_proven: Callable[[], None]) -> None:
         """``served``: the queues this process serves (it grows); ``queue_states``: what it
         holds of each; ``pending_claims``: the settler's claims whose outcome waits to be
-        written; ``running``: the worker threads running jobs, interrupted on a step-down; ``claiming``: whether the process still claims (not
-        shutting down); ``on_proven``: called each time it proved it lives."""
+        written; ``running``: the worker threads running jobs, interrupted on a step-down;
+        ``claiming``: whether the process still claims (not shutting down); ``on_proven``:
+        called each time it proved it lives."""
         self.worker_id = worker_id
         self.url = url
         self.settings = settings
@@ -131,7 +132,7 @@ class Liveness:
             # read between sent and got: taken as read at got, the server's clock is never
             # overestimated (a claim's deadline comes early, by the round trip at most)
             self._server_clock_s = float(row[1]) - got
-        self.confirmed_at = time.monotonic()
+        self.confirmed_at = got
         self.outage.ok()
         self._start_heartbeat()
         if self.stepped_down:

@@ -268,10 +268,11 @@ def test_a_claim_whose_answer_is_lost_in_a_blip_too_short_to_step_down_is_given_
              what="the message to be done")
 
 
-def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_knew(broker, database_url):
-    # Given a message this process claimed and ran, whose outcome is not yet handed to
-    # the settler (the moment between a run's end and its settle)
-    message = held_through_a_cut.send("ended-a", 0.0)
+@contextmanager
+def _a_run_just_ended(broker: Any, database_url: str, key: str) -> Iterator[dramatiq.Message]:
+    """A message this process claimed and ran, whose outcome is not yet handed to the
+    settler (the moment between a run's end and its settle); done afterwards."""
+    message = held_through_a_cut.send(key, 0.0)
     state = broker.queue_states["index"]
     consumer = broker.consume("index")
     try:
@@ -279,11 +280,7 @@ def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_kn
         claim = state.next_buffered()
         assert claim is not None and claim.key == (message.message_id, 1)
         state.finished(claim.key)
-        # When the process checks what the database says it holds against what it knows
-        given_back = broker.give_back_unknown(queue="index")
-        # Then that claim is known: not given back, to run a second time
-        assert given_back == 0
-        assert _state(database_url, message.message_id) == ("consumed", 1)
+        yield message
     finally:
         state.submitted((message.message_id, 1))
         consumer.close()
@@ -291,17 +288,21 @@ def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_kn
                              "RETURNING 1", (message.message_id,))
 
 
+def test_a_run_that_has_just_ended_is_not_taken_for_a_claim_the_process_never_knew(broker, database_url):
+    # Given a message this process claimed and ran, whose outcome is not yet handed to
+    # the settler
+    with _a_run_just_ended(broker, database_url, "ended-a") as message:
+        # When the process checks what the database says it holds against what it knows
+        given_back = broker.give_back_unknown(queue="index")
+        # Then that claim is known: not given back, to run a second time
+        assert given_back == 0
+        assert _state(database_url, message.message_id) == ("consumed", 1)
+
+
 def test_a_worker_back_from_a_cut_says_it_lost_the_claim_of_a_run_that_had_just_ended(broker, database_url, caplog):
     # Given a message this process claimed and ran, its outcome not yet handed to the
     # settler, while the process was cut off and another host took the message over
-    message = held_through_a_cut.send("ended-c", 0.0)
-    state = broker.queue_states["index"]
-    consumer = broker.consume("index")
-    try:
-        assert consumer.claim_once(consumer._connection()) == 1
-        claim = state.next_buffered()
-        assert claim is not None and claim.key == (message.message_id, 1)
-        state.finished(claim.key)
+    with _a_run_just_ended(broker, database_url, "ended-c") as message:
         scalar(database_url, "UPDATE dramatiq.queue SET claims = claims + 1, worker_id = gen_random_uuid() "
                              "WHERE message_id = %s RETURNING 1", (message.message_id,))
         with caplog.at_level(logging.WARNING, logger="standmeet.broker"):
@@ -312,11 +313,6 @@ def test_a_worker_back_from_a_cut_says_it_lost_the_claim_of_a_run_that_had_just_
         assert not broker.stepped_down
         lost = [r.getMessage() for r in caplog.records if "lost claim" in r.getMessage()]
         assert lost == [m for m in lost if f"lost claim 1 of message {message.message_id}" in m] and lost
-    finally:
-        state.submitted(claim.key)
-        consumer.close()
-        scalar(database_url, "UPDATE dramatiq.queue SET state = 'done', worker_id = NULL WHERE message_id = %s "
-                             "RETURNING 1", (message.message_id,))
 
 
 #: What a standby promoted in a failover holds when a run's claim reached it and its
