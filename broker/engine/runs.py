@@ -151,10 +151,10 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         disarms = _run.disarms
         # An interruption is delivered in the job (or as enter() returns: the job is then
-        # interrupted before it starts), or taken back by leave(), or delivered as the
-        # interpreter enters leave(): each call of it is made inside a try. After one was
-        # delivered, only a time limit can still come (the thread is no longer inside a
-        # job once leave() has run), so the third call is the last.
+        # interrupted before it starts), or in leave(), or as the interpreter enters
+        # leave(): each call of it is made inside a try. After one was delivered, only a
+        # time limit can still come (the thread is no longer inside a job once leave()
+        # has run), so the third call is the last.
         try:
             running.enter()
             result = fn(*args, **kwargs)
