@@ -108,7 +108,9 @@ def test_a_step_down_never_interrupts_a_run_that_has_already_ended(
     # (its thread then waits for the lock the step-down holds, to leave its run)
     start_worker(queues=["index"], threads=1)
     message = ended_on_cue.send("ended-b")
-    wait_for(lambda: _started(database_url, message.message_id), timeout_s=10, what="the job to start")
+    # (in its body, not only marked started: a claim is marked as it is handed to a thread,
+    # a moment before its body begins, and a step-down then skips it instead)
+    wait_for(lambda: "ended-b" in CUED_RUNS, timeout_s=10, what="the job to start")
     raise_thread_exception = runs.raise_thread_exception
 
     def raised_once_the_job_has_returned(thread_id: int, exception: type[BaseException]) -> None:
