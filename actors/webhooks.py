@@ -346,7 +346,10 @@ _FIRST_IN_LINE = "8"
 #: the endpoint's row first (:data:`LOCK_ENDPOINT`, in its own statement), so it either
 #: committed before (its outcome read here) or waits for this transaction and then, from
 #: a snapshot taken after it, wakes the oldest waiter, these parked ones included. A
-#: running waiter does not count (it may be ending: nothing would wake these).
+#: running waiter does not count (it may be ending: nothing would wake these). Each of the
+#: few is looked up by its message id, and locked, in a subquery of its own: joined
+#: plainly, a plan could scan the queue's due messages first and read the few again for
+#: each (the planner chose that with a small queue's statistics).
 PARK_BEHIND = """
 SELECT d.message_id, CASE WHEN e.busy_until > now() THEN e.busy_until
                           ELSE now() + make_interval(secs => %(lease_s)s) END
@@ -359,15 +362,19 @@ LEFT JOIN LATERAL (
         WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
           AND w.id <> ALL(%(ids)s::bigint[])
         ORDER BY w.id LIMIT """ + _FIRST_IN_LINE + """) w
-    JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-    LIMIT 1 FOR SHARE OF q NOWAIT) waiter ON true
+    CROSS JOIN LATERAL (SELECT q.message_id FROM dramatiq.queue q
+                        WHERE q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
+                        FOR SHARE NOWAIT) q
+    LIMIT 1) waiter ON true
 LEFT JOIN LATERAL (
     SELECT q.message_id FROM (
         SELECT w.message_id FROM standmeet.webhook_deliveries w
         WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
         ORDER BY """ + _DUE_AT + """ LIMIT """ + _FIRST_IN_LINE + """) w
-    JOIN dramatiq.queue q ON q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-    LIMIT 1 FOR SHARE OF q NOWAIT) retried ON true
+    CROSS JOIN LATERAL (SELECT q.message_id FROM dramatiq.queue q
+                        WHERE q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
+                        FOR SHARE NOWAIT) q
+    LIMIT 1) retried ON true
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
   AND (e.busy_until > now() OR waiter.message_id IS NOT NULL OR retried.message_id IS NOT NULL)
 """
