@@ -317,10 +317,15 @@ def test_parking_reads_a_few_due_retries_however_many_wait_snoozed(broker, datab
     # behind its lease (not due)
     for n, event in enumerate(events):
         retried_waiter(database_url, event, backoff_ends_in_s=-1 - n, due_in_s=60)
-    # When a new delivery to it is fanned out and parked
-    [event] = emit(database_url, "park.many", 1)
+    [event] = emit(database_url, "park.many", 1)  # (the event of the new delivery below)
     with psycopg.connect(database_url) as conn:
         try:
+            # and a few due messages of other queues, as the statistics autovacuum gathers
+            # count them (all rolled back at the end)
+            conn.execute("INSERT INTO dramatiq.queue (queue_name, message_id, state, message) "
+                         "SELECT 'other', gen_random_uuid(), 'queued', '{}'::jsonb FROM generate_series(1, 5)")
+            conn.execute("ANALYZE dramatiq.queue, standmeet.webhook_deliveries")
+            # When a new delivery to it is fanned out and parked
             rows = conn.execute(webhooks.FANOUT, {"event": event, "ping_endpoint": None}).fetchall()
             ids = [int(r[0]) for r in rows]
             webhooks.enqueue_deliveries(conn, ids, named=[r[2] for r in rows])
