@@ -337,6 +337,14 @@ _LONGEST_DUE_FIRST = "ORDER BY " + _DUE_AT + " LIMIT 1"
 #: delivery fanned out took a second). Parking only saves a claim: should those first few
 #: not be due, the new deliveries stay due, as before parking.
 _FIRST_IN_LINE = "8"
+#: The message of one of those (``w``), locked, if it is queued and due: looked up by its
+#: id in a subquery of its own, so that no plan scans the queue's due messages first and
+#: reads the few again for each (joined plainly, the planner chose that with a small
+#: queue's statistics).
+_ITS_MESSAGE_IF_DUE = """
+    CROSS JOIN LATERAL (SELECT q.message_id FROM dramatiq.queue q
+                        WHERE q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
+                        FOR SHARE NOWAIT) q"""
 #: Of those, the ones whose endpoint already has a delivery in hand, and until when to
 #: park them: its lease is held (until it expires), or an older waiting delivery whose
 #: back-off has elapsed has its message queued and due (a lease's length, which that job
@@ -346,10 +354,7 @@ _FIRST_IN_LINE = "8"
 #: the endpoint's row first (:data:`LOCK_ENDPOINT`, in its own statement), so it either
 #: committed before (its outcome read here) or waits for this transaction and then, from
 #: a snapshot taken after it, wakes the oldest waiter, these parked ones included. A
-#: running waiter does not count (it may be ending: nothing would wake these). Each of the
-#: few is looked up by its message id, and locked, in a subquery of its own: joined
-#: plainly, a plan could scan the queue's due messages first and read the few again for
-#: each (the planner chose that with a small queue's statistics).
+#: running waiter does not count (it may be ending: nothing would wake these).
 PARK_BEHIND = """
 SELECT d.message_id, CASE WHEN e.busy_until > now() THEN e.busy_until
                           ELSE now() + make_interval(secs => %(lease_s)s) END
@@ -362,18 +367,14 @@ LEFT JOIN LATERAL (
         WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts = 0
           AND w.id <> ALL(%(ids)s::bigint[])
         ORDER BY w.id LIMIT """ + _FIRST_IN_LINE + """) w
-    CROSS JOIN LATERAL (SELECT q.message_id FROM dramatiq.queue q
-                        WHERE q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-                        FOR SHARE NOWAIT) q
+""" + _ITS_MESSAGE_IF_DUE + """
     LIMIT 1) waiter ON true
 LEFT JOIN LATERAL (
     SELECT q.message_id FROM (
         SELECT w.message_id FROM standmeet.webhook_deliveries w
         WHERE w.endpoint_id = d.endpoint_id AND w.state = 'pending' AND w.attempts > 0 AND """ + _BACKOFF_ELAPSED + """
         ORDER BY """ + _DUE_AT + """ LIMIT """ + _FIRST_IN_LINE + """) w
-    CROSS JOIN LATERAL (SELECT q.message_id FROM dramatiq.queue q
-                        WHERE q.message_id = w.message_id AND """ + _STILL_QUEUED + """ AND q.eta <= now()
-                        FOR SHARE NOWAIT) q
+""" + _ITS_MESSAGE_IF_DUE + """
     LIMIT 1) retried ON true
 WHERE d.id = ANY(%(ids)s::bigint[]) AND d.message_id = ANY(%(locked)s::uuid[])
   AND (e.busy_until > now() OR waiter.message_id IS NOT NULL OR retried.message_id IS NOT NULL)

@@ -297,8 +297,8 @@ def test_a_release_reads_one_due_retry_however_many_are_due(broker, database_url
     assert read and max(read) <= 2, read
 
 
-def _rows_read_through(plan: Any, index: str) -> list[int]:
-    """Rows each scan of ``index`` returned in an EXPLAIN (ANALYZE, FORMAT JSON) plan, all loops."""
+def _plan_nodes(plan: Any) -> Iterator[dict]:
+    """Every node of an EXPLAIN (ANALYZE, FORMAT JSON) plan."""
     import json
 
     def nodes(node: dict) -> Iterator[dict]:
@@ -306,23 +306,19 @@ def _rows_read_through(plan: Any, index: str) -> list[int]:
         for child in node.get("Plans", []):
             yield from nodes(child)
 
-    plan = plan if isinstance(plan, list) else json.loads(plan)
-    return [n["Actual Rows"] * n["Actual Loops"] for n in nodes(plan[0]["Plan"]) if n.get("Index Name") == index]
+    yield from nodes((plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"])
+
+
+def _rows_read_through(plan: Any, index: str) -> list[int]:
+    """Rows each scan of ``index`` returned in an EXPLAIN (ANALYZE, FORMAT JSON) plan, all loops."""
+    return [n["Actual Rows"] * n["Actual Loops"] for n in _plan_nodes(plan) if n.get("Index Name") == index]
 
 
 def _rows_scanned_of(plan: Any, table: str) -> int:
     """Rows every scan of ``table`` read in an EXPLAIN (ANALYZE, FORMAT JSON) plan (those
     its filter removed included), all loops."""
-    import json
-
-    def nodes(node: dict) -> Iterator[dict]:
-        yield node
-        for child in node.get("Plans", []):
-            yield from nodes(child)
-
-    plan = plan if isinstance(plan, list) else json.loads(plan)
     return int(sum((n["Actual Rows"] + n.get("Rows Removed by Filter", 0)) * n["Actual Loops"]
-                   for n in nodes(plan[0]["Plan"]) if n.get("Relation Name") == table))
+                   for n in _plan_nodes(plan) if n.get("Relation Name") == table))
 
 
 def test_parking_reads_a_few_due_retries_however_many_wait_snoozed(broker, database_url, webhook_settings):

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
 
 import pytest
 
 from broker.engine.runs import RunningJobs, as_run, in_a_run
 from broker.errors import CutOff
+from tests.support.interrupts import interrupted_over_and_over
 
 
 def test_an_interruption_is_raised_in_a_job_and_never_after_it():
     # Given two threads running a short job body over and over, as a worker's runs
     jobs = RunningJobs()
-    stop = threading.Event()
     after_the_job: list[BaseException] = []
     runs = {"returned": 0, "interrupted": 0}
 
@@ -25,7 +23,7 @@ def test_an_interruption_is_raised_in_a_job_and_never_after_it():
 
     run = as_run(body)
 
-    def worker() -> None:
+    def worker(stop: threading.Event) -> None:
         in_a_run(jobs)
         try:
             while not stop.is_set():
@@ -39,22 +37,9 @@ def test_an_interruption_is_raised_in_a_job_and_never_after_it():
         finally:
             in_a_run(None)
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # the interpreter changes threads at nearly every check, as under load
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(2)]
-    try:
-        for thread in threads:
-            thread.start()
-        # When every job is interrupted, again and again, for a few seconds
-        deadline = time.monotonic() + 4
-        while not after_the_job and time.monotonic() < deadline:
-            jobs.interrupt_all(CutOff)
-            jobs.resume()
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(5)
-        sys.setswitchinterval(switch)
+    # When every job is interrupted, again and again, for a few seconds
+    threads = interrupted_over_and_over(worker, lambda: (jobs.interrupt_all(CutOff), jobs.resume()), for_s=4,
+                                        until=lambda: bool(after_the_job))
     # Then no interruption ever reached a thread once its job had ended, and none is
     # counted as running
     assert not after_the_job, f"an interruption landed after a job's end {len(after_the_job)} time(s)"

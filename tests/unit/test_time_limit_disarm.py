@@ -9,7 +9,6 @@ the interpreter lock signals its own pending interruption again (checked on 3.10
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 
@@ -17,6 +16,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from broker.engine.runs import RunningJobs, as_run, in_a_run
 from middleware.time_limit import TimeLimit, Timers
+from tests.support.interrupts import interrupted_over_and_over
 
 
 def test_a_limit_that_fires_as_the_job_ends_is_delivered_at_its_disarm_and_never_after(caplog):
@@ -27,7 +27,6 @@ def test_a_limit_that_fires_as_the_job_ends_is_delivered_at_its_disarm_and_never
     timers = limit.manager
     assert isinstance(timers, Timers)
     limit._started = True  # the timers are driven by this test, not by their thread
-    stop = threading.Event()
     after_the_disarm: list[BaseException] = []
     runs = {"ended": 0, "interrupted": 0, "dropped": 0}
 
@@ -37,7 +36,7 @@ def test_a_limit_that_fires_as_the_job_ends_is_delivered_at_its_disarm_and_never
 
     run = as_run(body)  # bracketed as the broker brackets an actor's function
 
-    def worker() -> None:
+    def worker(stop: threading.Event) -> None:
         me = threading.get_ident()
         in_a_run(RunningJobs(), [limit.disarm])
         try:
@@ -57,21 +56,8 @@ def test_a_limit_that_fires_as_the_job_ends_is_delivered_at_its_disarm_and_never
         finally:
             in_a_run(None)
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # the interpreter changes threads at nearly every check, as under load
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(2)]
-    try:
-        for thread in threads:
-            thread.start()
-        # When the limits fire, again and again, for a few seconds
-        deadline = time.monotonic() + 2
-        while not after_the_disarm and time.monotonic() < deadline:
-            timers.fire_due()
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(5)
-        sys.setswitchinterval(switch)
+    # When the limits fire, again and again, for a few seconds
+    threads = interrupted_over_and_over(worker, timers.fire_due, for_s=2, until=lambda: bool(after_the_disarm))
     # Then no limit ever interrupted a thread once its run was disarmed
     assert not after_the_disarm, f"a time limit landed after its disarm {len(after_the_disarm)} time(s)"
     assert not any(thread.is_alive() for thread in threads)
