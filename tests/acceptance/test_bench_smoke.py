@@ -56,6 +56,15 @@ def test_the_worker_cpu_bench_drains_ours_and_the_stub_floor_and_prints_ours_ove
                  r"^floor \(StubBroker, default middleware\): [\d,]+ .* ms CPU per job$")
 
 
+def test_the_hooks_cpu_bench_times_a_run_with_every_policy_and_without_each_and_prints_ours_over_dramatiqs(
+        admin_url: str) -> None:
+    out = run_bench("hooks_cpu.py", admin_url, "--n", "50", "--passes", "1")
+    assert_lines(out, r"^ours, every policy: [\d.]+ µs a run$",
+                 r"^  without TimeLimit: [\d.]+ µs a run, so it costs [-+][\d.]+$",
+                 r"^  without JobLog: [\d.]+ µs a run, so it costs [-+][\d.]+$",
+                 r"^Dramatiq's default middleware: [\d.]+ µs a run$")
+
+
 def test_the_settle_cpu_bench_times_both_ways_of_running_a_settle_and_prints_their_ratio(admin_url: str) -> None:
     out = run_bench("settle_cpu.py", admin_url, "--n", "20", "--runs", "1")
     assert_lines(out, r"^psycopg's own conversion and list dumpers: [\d.]+ .* µs of CPU per settle of 6$",
