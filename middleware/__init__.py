@@ -31,7 +31,8 @@ nothing: the broker skips the hooks of ``AgeLimit`` (without a default ``max_age
 ``ShutdownNotifications`` (without ``notify_shutdown``), ``Callbacks``, ``Pipelines``,
 ``GroupCallbacks`` and ``KeyedLease`` for a run whose message and actor set none of
 their options (``broker.engine.hooks``; a middleware of yours declares the same with a
-``runs_only_with_options`` attribute). Every other policy above runs for every run.
+``runs_only_with_options`` attribute). ``Tracing`` without the OpenTelemetry API
+installed has no run hooks at all. Every other policy above runs for every run.
 
 The broker disarms the time limit before any after-hook runs, so the limit never fires
 inside the settle path; what after-hooks send (retries, snoozes, pipelines, callbacks)
