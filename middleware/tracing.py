@@ -38,8 +38,9 @@ class Tracing(Middleware):
 
     # Without the OpenTelemetry API no run can be traced (there is nothing to record with,
     # nor a context to make current): the policy then has no run hooks at all, so the
-    # broker calls none and a run costs it nothing. The API is there or not for the whole
-    # life of the process (it is imported once).
+    # broker calls none and a run costs it nothing (Dramatiq's own brokers, which call
+    # every middleware's methods, call the base class's no-ops). The API is there or not
+    # for the whole life of the process (it is imported once).
     if tracing.enabled():
         def before_process_message(self, broker: Any, message: Any) -> None:
             carrier = message.options.get(tracing.OPTION)
@@ -55,8 +56,8 @@ class Tracing(Middleware):
         def after_skip_message(self, broker: Any, message: Any) -> None:
             self._end(message, None, outcome="skipped")
 
-        def _end(self, message: Any, exception: BaseException | None, *, outcome: str | None = None) -> None:
-            span = getattr(message, "standmeet_span", None)
-            if span is not None:
-                message.standmeet_span = None
-                span.end(exception, outcome=outcome)
+    def _end(self, message: Any, exception: BaseException | None, *, outcome: str | None = None) -> None:
+        span = getattr(message, "standmeet_span", None)
+        if span is not None:
+            message.standmeet_span = None
+            span.end(exception, outcome=outcome)

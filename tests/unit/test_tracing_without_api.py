@@ -30,16 +30,18 @@ for signal in ("before_process_message", "after_process_message", "after_skip_me
     assert "Tracing" not in called, (signal, called)
 assert [m for m, _ in table.of(listed, "before_enqueue")] == [policy]
 
+from dramatiq.middleware import CurrentMessage
+
 ran = []
 
 @dramatiq.actor(queue_name="traced", actor_name="test.traced")
 def traced(n):
-    ran.append(n)
+    ran.append((n, CurrentMessage.get_current_message().options.get("trace_context")))
 
 carrier = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 message = traced.message_with_options(args=(1,), trace_context=carrier)
 broker.enqueue(message)
-assert broker.drain() == 1 and ran == [1]
+assert broker.drain() == 1 and ran == [(1, carrier)]  # the context it carries stays on it
 print("ok")
 """
 
