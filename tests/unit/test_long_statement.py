@@ -51,3 +51,24 @@ def test_an_arrays_text_quotes_every_element_escapes_backslashes_and_quotes_and_
 def test_an_element_whose_text_postgres_would_misread_is_refused_naming_its_type(element):
     with pytest.raises(TypeError, match=type(element).__name__):
         array_text(["fine", element])
+
+
+@pytest.mark.parametrize("values", [
+    ["0b5a7c1e-8d2f-4c3b-9a1e-2f3d4c5b6a7e", "orders.confirm", ""],
+    ['say "hi"', "plain"],
+    ["C:\\x", "plain"],
+    [0, 1, -7, 2**70],
+    [0.1, -0.0, 1e-9, 12345.678, float("inf")],
+], ids=["strings", "a string with a quote", "a string with a backslash", "ints", "floats"])
+def test_a_list_of_one_kind_is_written_as_each_element_alone_would_be(values):
+    # Given the text each element is written as inside a mixed list (a None beside it
+    # makes the list mixed; its NULL is the last element)
+    each = array_text([*values, None])
+
+    # Then the list of that one kind is written the same, element for element
+    assert array_text(values) == each.removesuffix(",NULL}") + "}"
+
+
+def test_a_list_of_one_kind_that_postgres_would_misread_is_still_refused():
+    with pytest.raises(TypeError, match="bool"):
+        array_text([True, False])
