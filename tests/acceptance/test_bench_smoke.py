@@ -62,6 +62,7 @@ def test_the_hooks_cpu_bench_times_a_run_with_every_policy_and_without_each_and_
     assert_lines(out, r"; OpenTelemetry API: absent$", r"^ours, every policy: [\d.]+ µs a run$",
                  r"^  without TimeLimit: [\d.]+ µs a run, so it costs [-+][\d.]+$",
                  r"^  without JobLog: [\d.]+ µs a run, so it costs [-+][\d.]+$",
+                 r"^ours with Dramatiq's policies only \(.*TimeLimit.*Retries; the rest taken out\): [\d.]+ µs a run$",
                  r"^Dramatiq's default middleware: [\d.]+ µs a run$")
 
 
