@@ -13,7 +13,14 @@ The floor: a child process drains as many no-op messages through Dramatiq's in-m
 The two alternate, ``--runs`` times each; the medians and ranges are printed, then
 ``ratio: N.NN`` (ours / floor: 1.00 would be no cost of our own).
 
+``--policies dramatiq`` takes out of our broker every middleware but those of Dramatiq's
+default list's classes (ours of the time limit and the retries are subclasses of them):
+the same policies as the floor's, with our broker's claims, settles and consumer beside
+them, so that what is left of the ratio is the broker's, not the policies Dramatiq does
+not have. A diagnostic only: a worker never runs so (no queue concurrency, no job log).
+
     python bench/worker_cpu.py --n 20000 --runs 3
+    python bench/worker_cpu.py --n 20000 --runs 3 --policies dramatiq
 """
 
 from __future__ import annotations
@@ -49,14 +56,26 @@ def noop(i: int) -> None:
     pass
 
 
-def ours(admin_url: str, n: int, threads: int) -> tuple[float, float]:
-    """(jobs/s, CPU ms per job) of our worker draining ``n`` queued no-op messages."""
+def dramatiqs_policies_only(broker: dramatiq.Broker) -> list[str]:
+    """Take every middleware but those of Dramatiq's default list's classes out of
+    ``broker``; the names of those kept."""
+    from dramatiq.middleware import default_middleware
+
+    broker.middleware[:] = [m for m in broker.middleware if isinstance(m, tuple(default_middleware))]
+    return [type(m).__name__ for m in broker.middleware]
+
+
+def ours(admin_url: str, n: int, threads: int, *, policies: str = "all") -> tuple[float, float]:
+    """(jobs/s, CPU ms per job) of our worker draining ``n`` queued no-op messages, with
+    every policy (``policies="all"``) or Dramatiq's only (``"dramatiq"``)."""
     from bench.throughput import _ours_broker, declare
     from broker.engine import sql_enqueue
     from broker.engine.codec import enqueue_params
 
     url, broker = _ours_broker(admin_url, threads)
     try:
+        if policies == "dramatiq":
+            dramatiqs_policies_only(broker)
         actor = declare(broker, noop, "bench.noop", QUEUE)
         with psycopg.connect(url) as conn:
             conn.execute(sql_enqueue.ENQUEUE, enqueue_params([actor.message(i) for i in range(n)]))
@@ -122,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=20_000, help="no-op messages per drain")
     parser.add_argument("--runs", type=int, default=3, help="drains of each side, alternated")
     parser.add_argument("--threads", type=int, default=8, help="worker threads on each side")
+    parser.add_argument("--policies", choices=("all", "dramatiq"), default="all",
+                        help="our broker with every policy (a worker's), or with Dramatiq's default ones only")
     parser.add_argument("--child-floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_floor:
@@ -134,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(log_path, "a", encoding="utf-8") as log_file:
             log_like_a_worker(log_file)
             for _ in range(args.runs):
-                rate, cpu = ours(admin_url, args.n, args.threads)
+                rate, cpu = ours(admin_url, args.n, args.threads, policies=args.policies)
                 our_rates.append(rate)
                 our_cpus.append(cpu)
                 rate, cpu = floor_in_child(args.n, args.threads)
@@ -144,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         logged = sum(1 for line in open(log_path, encoding="utf-8") if "standmeet.jobs" in line)
     print(f"dramatiq {dramatiq.__version__}, {args.threads} threads, {args.n:,} no-op messages, "
           f"{args.runs} runs of each side alternated (median, range)")
+    if args.policies == "dramatiq":
+        print("ours with Dramatiq's policies only (the rest taken out: a diagnostic, not a worker)")
     print(f"ours: {spread(our_rates, ',.0f')} jobs/s, {spread(our_cpus, '.3f')} ms CPU per job "
           f"({logged:,} job log lines written)")
     print(f"floor (StubBroker, default middleware): {spread(floor_rates, ',.0f')} jobs/s, "

@@ -56,6 +56,13 @@ def test_the_worker_cpu_bench_drains_ours_and_the_stub_floor_and_prints_ours_ove
                  r"^floor \(StubBroker, default middleware\): [\d,]+ .* ms CPU per job$")
 
 
+def test_the_worker_cpu_bench_can_drain_ours_with_dramatiqs_policies_only_and_then_writes_no_job_log_line(
+        admin_url: str) -> None:
+    out = run_bench("worker_cpu.py", admin_url, "--n", "200", "--runs", "1", "--policies", "dramatiq")
+    assert_lines(out, r"^ours with Dramatiq's policies only \(the rest taken out: a diagnostic, not a worker\)$",
+                 r"^ours: [\d,]+ .* jobs/s, [\d.]+ .* ms CPU per job \(0 job log lines written\)$")
+
+
 def test_the_hooks_cpu_bench_times_a_run_with_every_policy_and_without_each_and_prints_ours_over_dramatiqs(
         admin_url: str) -> None:
     out = run_bench("hooks_cpu.py", admin_url, "--n", "50", "--passes", "1", "--without-otel")
