@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from dramatiq import Middleware
@@ -56,5 +57,11 @@ class JobLog(Middleware):
         duration_ms = (time.monotonic() - started) * 1000
         queue, actor, message_id = message.queue_name, message.actor_name, message.message_id
         info_line(logger, f"job {outcome}: {queue} {actor} {message_id} in {duration_ms:.1f} ms (attempt {attempt})",
-                  lambda: {"actor": actor, "message_id": message_id, "queue": queue,
-                           "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt})
+                  partial(_fields, actor, message_id, queue, duration_ms, outcome, attempt))
+
+
+def _fields(actor: str, message_id: str, queue: str, duration_ms: float, outcome: str,
+            attempt: int) -> dict[str, Any]:
+    """The job log line's fields, for the JSON format (made only when a format shows them)."""
+    return {"actor": actor, "message_id": message_id, "queue": queue,
+            "duration_ms": round(duration_ms, 3), "outcome": outcome, "attempt": attempt}

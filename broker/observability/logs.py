@@ -32,6 +32,10 @@ _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 
+#: ``,000`` to ``,999``: a line's milliseconds.
+_MILLIS = tuple(f",{ms:03d}" for ms in range(1000))
+
+
 class TextFormatter(logging.Formatter):
     """The text format, with the date part of each timestamp made once a second (the
     stock formatter calls localtime and strftime for every line)."""
@@ -50,6 +54,16 @@ class TextFormatter(logging.Formatter):
         if cached[0] != second:
             cached = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
         return cached[1]
+
+    def stamp(self, created: float) -> str:
+        """``created`` as this format writes a line's time (``2026-12-04 14:37:01,123``: the
+        stock ``%s,%03d`` of the date part and the milliseconds, as a record counts them),
+        the date part made once a second and the milliseconds looked up."""
+        second = int(created)
+        cached = self._second
+        if cached[0] != second:
+            cached = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
+        return cached[1] + _MILLIS[int((created - second) * 1000)]
 
 
 class JsonFormatter(logging.Formatter):
@@ -199,8 +213,7 @@ def info_line(logger: logging.Logger, message: str,
     now = time.time()
     formatter = handler.formatter
     if type(formatter) is TextFormatter:
-        line = (f"{formatter.date_part(now)},{int((now - int(now)) * 1000):03d} [{_pid[0]}] INFO "
-                f"{logger.name}: {message}")
+        line = f"{formatter.stamp(now)} [{_pid[0]}] INFO {logger.name}: {message}"
     else:
         doc = JsonFormatter.document(now, "INFO", logger.name, message, _pid[0])
         line = json.dumps({**doc, **(extra() if callable(extra) else extra)}, default=str)

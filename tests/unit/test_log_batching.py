@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from broker.observability.logs import BatchedStreamHandler
 from tests.support.db import wait_for
 
@@ -190,3 +192,15 @@ def test_a_job_line_written_by_a_forked_child_names_the_childs_process():
         line = pipe.read().decode()
     # Then the child's line names the child, not the parent
     assert f"[{child}] INFO standmeet.test.forked: job done: child" in line, line
+
+
+@pytest.mark.parametrize("created", [1_764_858_000.0, 1_764_858_000.0004, 1_764_858_000.1234,
+                                     1_764_858_000.9995, 1_764_858_000.999999, 1_764_858_001.5])
+def test_a_lines_time_is_the_date_part_and_the_milliseconds_a_record_counts(created):
+    from broker.observability.logs import TEXT_FORMAT, TextFormatter
+
+    formatter = TextFormatter(TEXT_FORMAT)
+    # the milliseconds as Python 3.11's LogRecord counts them, after the stock "%s,%03d"
+    record = logging.makeLogRecord({"created": created, "msecs": int((created - int(created)) * 1000)})
+
+    assert formatter.stamp(created) == formatter.formatTime(record)
