@@ -72,3 +72,22 @@ def test_a_list_of_one_kind_is_written_as_each_element_alone_would_be(values):
 def test_a_list_of_one_kind_that_postgres_would_misread_is_still_refused():
     with pytest.raises(TypeError, match="bool"):
         array_text([True, False])
+
+
+class _EqualToStr(type):
+    """A metaclass whose classes compare (and hash) equal to ``str``."""
+
+    def __eq__(cls, other: object) -> bool:
+        return other is str or type.__eq__(cls, other)
+
+    def __hash__(cls) -> int:
+        return hash(str)
+
+
+class _LooksLikeStr(str, metaclass=_EqualToStr):
+    pass
+
+
+def test_an_element_of_a_type_that_only_compares_equal_to_str_is_still_refused():
+    with pytest.raises(TypeError, match="_LooksLikeStr"):
+        array_text(["fine", _LooksLikeStr("b")])
