@@ -4,15 +4,17 @@ A run here is what a worker thread does around a job's body, and nothing else: t
 broker's ``before_process_message`` hooks, the actor's function bracketed as a job
 (``broker.engine.runs.as_run``), then the ``after_process_message`` hooks. No claim, no
 settle, no consumer: what is left is the policies' own Python, and the broker's own
-bookkeeping of a run (its bracket, its settle context). It is measured three ways:
+bookkeeping of a run (its bracket, its settle context). It is measured four ways:
 
 * **ours**: our broker as a worker configures it, every policy on, the job log line
   written by the batched handler to a file;
 * **without <policy>**: the same, that one middleware taken out of the list;
 * **with Dramatiq's policies only**: the same, every middleware taken out but those of
   Dramatiq's default list's classes (ours of the time limit and the retries are
-  subclasses of them): the broker's own bookkeeping of a run beside the same policies
-  as Dramatiq's figure;
+  subclasses of them): the broker's own bookkeeping of a run beside the policies of
+  Dramatiq's figure. Not the same work: our broker calls the hooks of the age limit,
+  the shutdown notifications, the callbacks and the pipelines only for a run whose
+  options name them (``broker.engine.hooks``), where Dramatiq calls them for every run;
 * **Dramatiq's**: the same loop through ``StubBroker`` with Dramatiq's default middleware.
 
 Each figure is the best of ``--passes`` passes of ``--n`` runs (the minimum, not a

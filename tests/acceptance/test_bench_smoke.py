@@ -58,9 +58,30 @@ def test_the_worker_cpu_bench_drains_ours_and_the_stub_floor_and_prints_ours_ove
 
 def test_the_worker_cpu_bench_can_drain_ours_with_dramatiqs_policies_only_and_then_writes_no_job_log_line(
         admin_url: str) -> None:
-    out = run_bench("worker_cpu.py", admin_url, "--n", "200", "--runs", "1", "--policies", "dramatiq")
+    out = run_bench("worker_cpu.py", admin_url, "--n", "200", "--runs", "1", "--policies", "dramatiq",
+                    "--by-thread")
     assert_lines(out, r"^ours with Dramatiq's policies only \(the rest taken out: a diagnostic, not a worker\)$",
-                 r"^ours: [\d,]+ .* jobs/s, [\d.]+ .* ms CPU per job \(0 job log lines written\)$")
+                 r"^ours: [\d,]+ .* jobs/s, [\d.]+ .* ms CPU per job \(0 job log lines written\)$",
+                 r"^ours by thread, µs of CPU a job: worker threads [\d.]+ .*, consumer [\d.]+ .*, "
+                 r"settler [\d.]+ .*, log writer [\d.]+ .*, the rest [\d.]+ ")
+
+
+def test_the_worker_cpu_bench_keeps_a_named_policy_beside_dramatiqs_and_then_writes_its_job_log_lines(
+        admin_url: str) -> None:
+    out = run_bench("worker_cpu.py", admin_url, "--n", "200", "--runs", "1", "--policies", "dramatiq",
+                    "--keep", "JobLog")
+    assert_lines(out, r"^ours with Dramatiq's policies only, and JobLog \(the rest taken out",
+                 r"^ours: [\d,]+ .* ms CPU per job \(200 job log lines written\)$")
+
+
+def test_the_worker_cpu_bench_refuses_a_policy_to_keep_that_our_broker_does_not_have_in_one_line(
+        admin_url: str) -> None:
+    done = subprocess.run([sys.executable, "bench/worker_cpu.py", "--n", "20", "--runs", "1", "--policies",
+                           "dramatiq", "--keep", "JobLog,NoSuchPolicy"],
+                          env={**os.environ, "DATABASE_URL": admin_url}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode != 0
+    assert done.stderr.strip() == "--keep: our broker has no middleware named NoSuchPolicy", done.stderr
 
 
 def test_the_hooks_cpu_bench_times_a_run_with_every_policy_and_without_each_and_prints_ours_over_dramatiqs(
