@@ -49,21 +49,20 @@ class TextFormatter(logging.Formatter):
 
     def date_part(self, created: float) -> str:
         """The timestamp of ``created`` to the second, made once a second."""
-        second = int(created)
-        cached = self._second
-        if cached[0] != second:
-            cached = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
-        return cached[1]
+        return self._date(int(created))
 
     def stamp(self, created: float) -> str:
         """``created`` as this format writes a line's time (``2026-12-04 14:37:01,123``: the
         stock ``%s,%03d`` of the date part and the milliseconds, as a record counts them),
         the date part made once a second and the milliseconds looked up."""
         second = int(created)
+        return self._date(second) + _MILLIS[int((created - second) * 1000)]
+
+    def _date(self, second: int) -> str:
         cached = self._second
         if cached[0] != second:
             cached = self._second = (second, time.strftime(self.default_time_format, self.converter(second)))
-        return cached[1] + _MILLIS[int((created - second) * 1000)]
+        return cached[1]
 
 
 class JsonFormatter(logging.Formatter):

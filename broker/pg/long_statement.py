@@ -38,7 +38,8 @@ def array_text(values: Iterable[Any]) -> str:
     list, an enum...) raises TypeError: its text would not be what Postgres should read.
 
     A list of one kind (the settle's ids, claims, actors and times) is joined whole, with
-    no step per element in Python: the same text, a fifth of the time."""
+    no step per element in Python: the same text, in a third of the time for ids, a fifth
+    less for times (their ``repr`` is most of it)."""
     if type(values) is list and values:
         # the types' identities: a type that only compares equal to str is not str
         if len(set(map(id, map(type, values)))) == 1:
