@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages and 
 import dramatiq  # noqa: E402
 from dramatiq.broker import MessageProxy  # noqa: E402
 
-from bench.worker_cpu import log_like_a_worker  # noqa: E402
+from bench.worker_cpu import dramatiqs_policy, log_like_a_worker  # noqa: E402
 from tests.support import db as testdb  # noqa: E402
 
 QUEUE = "index"
@@ -121,7 +121,7 @@ def measured(admin_url: str, n: int, passes: int) -> tuple[dict[str, float], lis
         whole = list(broker.middleware)
         configurations: list[tuple[str, list[Any]]] = [("ours", [])] + [
             (f"without {type(m).__name__}", [m]) for m in whole] + [
-            (DRAMATIQS_ONLY, [m for m in whole if not isinstance(m, tuple(default_middleware))])]
+            (DRAMATIQS_ONLY, [m for m in whole if not dramatiqs_policy(m)])]
         figures: dict[str, float] = {}
         for _ in range(passes):
             for name, left_out in configurations:
@@ -133,7 +133,7 @@ def measured(admin_url: str, n: int, passes: int) -> tuple[dict[str, float], lis
                 figures[name] = min(spent, figures.get(name, spent))
             spent = runs_of(stub, stub_actor.fn, stub_message, n)
             figures[DRAMATIQS] = min(spent, figures.get(DRAMATIQS, spent))
-        return figures, [type(m).__name__ for m in whole if isinstance(m, tuple(default_middleware))]
+        return figures, [type(m).__name__ for m in whole if dramatiqs_policy(m)]
     finally:
         stub.emit_before("process_stop")
         stub.close()

@@ -66,13 +66,18 @@ def noop(i: int) -> None:
 THREAD_KINDS = ("worker threads", "consumer", "settler", "log writer", "the rest")
 
 
-def dramatiqs_policies_only(broker: dramatiq.Broker, keep: frozenset[str] = frozenset()) -> list[str]:
-    """Take every middleware out of ``broker`` but those of Dramatiq's default list's
-    classes and those whose class is named in ``keep``; the names of those kept."""
+def dramatiqs_policy(middleware: object) -> bool:
+    """Whether ``middleware`` is of a class of Dramatiq's default list (or a subclass: ours
+    of the time limit and the retries)."""
     from dramatiq.middleware import default_middleware
 
-    broker.middleware[:] = [m for m in broker.middleware
-                            if isinstance(m, tuple(default_middleware)) or type(m).__name__ in keep]
+    return isinstance(middleware, tuple(default_middleware))
+
+
+def dramatiqs_policies_only(broker: dramatiq.Broker, keep: frozenset[str] = frozenset()) -> list[str]:
+    """Take every middleware out of ``broker`` but Dramatiq's policies and those whose
+    class is named in ``keep``; the names of those kept."""
+    broker.middleware[:] = [m for m in broker.middleware if dramatiqs_policy(m) or type(m).__name__ in keep]
     return [type(m).__name__ for m in broker.middleware]
 
 
