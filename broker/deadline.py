@@ -7,8 +7,9 @@ helper sets ``statement_timeout`` to what remains, HTTP clients cap their timeou
 it, and long actors call :func:`check` between batches.
 
 :func:`check` also stops a job an operator cancelled while it ran: the cancellation
-middleware names the thread's running message (:func:`set_message`) and its watcher
-marks the ones cancelled in the database (:func:`mark_cancelled`).
+middleware names the thread's run (:func:`set_run`, a :class:`Run` its watcher handed
+out), and the watcher marks the runs of the messages cancelled in the database
+(:meth:`WatchedRuns.mark_cancelled`).
 
 Both live in context variables: a worker thread has a context of its own, and an
 ``async def`` actor's coroutine, run on the event loop thread, starts from a copy of the
@@ -33,9 +34,7 @@ from typing import Any
 from broker.errors import DeadlineExceeded, JobCancelled
 
 _deadline: ContextVar[float | None] = ContextVar("standmeet_job_deadline", default=None)
-_message_id: ContextVar[str | None] = ContextVar("standmeet_job_message_id", default=None)
-_cancelled: set[str] = set()
-_cancelled_lock = threading.Lock()
+_run: ContextVar[Run | None] = ContextVar("standmeet_job_run", default=None)
 
 
 def set_deadline(seconds_from_now: float | None) -> None:
@@ -60,74 +59,72 @@ def remaining_s() -> float | None:
     return deadline - time.monotonic()
 
 
-def set_message(message_id: str | None) -> None:
-    """The message this thread runs now (None: none)."""
-    _message_id.set(message_id)
+def set_run(run: Run | None) -> None:
+    """The run this thread is in now, as its cancellation watcher knows it (None: none)."""
+    _run.set(run)
 
 
-def mark_cancelled(message_ids: Iterable[str]) -> None:
-    """These running messages were cancelled: their next :func:`check` stops them."""
-    with _cancelled_lock:
-        _cancelled.update(message_ids)
+class Run:
+    """One run of a message in this process, as the cancellation watcher knows it. An
+    operator's cancel marks the run itself, not its message id: a mark goes with its run,
+    so a later run of the same message here starts unmarked, whenever the watcher read the
+    ids it asked the database about."""
 
+    __slots__ = ("message_id", "cancelled")
 
-def forget(message_id: str) -> None:
-    if message_id not in _cancelled:  # the common case, read without the lock: nothing to forget
-        return
-    with _cancelled_lock:
-        _cancelled.discard(message_id)
+    def __init__(self, message_id: str) -> None:
+        self.message_id = message_id
+        #: set by the watcher; read by :func:`check` in the run's own thread
+        self.cancelled = False
 
 
 class WatchedRuns:
-    """The running jobs a process watches for an operator's cancel: a count per message id
-    (a message may run on two threads for a moment); when its last run ends, its
-    cancellation mark is forgotten. The cancellation watchers build on it."""
+    """The runs a process watches for an operator's cancel, each a :class:`Run` (a message
+    may run on two threads for a moment: two runs). Watching and unwatching a run is one
+    dictionary operation, which the interpreter makes whole, and a reader copies the
+    dictionary in one: no run waits for a lock, nor for the watcher. A cancel read for a
+    run that has ended since marks that run, which nothing reads any more. The
+    cancellation watchers build on it."""
 
     def __init__(self) -> None:
+        #: taken only to start or stop a watcher's thread
         self._lock = threading.Lock()
-        self._running: dict[str, int] = {}
+        self._runs: dict[Run, None] = {}
 
-    def watch(self, message_id: str) -> None:
-        with self._lock:
-            running = self._running
-            running[message_id] = running.get(message_id, 0) + 1
-            self._watched()
+    def watch(self, message_id: str) -> Run:
+        """A run of ``message_id`` starts: watched until :meth:`unwatch`."""
+        run = Run(message_id)
+        self._runs[run] = None
+        self._watched()
+        return run
 
     def _watched(self) -> None:
-        """Called with the lock held after each watch (a watcher starts its thread here)."""
+        """Called after each watch (a watcher starts its thread here)."""
 
-    def unwatch(self, message_id: str) -> None:
-        with self._lock:
-            left = self._running.get(message_id, 0) - 1
-            if left > 0:
-                self._running[message_id] = left
-                return
-            self._running.pop(message_id, None)
-            forget(message_id)
+    def unwatch(self, run: Run) -> None:
+        """``run`` has ended: no longer watched, and its mark, if any, goes with it."""
+        self._runs.pop(run, None)
 
     def mark_cancelled(self, message_ids: Iterable[str]) -> list[str]:
-        """Mark those of ``message_ids`` still watched cancelled (their next :func:`check`
-        stops them); the ones marked. Under the watch's lock: a run that ended since its
-        id was read is not marked, so no mark outlives its run."""
-        with self._lock:
-            watched = [message_id for message_id in message_ids if message_id in self._running]
-            if watched:
-                mark_cancelled(watched)
-        return watched
+        """Mark the watched runs of ``message_ids`` cancelled (their next :func:`check`
+        stops them); the message ids of the runs marked."""
+        wanted = set(message_ids)
+        marked = []
+        for run in self._runs.copy():
+            if run.message_id in wanted:
+                run.cancelled = True
+                marked.append(run.message_id)
+        return marked
 
     def running(self) -> list[str]:
-        """The message ids watched now."""
-        with self._lock:
-            return list(self._running)
+        """The message ids of the runs watched now, each once."""
+        return list(dict.fromkeys(run.message_id for run in self._runs.copy()))
 
 
 def cancelled() -> bool:
     """Whether an operator cancelled the job this thread runs."""
-    message_id = _message_id.get()
-    if message_id is None:
-        return False
-    with _cancelled_lock:
-        return message_id in _cancelled
+    run = _run.get()
+    return run is not None and run.cancelled
 
 
 def check() -> None:

@@ -2,9 +2,10 @@
 row) stops a running job at its next ``broker.deadline.check()``, which raises
 :class:`broker.errors.JobCancelled`.
 
-Before each run the thread's message is named for ``broker.deadline``; a per-process
-watcher (``broker.engine.cancel_watch``) asks the database, once a second while jobs run,
-which of them were cancelled. The broker's retry settle must then reject the job
+Before each run its watcher hands out a record of the run (``broker.deadline.Run``),
+named for ``broker.deadline`` as the thread's run; a per-process watcher
+(``broker.engine.cancel_watch``) asks the database, once a second while jobs run, which
+of them were cancelled, and marks their records. The broker's retry settle must then reject the job
 rather than retry it (it honours ``cancelled_at``).
 
 The watcher is the middleware's ``watcher`` (a :class:`Watcher`): by default the one that
@@ -21,11 +22,11 @@ from broker import deadline
 
 
 class Watcher(Protocol):
-    """What learns which running jobs were cancelled, and marks them in ``broker.deadline``."""
+    """What learns which running jobs were cancelled, and marks their runs."""
 
-    def watch(self, message_id: str) -> None: ...
+    def watch(self, message_id: str) -> deadline.Run: ...
 
-    def unwatch(self, message_id: str) -> None: ...
+    def unwatch(self, run: deadline.Run) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -41,9 +42,8 @@ class Cancellation(Middleware):
         self.watcher: Watcher = watcher
 
     def before_process_message(self, broker: Any, message: Any) -> None:
-        deadline.set_message(message.message_id)
-        self.watcher.watch(message.message_id)
-        message.standmeet_cancel_watched = True
+        run = message.standmeet_cancel_run = self.watcher.watch(message.message_id)
+        deadline.set_run(run)
 
     def after_process_message(self, broker: Any, message: Any, *, result: Any = None,
                               exception: BaseException | None = None) -> None:
@@ -56,7 +56,8 @@ class Cancellation(Middleware):
         self.watcher.stop()
 
     def _ended(self, message: Any) -> None:
-        deadline.set_message(None)
-        if getattr(message, "standmeet_cancel_watched", False):
-            message.standmeet_cancel_watched = False
-            self.watcher.unwatch(message.message_id)
+        run = getattr(message, "standmeet_cancel_run", None)
+        if run is not None:  # None: its before-hook never ran (skipped by an earlier middleware)
+            message.standmeet_cancel_run = None
+            deadline.set_run(None)
+            self.watcher.unwatch(run)

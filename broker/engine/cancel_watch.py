@@ -33,8 +33,10 @@ class CancellationWatcher(deadline.WatchedRuns):
         self._thread: detach.Detached | None = None
 
     def _watched(self) -> None:
-        if self._thread is None:
-            self._thread = detach.every("cancellation-watch", self.poll_s, self.poll_once)
+        if self._thread is None:  # read without the lock: started once, then never None until stop()
+            with self._lock:
+                if self._thread is None:
+                    self._thread = detach.every("cancellation-watch", self.poll_s, self.poll_once)
 
     def poll_once(self) -> int:
         """Mark the running jobs cancelled since the last look; returns how many are."""

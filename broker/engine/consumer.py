@@ -74,7 +74,7 @@ class ClaimedMessage(MessageProxy):
         self.standmeet_metrics_start: float | None = None
         self.standmeet_metrics_children: Any = None
         self.standmeet_log_start: tuple[float, int] | None = None
-        self.standmeet_cancel_watched = False
+        self.standmeet_cancel_run: Any = None
         #: when its run started (monotonic), for its attempt and the history
         self.standmeet_started_mono: float | None = None
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from broker import deadline
 from broker.deadline import WatchedRuns
+from broker.errors import JobCancelled
 from broker.running import RunningJobs
 from middleware.queue_concurrency import Slots
 from middleware.time_limit import TimeLimit, Timers
@@ -88,17 +91,32 @@ def test_many_threads_never_hold_more_than_the_limit_at_once():
     assert slots.held() == 0
 
 
-def test_a_message_watched_on_two_threads_stays_watched_until_both_end():
+def test_a_message_running_on_two_threads_is_watched_until_both_runs_end_and_both_are_cancelled():
     runs = WatchedRuns()
-    runs.watch("m1")
-    runs.watch("m1")
-    deadline.mark_cancelled(["m1"])
-    runs.unwatch("m1")
+    first, second = runs.watch("m1"), runs.watch("m1")
+    assert runs.mark_cancelled(["m1"]) == ["m1", "m1"]
+    runs.unwatch(first)
     assert runs.running() == ["m1"]
-    assert "m1" in deadline._cancelled  # still running on the other thread: still cancelled
-    runs.unwatch("m1")
+    assert second.cancelled  # still running on the other thread: still cancelled
+    runs.unwatch(second)
     assert runs.running() == []
-    assert "m1" not in deadline._cancelled  # its last run ended: the mark is forgotten
+
+
+def test_a_run_reads_its_own_cancellation_and_no_other():
+    runs = WatchedRuns()
+    cancelled, other = runs.watch("m1"), runs.watch("m2")
+    runs.mark_cancelled(["m1"])
+    try:
+        deadline.set_run(other)
+        deadline.check()  # not cancelled: goes on
+        deadline.set_run(cancelled)
+        with pytest.raises(JobCancelled):
+            deadline.check()
+    finally:
+        deadline.set_run(None)
+        runs.unwatch(cancelled)
+        runs.unwatch(other)
+    assert not deadline.cancelled()  # out of a run: nothing to cancel
 
 
 def test_running_jobs_name_each_threads_job_and_forget_it_when_it_ends():
@@ -238,18 +256,20 @@ def test_a_limit_firing_as_the_run_ends_is_delivered_to_the_brokers_disarm_not_a
 def test_a_cancel_read_for_a_run_that_has_ended_since_leaves_no_mark_behind():
     # Given the watcher read two running ids, and one of the runs ended before its answer
     runs = WatchedRuns()
-    runs.watch("still-running")
-    runs.watch("ended-meanwhile")
+    still = runs.watch("still-running")
+    ended = runs.watch("ended-meanwhile")
     read = runs.running()
-    runs.unwatch("ended-meanwhile")
+    runs.unwatch(ended)
     try:
         # When the answer says both were cancelled
         marked = runs.mark_cancelled(read)
-        # Then only the running one is marked; the ended one leaves nothing behind (a run
-        # of the same message later in this process would otherwise start cancelled)
+        # Then only the running one is marked; a later run of the ended one's message in
+        # this process starts unmarked (it would otherwise start cancelled)
         assert marked == ["still-running"]
-        assert "still-running" in deadline._cancelled
-        assert "ended-meanwhile" not in deadline._cancelled
+        assert still.cancelled
+        later = runs.watch("ended-meanwhile")
+        assert not later.cancelled
+        runs.unwatch(later)
     finally:
-        runs.unwatch("still-running")
-    assert "still-running" not in deadline._cancelled
+        runs.unwatch(still)
+    assert runs.running() == []
