@@ -13,9 +13,11 @@ see the retry policy's decision: a failure either retries or is rejected.
 writes what the runs of a batch counted, summed, just before it writes their outcomes
 (and at least twice a second while idle): a run's figures are in ``/metrics`` before its
 outcome is in the database. Each value a run counts costs prometheus_client a lock, and
-under ``PROMETHEUS_MULTIPROC_DIR`` a write to its file: five a job, against a handful
-a batch. ``dramatiq_messages_inprogress`` goes up as a run starts, at once (a long job
-is seen running), and down with its batch. On any other broker every value is
+under ``PROMETHEUS_MULTIPROC_DIR`` a write to its file: six a job, against a handful
+a batch. A run's start is noted too (``dramatiq_messages_inprogress`` up, its claim-to-
+start time): it is written with the next batch, or at the idle settler's next tick, so
+a long job is seen running within half a second of its start; a run that starts and
+ends between two batches leaves the gauge as it was. On any other broker every value is
 written as the run counts it.
 """
 
@@ -32,9 +34,10 @@ from broker.observability import metrics
 from middleware.snooze import LEASE_BUSY, Snooze
 
 #: How a noted value is written: added (a counter, or a gauge up or down), observed (a
-#: histogram), or a run's end (its children's in-progress down by one, messages up by
-#: one, and its duration observed: one note where three were).
-ADD, OBSERVE, ENDED = 0, 1, 2
+#: histogram), a run's start (its children's in-progress up by one, and its claim-to-start
+#: time observed, unless it is None) or a run's end (in-progress down by one, messages up
+#: by one, and its duration observed): one note a run's start and one its end.
+ADD, OBSERVE, ENDED, STARTED = 0, 1, 2, 3
 
 
 class _Children:
@@ -75,8 +78,9 @@ class Metrics(Middleware):
 
     def __init__(self) -> None:
         self._children: dict[tuple[str, str], _Children] = {}
-        #: (metric child, ADD or OBSERVE, value) noted by runs, written by :meth:`flush`
-        self._noted: deque[tuple[Any, int, float]] = deque()
+        #: (metric child, ADD or OBSERVE, value) or (children, STARTED or ENDED, value)
+        #: noted by runs, written by :meth:`flush`
+        self._noted: deque[tuple[Any, int, Any]] = deque()
         #: whether the broker calls :meth:`flush` (else each value is written at once)
         self.batched = False
 
@@ -102,6 +106,7 @@ class Metrics(Middleware):
         return found
 
     def _note(self, child: Any, how: int, value: float) -> None:
+        """Count ``value`` (ADD or OBSERVE) on ``child``: with the next batch, or now."""
         if self.batched:
             self._noted.append((child, how, value))
         elif how == ADD:
@@ -126,6 +131,11 @@ class Metrics(Middleware):
                     ended = child.messages
                     added[ended] = added.get(ended, 0.0) + 1
                     observed.setdefault(child.duration, []).append(value)
+                elif how == STARTED:
+                    started = child.in_progress
+                    added[started] = added.get(started, 0.0) + 1
+                    if value is not None:
+                        observed.setdefault(child.claim_to_start, []).append(value)
                 elif how == ADD:
                     added[child] = added.get(child, 0.0) + value
                 else:
@@ -141,10 +151,14 @@ class Metrics(Middleware):
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         children = self._of(message.queue_name, message.actor_name)
-        children.in_progress.inc()  # at once: a long run is seen running
         claimed_at = getattr(message, "standmeet_claimed_at", None)
-        if claimed_at is not None:
-            self._note(children.claim_to_start, OBSERVE, max(0.0, time.time() - float(claimed_at)))
+        waited = None if claimed_at is None else max(0.0, time.time() - float(claimed_at))
+        if self.batched:
+            self._noted.append((children, STARTED, waited))
+        else:
+            children.in_progress.inc()
+            if waited is not None:
+                children.claim_to_start.observe(waited)
         message.standmeet_metrics_start = time.monotonic()
         message.standmeet_metrics_children = children
 

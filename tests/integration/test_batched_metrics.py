@@ -5,7 +5,9 @@ run noted is written even when no outcome follows it."""
 from __future__ import annotations
 
 import logging
+import threading
 
+import dramatiq
 from prometheus_client import REGISTRY
 
 from broker.observability import metrics
@@ -24,6 +26,19 @@ def _figures() -> tuple[float, float, float, float]:
     return (_sample("dramatiq_messages_total"), _sample("dramatiq_message_duration_milliseconds_count"),
             REGISTRY.get_sample_value("standmeet_claim_to_start_seconds_count", {"queue_name": "index"}) or 0.0,
             _sample("dramatiq_messages_inprogress"))
+
+
+#: lets the held job end (set by the test that holds it)
+_release = threading.Event()
+
+
+@dramatiq.actor(actor_name="test.held_for_metrics", queue_name="index", max_retries=0)
+def held_for_metrics() -> None:
+    _release.wait(30)
+
+
+def _in_progress(actor: str) -> float:
+    return REGISTRY.get_sample_value("dramatiq_messages_inprogress", {"queue_name": "index", "actor_name": actor}) or 0.0
 
 
 def _metrics(broker) -> Metrics:  # type: ignore[no-untyped-def]
@@ -111,3 +126,22 @@ def test_a_failing_batch_listener_is_said_once_and_never_stops_the_outcomes(brok
     # Then every outcome was written, and the failure said once
     assert [r.getMessage() for r in caplog.records if "batch listener" in r.getMessage()] == [
         f"settler: a batch listener ({broken!r}) failed; outcomes are still written"]
+
+
+def test_a_long_job_is_seen_in_progress_while_it_runs_and_no_longer_once_it_ended(broker, database_url, start_worker):
+    # Given a worker on our broker, whose runs note their start with the next batch
+    start_worker(queues=["index"])
+    assert _metrics(broker).batched
+    _release.clear()
+    before = _in_progress("test.held_for_metrics")
+    try:
+        # When a job runs and goes on running, with no other outcome written meanwhile
+        message = held_for_metrics.send()
+        # Then the gauge counts it while it runs (the idle settler's tick writes its start)
+        wait_for(lambda: _in_progress("test.held_for_metrics") == before + 1, timeout_s=5,
+                 what="the running job counted in progress")
+    finally:
+        _release.set()
+    # and no longer once it has ended
+    wait_for(lambda: _all_done(database_url, [message.message_id]), timeout_s=20, what="the held job done")
+    assert _in_progress("test.held_for_metrics") == before
