@@ -16,7 +16,7 @@ import math
 import re
 import reprlib
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import dramatiq
@@ -40,6 +40,10 @@ def as_message(message: Message | MessageProxy) -> Message:
 #: encoder made once (json.dumps makes a new one per call with these separators).
 compact_json = json.JSONEncoder(separators=(",", ":")).encode
 _MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
+#: The standard library's scanner of one JSON value (its C one where built), as json.loads
+#: configures it by default, called without json.loads's two Python calls and two
+#: whitespace matches around it (:func:`loads_json`).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set by its __init__; not in typeshed
 
 
 def _encoded_as_dramatiq_would(message: Message) -> bool:
@@ -49,6 +53,21 @@ def _encoded_as_dramatiq_would(message: Message) -> bool:
 
 def _fields(message: Message) -> dict[str, Any]:
     return {name: getattr(message, name) for name in _MESSAGE_FIELDS}
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads(text)``: the same value, or the same error. About a microsecond less
+    for a claimed message's text, which Postgres prints with no whitespace around its
+    object: only text that is not one JSON value from its first character to its last
+    goes through ``json.loads`` (which allows whitespace around it, and names what is
+    wrong otherwise)."""
+    try:
+        value, end = _scan_json(text, 0)
+    except (StopIteration, ValueError):
+        return json.loads(text)
+    if end != len(text):
+        return json.loads(text)
+    return value
 
 
 def message_json(message: Message | MessageProxy) -> str:

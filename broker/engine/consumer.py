@@ -6,7 +6,6 @@ queue's next due time."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -21,7 +20,7 @@ from dramatiq.message import Message
 
 from broker.backoff import Backoff
 from broker.engine import sql
-from broker.engine.codec import claim_size_params, logged_call
+from broker.engine.codec import claim_size_params, loads_json, logged_call
 from broker.engine.queues import Claim, QueueState
 from broker.pg.pool import DISCONNECTS, close_quietly, connect, readable
 
@@ -219,7 +218,7 @@ class StandmeetConsumer(Consumer):
     def _decode(self, conn: psycopg.Connection[Any], text: str, row_id: str, row_queue: str) -> Message | None:
         """The row's message, or None after rejecting a row that cannot be run as it is."""
         try:  # Message.decode, without its bytes round trip (the broker's encoder is JSON)
-            fields = json.loads(text)
+            fields = loads_json(text)
             fields["args"] = tuple(fields["args"])
             if fields.keys() == MESSAGE_FIELDS:
                 # Every field and nothing else, as every message written by Dramatiq has: the

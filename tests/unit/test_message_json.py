@@ -1,11 +1,15 @@
-"""The broker writes each message as exactly the JSON text Dramatiq's encoder would."""
+"""The broker writes each message as exactly the JSON text Dramatiq's encoder would, and reads
+a claimed one's text as ``json.loads`` does."""
 
 from __future__ import annotations
 
+import json
+
 import dramatiq
+import pytest
 from dramatiq.broker import MessageProxy
 
-from broker.engine.codec import message_json
+from broker.engine.codec import loads_json, message_json
 
 
 def test_a_message_is_written_as_dramatiqs_own_json_text():
@@ -24,3 +28,27 @@ def test_a_batch_is_written_as_the_array_of_each_messages_own_json_text():
     params = enqueue_params([messages[0], MessageProxy(messages[1]), messages[2]], delay=1500)
     assert params["messages"] == "[" + ",".join(m.encode().decode("utf-8") for m in messages) + "]"
     assert params["priorities"] == "{0,1,2}" and params["delay_s"] == 1.5
+
+
+#: Texts a claimed row could hold: a message as Postgres prints it, and every way a text
+#: can differ from one JSON value from its first character to its last.
+LOADED_TEXTS = [
+    '{"queue_name":"q","args":[1,"\\u00e9"],"options":{"x":1.5,"y":null,"z":[true,false]}}',
+    '{"a": {"b": [1, 2, {"c": "d"}]}, "e": -1e-3}',
+    '  {"a":1}', '{"a":1}  ', '\n{"a":1}\n', '[]', '"text"', '12', 'NaN', '-Infinity',
+    '', ' ', '{"a":1}{"b":2}', '{"a":1} x', '{"a":', '{"a":1,}', "{'a':1}", '{"a":"\x01"}', 'nul', '[1,]',
+]
+
+
+@pytest.mark.parametrize("text", LOADED_TEXTS)
+def test_a_message_text_is_loaded_as_json_loads_loads_it_or_refused_with_its_error(text):
+    try:
+        expected: object = json.loads(text)
+    except ValueError as exc:
+        with pytest.raises(type(exc)) as raised:
+            loads_json(text)
+        assert str(raised.value) == str(exc)
+    else:
+        loaded = loads_json(text)
+        assert loaded == expected or (loaded != loaded and expected != expected)  # NaN is not NaN
+        assert type(loaded) is type(expected)
