@@ -118,10 +118,31 @@ class RunningJobs:
             self._cut = None
 
 
-#: The run of a message this thread is in (set by the broker for Dramatiq's worker
-#: threads from ``before_process_message`` to the run's after-hooks): its RunningJobs and
-#: disarm hooks, and an interruption that arrived after its job ended.
-_run = threading.local()
+class _Run:
+    """The run of a message a thread is in (set by the broker for Dramatiq's worker
+    threads from ``before_process_message`` to the run's after-hooks): its RunningJobs and
+    disarm hooks, whether its job has left its body, and an interruption that arrived
+    after its job ended. One per thread, made at its first run and reused: a thread-local
+    attribute costs a lookup in the thread's dictionary, a slot of this object none."""
+
+    __slots__ = ("jobs", "disarms", "left", "late")
+
+    def __init__(self) -> None:
+        self.jobs: RunningJobs | None = None
+        self.disarms: Iterable[Callable[[], None]] = ()
+        self.left = False
+        self.late: Interrupt | None = None
+
+
+_threads = threading.local()
+
+
+def _this_threads_run() -> _Run:
+    try:
+        return _threads.run  # type: ignore[no-any-return]
+    except AttributeError:
+        run = _threads.run = _Run()
+        return run
 
 
 def in_a_run(running: RunningJobs | None,
@@ -129,12 +150,12 @@ def in_a_run(running: RunningJobs | None,
     """Mark this thread as in a run of ``running`` (None: out of it). Returns whether the
     run's job has left its body (its time limit disarmed then), and the late interruption
     its end dropped, if any."""
-    left: bool = getattr(_run, "left", False)
-    late: Interrupt | None = getattr(_run, "late", None)
-    _run.jobs = running
-    _run.disarms = disarms
-    _run.left = False
-    _run.late = None
+    run = _this_threads_run()
+    left, late = run.left, run.late
+    run.jobs = running
+    run.disarms = disarms
+    run.left = False
+    run.late = None
     return left, late
 
 
@@ -146,10 +167,11 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        running: RunningJobs | None = getattr(_run, "jobs", None)
+        this_run = _this_threads_run()
+        running = this_run.jobs
         if running is None:
             return fn(*args, **kwargs)
-        disarms = _run.disarms
+        disarms = this_run.disarms
         # An interruption is delivered in the job (or as enter() returns: the job is then
         # interrupted before it starts), or in leave(), or as the interpreter enters
         # leave(): each call of it is made inside a try. After one was delivered, only a
@@ -163,7 +185,7 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
                 running.leave(disarms)
             except Interrupt:
                 running.leave(disarms)
-            _run.left = True
+            this_run.left = True
             raise
         try:
             late = running.leave(disarms)
@@ -172,8 +194,8 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
                 late = running.leave(disarms) or exc
             except Interrupt as again:
                 late = running.leave(disarms) or again
-        _run.late = late
-        _run.left = True
+        this_run.late = late
+        this_run.left = True
         return result
 
     run.standmeet_as_run = True  # type: ignore[attr-defined]
