@@ -82,9 +82,10 @@ class WatchedRuns:
     """The runs a process watches for an operator's cancel, each a :class:`Run` (a message
     may run on two threads for a moment: two runs). Watching and unwatching a run is one
     dictionary operation, which the interpreter makes whole, and a reader copies the
-    dictionary in one: no run waits for a lock, nor for the watcher. A cancel read for a
-    run that has ended since marks that run, which nothing reads any more. The
-    cancellation watchers build on it."""
+    dictionary in one: no run waits for a lock, nor for the watcher. A watcher marks the
+    runs it read before it asked the database: one that has ended since is marked in
+    vain (nothing reads it any more), one started since is not marked by that answer.
+    The cancellation watchers build on it."""
 
     def __init__(self) -> None:
         #: taken only to start or stop a watcher's thread
@@ -105,16 +106,23 @@ class WatchedRuns:
         """``run`` has ended: no longer watched, and its mark, if any, goes with it."""
         self._runs.pop(run, None)
 
-    def mark_cancelled(self, message_ids: Iterable[str]) -> list[str]:
-        """Mark the watched runs of ``message_ids`` cancelled (their next :func:`check`
-        stops them); the message ids of the runs marked."""
+    def mark_cancelled(self, message_ids: Iterable[str], *, among: Iterable[Run] | None = None) -> list[str]:
+        """Mark the runs of ``message_ids`` cancelled (their next :func:`check` stops
+        them): ``among`` those (the runs a watcher read before it asked which of their
+        messages were cancelled: a run started since, of a message whose cancel an
+        operator may have taken back meanwhile, is not marked by that answer), or those
+        watched now. The message ids of the runs marked."""
         wanted = set(message_ids)
         marked = []
-        for run in self._runs.copy():
+        for run in self._runs.copy() if among is None else among:
             if run.message_id in wanted:
                 run.cancelled = True
                 marked.append(run.message_id)
         return marked
+
+    def runs(self) -> list[Run]:
+        """The runs watched now."""
+        return list(self._runs.copy())
 
     def running(self) -> list[str]:
         """The message ids of the runs watched now, each once."""

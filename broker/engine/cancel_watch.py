@@ -1,8 +1,9 @@
 """Which of this process's running jobs an operator cancelled (``cancelled_at``).
 
 One watcher per process, on a detached thread: while jobs run, it asks the database
-every ``poll_s`` which of them were cancelled, in one indexed query, and marks them
-in :mod:`broker.deadline`, whose ``check()`` then stops them. Idle, it asks nothing.
+every ``poll_s`` which of them were cancelled, in one indexed query, and marks their
+runs (:class:`broker.deadline.Run`, those it read before asking), which
+``broker.deadline.check()`` then stops. Idle, it asks nothing.
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ class CancellationWatcher(deadline.WatchedRuns):
 
     def poll_once(self) -> int:
         """Mark the running jobs cancelled since the last look; returns how many are."""
-        ids = self.running()
-        if not ids:
+        runs = self.runs()
+        if not runs:
             return 0
+        ids = list(dict.fromkeys(run.message_id for run in runs))
         with db.connection(timeout_s=self.poll_s * 5) as conn:
             cancelled = [row[0] for row in conn.execute(CANCELLED_AMONG, {"ids": ids}).fetchall()]
-        return len(self.mark_cancelled(cancelled))  # those still running: one may have ended since
+        return len(self.mark_cancelled(cancelled, among=runs))  # one may have ended since
 
     def stop(self) -> None:
         with self._lock:

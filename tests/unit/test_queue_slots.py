@@ -119,6 +119,23 @@ def test_a_run_reads_its_own_cancellation_and_no_other():
     assert not deadline.cancelled()  # out of a run: nothing to cancel
 
 
+def test_an_answer_about_the_runs_a_watcher_read_marks_no_run_started_since():
+    # Given the watcher read a message's run, and asked the database about it
+    runs = WatchedRuns()
+    read_run = runs.watch("m1")
+    read = runs.runs()
+    # When that run ends and another run of the message starts (an operator took the
+    # cancel back and retried it) before the answer, "cancelled", arrives
+    runs.unwatch(read_run)
+    later = runs.watch("m1")
+    try:
+        runs.mark_cancelled(["m1"], among=read)
+        # Then the later run is not marked by an answer about a run before it
+        assert not later.cancelled
+    finally:
+        runs.unwatch(later)
+
+
 def test_running_jobs_name_each_threads_job_and_forget_it_when_it_ends():
     jobs = RunningJobs()
     ready = threading.Barrier(3)
