@@ -16,13 +16,15 @@ outcome is in the database. Each value a run counts costs prometheus_client a lo
 under ``PROMETHEUS_MULTIPROC_DIR`` a write to its file: six a job, against a handful
 a batch. A run's start is noted too (``dramatiq_messages_inprogress`` up, its claim-to-
 start time): it is written with the next batch, or at the idle settler's next tick, so
-a long job is seen running within half a second of its start; a run that starts and
-ends between two batches leaves the gauge as it was. On any other broker every value is
+a long job is seen running within half a second of its start while the database answers
+(through an outage, at the pace of the settler's attempts: a few seconds); a run that
+starts and ends between two batches leaves the gauge as it was. On any other broker every value is
 written as the run counts it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from bisect import bisect_left
 from collections import deque
@@ -83,6 +85,9 @@ class Metrics(Middleware):
         self._noted: deque[tuple[Any, int, Any]] = deque()
         #: whether the broker calls :meth:`flush` (else each value is written at once)
         self.batched = False
+        #: one flush at a time (the settler's thread, a worker's shutdown): a run's start and
+        #: end written by two at once could put its in-progress down before up
+        self._flushing = threading.Lock()
 
     def after_process_boot(self, broker: Any) -> None:
         listeners = getattr(broker, "rescue_listeners", None)
@@ -116,7 +121,11 @@ class Metrics(Middleware):
 
     def flush(self) -> int:
         """Write what the runs noted since the last flush, summed; how many notes that was
-        (a run's end is one)."""
+        (a run's start is one, its end another)."""
+        with self._flushing:
+            return self._flush()
+
+    def _flush(self) -> int:
         added: dict[Any, float] = {}
         observed: dict[Any, list[float]] = {}
         noted = 0
