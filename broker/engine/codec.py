@@ -60,11 +60,16 @@ def loads_json(text: str) -> Any:
     for a claimed message's text, which Postgres prints with no whitespace around its
     object: only text that is not one JSON value from its first character to its last
     goes through ``json.loads`` (which allows whitespace around it, and names what is
-    wrong otherwise)."""
+    wrong otherwise), and so does anything but a ``str``. One difference: a value
+    nested nearly as deep as the interpreter's recursion limit loads here two levels
+    deeper than through ``json.loads`` (no message the runtime sends nests deeper than
+    ``MAX_JSON_DEPTH``)."""
+    if type(text) is not str:
+        return json.loads(text)
     try:
         value, end = _scan_json(text, 0)
     except (StopIteration, ValueError):
-        return json.loads(text)
+        end = -1  # json.loads below says what is wrong (its error, with no other chained to it)
     if end != len(text):
         return json.loads(text)
     return value

@@ -42,13 +42,27 @@ LOADED_TEXTS = [
 
 @pytest.mark.parametrize("text", LOADED_TEXTS)
 def test_a_message_text_is_loaded_as_json_loads_loads_it_or_refused_with_its_error(text):
+    expected: object = None
+    error: ValueError | None = None
     try:
-        expected: object = json.loads(text)
+        expected = json.loads(text)
     except ValueError as exc:
-        with pytest.raises(type(exc)) as raised:
+        error = exc
+    if error is not None:
+        with pytest.raises(type(error)) as raised:
             loads_json(text)
-        assert str(raised.value) == str(exc)
+        assert str(raised.value) == str(error)
+        assert type(raised.value.__context__) is type(error.__context__)  # nothing of ours chained to it
     else:
         loaded = loads_json(text)
         assert loaded == expected or (loaded != loaded and expected != expected)  # NaN is not NaN
         assert type(loaded) is type(expected)
+
+
+def test_what_is_not_a_str_is_loaded_by_json_loads_itself():
+    assert loads_json(b'{"a":[1]}') == {"a": [1]}
+    with pytest.raises(TypeError) as raised:
+        loads_json(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError) as expected:
+        json.loads(None)  # type: ignore[arg-type]
+    assert str(raised.value) == str(expected.value)
