@@ -176,6 +176,11 @@ def topology_for(url: str) -> Topology:
         return _topologies.setdefault(url, topology)
 
 
+#: Rounds of the probe in which no server connection moved between its two clients before
+#: it concludes session pooling (each round: four statements, one transaction).
+PROBE_ROUNDS = 4
+
+
 def probe(url: str) -> tuple[str, str]:
     """Direct, or through a pooler, and in which mode: ``(mode, how it was seen)``.
 
@@ -183,11 +188,15 @@ def probe(url: str) -> tuple[str, str]:
     ``pg_backend_pid()`` differs from it. Its mode shows with a second client: in
     transaction mode, a server connection the first client released serves the second
     one's transaction, and the first client then gets another, or, after the second
-    commits, the one the second released. A client that keeps its server connection
-    through all of that is session-pooled. A pooler that hands out server connections in
-    another order than PgBouncer's (last freed, first used) could pass for a session
-    pooler: tell it with STANDMEET_POOLER. An unreachable server is taken as direct for now
-    (nothing was learnt, nothing is remembered: the next connection looks again)."""
+    commits, the one the second released. In session mode each client keeps one server
+    connection of its own for its life: a client seen on two, or two clients seen on one,
+    prove transaction pooling. Other clients of the pooler, taking and freeing server
+    connections meanwhile, can hide the moves of one round (about one probe in twenty-five
+    under a busy neighbour): session mode is concluded only after PROBE_ROUNDS rounds in
+    which nothing moved. A pooler that hands out server connections in another order than
+    PgBouncer's (last freed, first used) could pass for a session pooler: tell it with
+    STANDMEET_POOLER. An unreachable server is taken as direct for now (nothing was learnt,
+    nothing is remembered: the next connection looks again)."""
     kwargs = {**base_kwargs(prepare=False), "autocommit": True, "application_name": "standmeet-probe"}
     try:
         first = psycopg.connect(url, **kwargs)
@@ -199,14 +208,17 @@ def probe(url: str) -> tuple[str, str]:
             if own == first.info.backend_pid:
                 return DIRECT, "detected"
             with psycopg.connect(url, **kwargs) as second:
-                with second.transaction():
-                    other = _backend_pid(second)
-                    again = _backend_pid(first)
-                # released last, the second's server connection serves the first's next
-                # transaction in transaction mode (PgBouncer reuses the last one freed)
-                later = _backend_pid(first)
-            if other == own or again != own or later != own:
-                return TRANSACTION, "detected: server connections move between clients"
+                seen_first, seen_second = {own}, set()
+                for _ in range(PROBE_ROUNDS):
+                    with second.transaction():
+                        seen_second.add(_backend_pid(second))
+                        seen_first.add(_backend_pid(first))
+                    # released last, the second's server connection serves the first's next
+                    # transaction in transaction mode (PgBouncer reuses the last one freed)
+                    seen_first.add(_backend_pid(first))
+                    seen_second.add(_backend_pid(second))
+                    if len(seen_first) > 1 or len(seen_second) > 1 or not seen_first.isdisjoint(seen_second):
+                        return TRANSACTION, "detected: server connections move between clients"
             return SESSION, "detected: each client keeps its server connection"
     except psycopg.Error:
         return DIRECT, f"{UNPROBED}: the probe failed"

@@ -19,6 +19,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -370,6 +371,47 @@ def _idle_start_latencies_ms(url: str, direct_url: str, label: str) -> list[floa
                                timeout_s=QUEUE_POLL_S / 2, what=f"idle job {i} to start")
             latencies.append((started - committed).total_seconds() * 1000)
     return latencies
+
+
+#: Probes of one pooler in the test below: the probe before PROBE_ROUNDS took a busy
+#: transaction pooler for a session pooler about once in fifteen here.
+PROBES = 150
+
+
+@pytest.mark.parametrize("mode", ["transaction", "session"])
+def test_the_probe_names_the_poolers_mode_every_time_while_other_clients_keep_it_busy(
+    mode, admin_url, direct_database_url
+):
+    from broker.pg.pool import probe
+
+    # Given PgBouncer in `mode`, and three other clients running statements through it
+    # without a pause, taking and freeing server connections while the runtime probes it
+    done = threading.Event()
+
+    def busy(url: str) -> None:
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+            while not done.is_set():
+                conn.execute("SELECT 1")
+
+    with pgbouncer(admin_url, mode=mode) as bouncer:
+        url = bouncer.url(direct_database_url)
+        clients = [threading.Thread(target=busy, args=(url,), daemon=True) for _ in range(3)]
+        for client in clients:
+            client.start()
+        try:
+            # When the runtime probes the pooler again and again (as each process does once)
+            seen: dict[str, int] = {}
+            for _ in range(PROBES):
+                found, _how = probe(url)
+                seen[found] = seen.get(found, 0) + 1
+        finally:
+            done.set()
+            for client in clients:
+                client.join(10)
+    # Then it names the pooler's mode every time: a transaction pooler taken for a session
+    # pooler would have its statements prepared, and lose them between transactions
+    assert seen == {mode: PROBES}
+    assert not any(client.is_alive() for client in clients)
 
 
 def test_through_a_transaction_pooler_with_a_direct_listen_url_an_idle_worker_starts_a_job_within_500_ms(
