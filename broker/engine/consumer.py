@@ -179,17 +179,22 @@ class StandmeetConsumer(Consumer):
                                         "claim_until_s": self.broker.liveness.server_time_s(sql.CLAIM_WITHIN_S),
                                         **claim_size_params(self.broker.settings.message_max_bytes)}).fetchall()
         rows.sort(key=lambda row: row[2])
-        for text, number, rank, row_id, row_queue, refusal in rows:
-            if text is None:  # rejected by the claim itself: never loaded here
-                logger.error("queue %r: message %s rejected: %s", self.state.name, row_id, refusal)
-                continue
-            message = self._decode(conn, text, row_id, row_queue)
-            if message is None:
-                continue
-            if message.actor_name not in self.broker.actors:
-                self._bounce_unknown_actor(conn, message)
-                continue
-            self.state.hold(Claim(message, int(number), started=rank <= start_now))
+        claims: list[Claim] = []
+        try:
+            for text, number, rank, row_id, row_queue, refusal in rows:
+                if text is None:  # rejected by the claim itself: never loaded here
+                    logger.error("queue %r: message %s rejected: %s", self.state.name, row_id, refusal)
+                    continue
+                message = self._decode(conn, text, row_id, row_queue)
+                if message is None:
+                    continue
+                if message.actor_name not in self.broker.actors:
+                    self._bounce_unknown_actor(conn, message)
+                    continue
+                claims.append(Claim(message, int(number), started=rank <= start_now))
+        finally:  # held in one go (under the claim lock: nothing checks what this process holds meanwhile)
+            if claims:
+                self.state.hold_all(claims)
         if len(rows) < want:
             # nothing more is due now: when to look again is asked before the consumer
             # sleeps, after what was claimed has been handed out (not before it)

@@ -8,7 +8,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from dramatiq.broker import MessageProxy
@@ -21,19 +20,22 @@ from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, 
 RUN_TIME_WEIGHT = 0.1
 
 
-@dataclass
 class Claim:
-    """One claim of a message by this process: (message id, claim number)."""
+    """One claim of a message by this process: (message id, claim number), its ``key``,
+    made once (it is read at every step of the claim: held, handed out, ended)."""
 
-    message: Message
-    number: int
-    started: bool
-    #: when it was claimed (wall clock, for the claim-to-start metric)
-    claimed_at: float = field(default_factory=time.time)
+    __slots__ = ("message", "number", "started", "claimed_at", "key")
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.message.message_id, self.number)
+    def __init__(self, message: Message, number: int, started: bool, claimed_at: float | None = None) -> None:
+        self.message = message
+        self.number = number
+        self.started = started
+        #: when it was claimed (wall clock, for the claim-to-start metric)
+        self.claimed_at = time.time() if claimed_at is None else claimed_at
+        self.key: tuple[str, int] = (message.message_id, number)
+
+    def __repr__(self) -> str:
+        return f"Claim({self.key[0]}, {self.number}, started={self.started})"
 
 
 class QueueState:
@@ -141,9 +143,14 @@ class QueueState:
             return max(0, self.limit - len(self.running) - len(self.buffer))
 
     def hold(self, claim: Claim) -> None:
+        self.hold_all([claim])
+
+    def hold_all(self, claims: Iterable[Claim]) -> None:
+        """Claims just made, in the order they start: buffered, under one lock."""
         with self.lock:
-            self.in_flight.add(claim.key)
-            self.buffer.append(claim)
+            for claim in claims:
+                self.in_flight.add(claim.key)
+                self.buffer.append(claim)
 
     def next_buffered(self) -> Claim | None:
         """The next claimed message to start, if fewer than ``limit`` are running."""
