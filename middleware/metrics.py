@@ -13,18 +13,14 @@ see the retry policy's decision: a failure either retries or is rejected.
 writes what the runs of a batch counted, summed, just before it writes their outcomes
 (and at least twice a second while idle): a run's figures are in ``/metrics`` before its
 outcome is in the database. Each value a run counts costs prometheus_client a lock, and
-under ``PROMETHEUS_MULTIPROC_DIR`` a write to its file: six a job, against a handful
-a batch. A run's start is noted too (``dramatiq_messages_inprogress`` up, its claim-to-
-start time): it is written with the next batch, or at the idle settler's next tick, so
-a long job is seen running within half a second of its start while the database answers
-(through an outage, at the pace of the settler's attempts: a few seconds); a run that
-starts and ends between two batches leaves the gauge as it was. On any other broker every value is
+under ``PROMETHEUS_MULTIPROC_DIR`` a write to its file: five a job, against a handful
+a batch. ``dramatiq_messages_inprogress`` goes up as a run starts, at once (a long job
+is seen running), and down with its batch. On any other broker every value is
 written as the run counts it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from bisect import bisect_left
 from collections import deque
@@ -36,10 +32,9 @@ from broker.observability import metrics
 from middleware.snooze import LEASE_BUSY, Snooze
 
 #: How a noted value is written: added (a counter, or a gauge up or down), observed (a
-#: histogram), a run's start (its children's in-progress up by one, and its claim-to-start
-#: time observed, unless it is None) or a run's end (in-progress down by one, messages up
-#: by one, and its duration observed): one note a run's start and one its end.
-ADD, OBSERVE, ENDED, STARTED = 0, 1, 2, 3
+#: histogram), or a run's end (its children's in-progress down by one, messages up by
+#: one, and its duration observed: one note where three were).
+ADD, OBSERVE, ENDED = 0, 1, 2
 
 
 class _Children:
@@ -80,14 +75,10 @@ class Metrics(Middleware):
 
     def __init__(self) -> None:
         self._children: dict[tuple[str, str], _Children] = {}
-        #: (metric child, ADD or OBSERVE, value) or (children, STARTED or ENDED, value)
-        #: noted by runs, written by :meth:`flush`
-        self._noted: deque[tuple[Any, int, Any]] = deque()
+        #: (metric child, ADD or OBSERVE, value) noted by runs, written by :meth:`flush`
+        self._noted: deque[tuple[Any, int, float]] = deque()
         #: whether the broker calls :meth:`flush` (else each value is written at once)
         self.batched = False
-        #: one flush at a time (the settler's thread, a worker's shutdown): a run's start and
-        #: end written by two at once could put its in-progress down before up
-        self._flushing = threading.Lock()
 
     def after_process_boot(self, broker: Any) -> None:
         listeners = getattr(broker, "rescue_listeners", None)
@@ -111,7 +102,6 @@ class Metrics(Middleware):
         return found
 
     def _note(self, child: Any, how: int, value: float) -> None:
-        """Count ``value`` (ADD or OBSERVE) on ``child``: with the next batch, or now."""
         if self.batched:
             self._noted.append((child, how, value))
         elif how == ADD:
@@ -121,11 +111,7 @@ class Metrics(Middleware):
 
     def flush(self) -> int:
         """Write what the runs noted since the last flush, summed; how many notes that was
-        (a run's start is one, its end another)."""
-        with self._flushing:
-            return self._flush()
-
-    def _flush(self) -> int:
+        (a run's end is one)."""
         added: dict[Any, float] = {}
         observed: dict[Any, list[float]] = {}
         noted = 0
@@ -140,11 +126,6 @@ class Metrics(Middleware):
                     ended = child.messages
                     added[ended] = added.get(ended, 0.0) + 1
                     observed.setdefault(child.duration, []).append(value)
-                elif how == STARTED:
-                    started = child.in_progress
-                    added[started] = added.get(started, 0.0) + 1
-                    if value is not None:
-                        observed.setdefault(child.claim_to_start, []).append(value)
                 elif how == ADD:
                     added[child] = added.get(child, 0.0) + value
                 else:
@@ -160,14 +141,10 @@ class Metrics(Middleware):
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         children = self._of(message.queue_name, message.actor_name)
+        children.in_progress.inc()  # at once: a long run is seen running
         claimed_at = getattr(message, "standmeet_claimed_at", None)
-        waited = None if claimed_at is None else max(0.0, time.time() - float(claimed_at))
-        if self.batched:
-            self._noted.append((children, STARTED, waited))
-        else:
-            children.in_progress.inc()
-            if waited is not None:
-                children.claim_to_start.observe(waited)
+        if claimed_at is not None:
+            self._note(children.claim_to_start, OBSERVE, max(0.0, time.time() - float(claimed_at)))
         message.standmeet_metrics_start = time.monotonic()
         message.standmeet_metrics_children = children
 
