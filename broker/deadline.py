@@ -126,7 +126,12 @@ class WatchedRuns:
 
     def running(self) -> list[str]:
         """The message ids of the runs watched now, each once."""
-        return list(dict.fromkeys(run.message_id for run in self._runs.copy()))
+        return message_ids(self.runs())
+
+
+def message_ids(runs: Iterable[Run]) -> list[str]:
+    """The message ids of ``runs``, each once, in their order."""
+    return list(dict.fromkeys(run.message_id for run in runs))
 
 
 def cancelled() -> bool:

@@ -44,7 +44,7 @@ class CancellationWatcher(deadline.WatchedRuns):
         runs = self.runs()
         if not runs:
             return 0
-        ids = list(dict.fromkeys(run.message_id for run in runs))
+        ids = deadline.message_ids(runs)
         with db.connection(timeout_s=self.poll_s * 5) as conn:
             cancelled = [row[0] for row in conn.execute(CANCELLED_AMONG, {"ids": ids}).fetchall()]
         return len(self.mark_cancelled(cancelled, among=runs))  # one may have ended since

@@ -38,7 +38,7 @@ def held_for_metrics() -> None:
 
 
 def _in_progress(actor: str) -> float:
-    return REGISTRY.get_sample_value("dramatiq_messages_inprogress", {"queue_name": "index", "actor_name": actor}) or 0.0
+    return _sample("dramatiq_messages_inprogress", actor_name=actor)
 
 
 def _metrics(broker) -> Metrics:  # type: ignore[no-untyped-def]
