@@ -177,17 +177,21 @@ SELECT EXISTS (
 )
 """
 
-#: Delete one batch of expired keys (re-checked on rows written concurrently).
+#: Delete one batch of expired keys (re-checked on rows written concurrently). The batch
+#: is picked once, in a CTE: as a subquery, a plan may read it again for each row
+#: deleted, skip the rows it just locked and deleted, and take the next batch, and the next.
 PRUNE_EXPIRED_RATE_LIMITS = """
-DELETE FROM standmeet.rate_limits
-WHERE key IN (
+WITH batch AS MATERIALIZED (
     SELECT key FROM standmeet.rate_limits
     WHERE expires_at <= now()
     ORDER BY expires_at
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )
-  AND expires_at <= now()
+DELETE FROM standmeet.rate_limits t
+USING batch
+WHERE t.key = batch.key
+  AND t.expires_at <= now()
 """
 
 

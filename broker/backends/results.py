@@ -70,17 +70,21 @@ SELECT value FROM standmeet.results WHERE message_key = %(key)s AND expires_at >
 """
 
 #: Delete one batch of expired results (the outer condition is re-checked on rows
-#: written concurrently, so a result stored again meanwhile survives).
+#: written concurrently, so a result stored again meanwhile survives). The batch is
+#: picked once, in a CTE: as a subquery, a plan may read it again for each row deleted,
+#: skip the rows it just locked and deleted, and take the next batch, and the next.
 PRUNE_EXPIRED_RESULTS = """
-DELETE FROM standmeet.results
-WHERE message_key IN (
+WITH batch AS MATERIALIZED (
     SELECT message_key FROM standmeet.results
     WHERE expires_at <= now()
     ORDER BY expires_at
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 )
-  AND expires_at <= now()
+DELETE FROM standmeet.results t
+USING batch
+WHERE t.message_key = batch.message_key
+  AND t.expires_at <= now()
 """
 
 #: ``LISTEN <channel>``; the channel is one of the module constants, quoted as an identifier.

@@ -3,8 +3,8 @@
 What it guarantees:
 
 * **Claims are bounded per queue.** A consumer claims due messages with one
-  ``UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)`` statement (lower
-  ``priority`` first, then oldest due), never more than its queue's limit running plus
+  ``UPDATE`` statement whose rows are picked once, in a CTE (``SELECT … LIMIT n FOR
+  UPDATE SKIP LOCKED``; lower ``priority`` first, then oldest due), never more than its queue's limit running plus
   its prefetch (by default what its jobs finish in 50 ms, up to 128); it claims again
   when a batch's worth of room is free or a running slot would idle. Runs that finished
   but whose outcome is not written yet count too, beyond a slack of one limit and one

@@ -146,29 +146,35 @@ def _begin_pass() -> _Pass:
 #: (running, or stopped or silent within that time: a newer release's relay restarting
 #: in a rolling deploy still counts; a running one counts as long as rescue would, should
 #: the setting be shorter than its heartbeat) is it taken, to the routes known (a release
-#: that removed a route).
+#: that removed a route). The rows are picked once, in a CTE of their own: joined as a
+#: subquery, a plan may read it again for each row marked, and each time find the rows
+#: it just marked locked by itself, skip them and take the next ones (with statistics
+#: from a nearly empty outbox, one pass took the whole backlog whatever its limit).
 RELAY_CLAIM_ROUTED = """
+WITH pending AS MATERIALIZED (
+    SELECT id FROM standmeet.outbox e
+    WHERE relayed_at IS NULL AND error IS NULL AND topic = ANY(%(topics)s::text[])
+      AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes
+           OR (created_at < now() - make_interval(secs => %(orphaned_after_s)s)
+               AND NOT EXISTS (SELECT FROM standmeet.relays r
+                               WHERE coalesce(r.stopped_at, r.heartbeat_at) > now() - make_interval(
+                                         secs => greatest(%(orphaned_after_s)s::float8, CASE WHEN r.stopped_at IS NULL
+                                                          THEN greatest(%(rescue_after_s)s::float8,
+                                                                        coalesce(r.rescue_after_s, 0))
+                                                          ELSE 0 END))
+                                 AND r.routes -> e.topic @> e.routes)))
+      AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
+                 CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
+                                     WHERE p.topic = t.topic AND p.relayed_at IS NULL AND p.error IS NULL
+                                     ORDER BY p.id LIMIT 1) AS oldest)
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
 UPDATE standmeet.outbox AS o
 SET relayed_at = now(), relay_txid = txid_current(), relayed_by = %(relay_id)s::uuid,
     messages = (%(counts)s::jsonb ->> o.topic)::int
-FROM (SELECT id FROM standmeet.outbox e
-      WHERE relayed_at IS NULL AND error IS NULL AND topic = ANY(%(topics)s::text[])
-        AND (routes IS NULL OR %(routes)s::jsonb -> topic @> routes
-             OR (created_at < now() - make_interval(secs => %(orphaned_after_s)s)
-                 AND NOT EXISTS (SELECT FROM standmeet.relays r
-                                 WHERE coalesce(r.stopped_at, r.heartbeat_at) > now() - make_interval(
-                                           secs => greatest(%(orphaned_after_s)s::float8, CASE WHEN r.stopped_at IS NULL
-                                                            THEN greatest(%(rescue_after_s)s::float8,
-                                                                          coalesce(r.rescue_after_s, 0))
-                                                            ELSE 0 END))
-                                   AND r.routes -> e.topic @> e.routes)))
-        AND id >= (SELECT min(oldest.id) FROM unnest(%(topics)s::text[]) AS t(topic)
-                   CROSS JOIN LATERAL (SELECT p.id FROM standmeet.outbox p
-                                       WHERE p.topic = t.topic AND p.relayed_at IS NULL AND p.error IS NULL
-                                       ORDER BY p.id LIMIT 1) AS oldest)
-      ORDER BY id
-      LIMIT %(limit)s
-      FOR UPDATE SKIP LOCKED) AS pending
+FROM pending
 WHERE o.id = pending.id
 RETURNING o.id, o.topic, o.payload, o.routes
 """

@@ -450,6 +450,25 @@ def test_a_relays_heartbeat_records_its_processs_rescue_window_and_at_least_twic
     assert scalar(database_url, "SELECT rescue_after_s FROM standmeet.relays WHERE id = %s", (relay.id,)) == 60.0
 
 
+def test_a_relay_pass_takes_no_more_than_its_limit_whatever_plan_the_statistics_lead_to(
+        broker, database_url, clean, conn):
+    # Given statistics gathered while the outbox held a single event (the planner then joins
+    # the pass's rows in a plan that reads its subquery again for each row it marks)
+    emit(conn, "test.ping", {"label": "nearly-empty"})
+    conn.execute("ANALYZE standmeet.outbox")
+    # and nine pending events now
+    with conn.transaction():
+        for n in range(8):
+            emit(conn, "test.ping", {"label": f"backlog-{n}"})
+
+    # When one pass of two runs
+    result = relay_once(conn, limit=2, topics=["test.ping"])
+
+    # Then it took two, and left seven pending for the next passes
+    assert result.claimed == 2
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.outbox WHERE relayed_at IS NULL") == 7
+
+
 def test_a_relay_draining_a_long_backlog_proves_itself_alive_between_passes(
         broker, database_url, clean, conn, monkeypatch):
     # Given a backlog of nine events for a relay taking two a pass, its heartbeat due each time

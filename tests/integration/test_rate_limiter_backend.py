@@ -307,6 +307,27 @@ def test_pruning_deletes_expired_keys_batch_by_batch_and_keeps_live_ones(
     assert live_value(db_url, live) == 7
 
 
+#: An expired key written straight to the table (``%s``: the key).
+EXPIRED_KEY = "INSERT INTO standmeet.rate_limits (key, value, expires_at) VALUES (%s, 1, now() - interval '1 minute')"
+
+
+def test_a_prune_deletes_no_more_than_its_batch_whatever_plan_the_statistics_lead_to(db_url: str) -> None:
+    # Given statistics gathered while the table held a single expired key (the planner then
+    # joins the batch's rows in a plan that reads its subquery again for each row deleted)
+    query(db_url, "DELETE FROM standmeet.rate_limits")
+    query(db_url, EXPIRED_KEY, ("nearly-empty",))
+    query(db_url, "ANALYZE standmeet.rate_limits")
+    # and nine expired keys now
+    for n in range(8):
+        query(db_url, EXPIRED_KEY, (f"expired-{n}",))
+
+    # When one prune of two runs
+    deleted = prune_expired_once(db_url, batch=2)
+
+    # Then it deleted two, not every expired key
+    assert (deleted, scalar(db_url, COUNT_ROWS)) == (2, 7)
+
+
 def test_an_unreachable_database_is_reported_as_database_unavailable() -> None:
     backend = PostgresRateLimiterBackend(
         url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500

@@ -164,6 +164,27 @@ def test_pruning_deletes_expired_results_batch_by_batch_and_keeps_live_ones(
     assert backend.get_result(live) == "fresh"
 
 
+#: An expired result written straight to the table (``%s``: its key).
+EXPIRED_RESULT = "INSERT INTO standmeet.results (message_key, value, expires_at) VALUES (%s, '', now() - interval '1 minute')"
+
+
+def test_a_prune_deletes_no_more_than_its_batch_whatever_plan_the_statistics_lead_to(db_url: str) -> None:
+    # Given statistics gathered while the table held a single expired row (the planner then
+    # joins the batch's rows in a plan that reads its subquery again for each row deleted)
+    query(db_url, "DELETE FROM standmeet.results")
+    query(db_url, EXPIRED_RESULT, ("nearly-empty",))
+    query(db_url, "ANALYZE standmeet.results")
+    # and nine expired results now
+    for n in range(8):
+        query(db_url, EXPIRED_RESULT, (f"expired-{n}",))
+
+    # When one prune of two runs
+    deleted = prune_expired_once(db_url, batch=2)
+
+    # Then it deleted two, not every expired row
+    assert (deleted, scalar(db_url, COUNT_ROWS)) == (2, 7)
+
+
 def test_pruning_on_a_connection_in_a_transaction_commits_what_it_deleted(
     db_url: str, backend: PostgresResultBackend
 ) -> None:
