@@ -512,7 +512,9 @@ WHERE coalesce(stopped_at, heartbeat_at) < now() - interval '1 day'
                   WHERE q.worker_id = worker_processes.id AND q."state" = 'consumed')
 """
 
-#: Delete one batch of finished messages older than the retention.
+#: Delete one batch of finished messages older than the retention. The outer condition
+#: is checked again on a row changed while the statement waited for it: a job an operator
+#: retried meanwhile (queued again, as the batch's snapshot did not see) is kept.
 PRUNE_FINISHED = """
 DELETE FROM dramatiq.queue
 WHERE message_id IN (
@@ -521,6 +523,8 @@ WHERE message_id IN (
       AND mtime < now() - make_interval(secs => %(retention_s)s)
     LIMIT %(batch)s
 )
+  AND "state" IN ('done', 'rejected')
+  AND mtime < now() - make_interval(secs => %(retention_s)s)
 """
 
 #: Channel the relay listens on; emit notifies it (at commit).
@@ -534,6 +538,8 @@ WITH inserted AS (
 SELECT id, pg_notify(standmeet.outbox_channel(), '') FROM inserted
 """
 
+#: Delete one batch of relayed events older than the retention (the outer condition is
+#: checked again on a row changed while the statement waited for it).
 PRUNE_OUTBOX = """
 DELETE FROM standmeet.outbox
 WHERE id IN (
@@ -541,6 +547,7 @@ WHERE id IN (
     WHERE relayed_at < now() - make_interval(secs => %(retention_s)s)
     LIMIT %(batch)s
 )
+  AND relayed_at < now() - make_interval(secs => %(retention_s)s)
 """
 
 #: A message whose work another job did (a batch that did its too), inside a statement of

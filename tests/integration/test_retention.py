@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import dramatiq
 import psycopg
 
-from broker.engine import sql_enqueue
+from broker.engine import sql, sql_enqueue
 from broker.engine.codec import enqueue_params
 from broker.settings import replace
 from tests.support.db import query, wait_for
@@ -84,3 +86,43 @@ def test_relays_gone_for_a_day_are_forgotten_unless_an_old_event_may_still_wait_
     left = {r[0] for r in query(database_url, "SELECT id::text FROM standmeet.relays WHERE id = ANY(%s::uuid[])",
                                 (list(relays.values()),))}
     assert left == {relays["now"]}
+
+
+#: Backends of this database waiting for a row lock in the prune of finished messages.
+PRUNE_WAITING = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%%DELETE FROM dramatiq.queue%%'
+"""
+
+
+def test_a_job_an_operator_retries_while_the_prune_reads_it_is_kept(broker, database_url):
+    # Given a message rejected long ago
+    message = mark.message("retried-while-pruned")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
+        conn.execute("UPDATE dramatiq.queue SET state = 'rejected', mtime = now() - interval '30 days'"
+                     " WHERE message_id = %s", (message.message_id,))
+    # and an operator's retry of it, not committed yet
+    with psycopg.connect(database_url) as retrying:
+        retrying.execute("UPDATE dramatiq.queue SET state = 'queued', mtime = now(), eta = now()"
+                         " WHERE message_id = %s", (message.message_id,))
+        # When the prune reads it meanwhile (rejected and old, as its snapshot sees it) and
+        # waits for its row, and the retry then commits
+        deleted: list[int] = []
+
+        def prune() -> None:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                deleted.append(conn.execute(sql.PRUNE_FINISHED, {"retention_s": 7 * 86400, "batch": 10}).rowcount)
+
+        pruning = threading.Thread(target=prune, name="test-prune")
+        pruning.start()
+        wait_for(lambda: query(database_url, PRUNE_WAITING) == [(1,)], timeout_s=10,
+                 what="the prune waiting for the retried row")
+        retrying.commit()
+    pruning.join(timeout=10)
+    assert not pruning.is_alive()
+
+    # Then the prune deleted nothing, and the job waits in its queue to run again
+    assert deleted == [0]
+    assert query(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                 (message.message_id,)) == [("queued",)]
