@@ -209,7 +209,7 @@ class Liveness:
             logger.warning("lost claim %d of message %s (queue %r): taken back while this process was cut off; "
                            "its outcome here is not written", number, message_id, queue_name)
         if lost:  # cut off, not crashed: the blame rescue laid on this process is taken back
-            params = {"ids": sorted({m for m, _, _ in lost}), "worker_id": self.worker_id}
+            params = {"ids": [m for m, _, _ in lost], "claims": [n for _, n, _ in lost], "worker_id": self.worker_id}
             try:
                 self._on(conn, sql.CLEAR_BLAME, params)
             except DISCONNECTS:

@@ -357,10 +357,12 @@ WHERE pid = %(pid)s AND backend_start = %(started)s
 """
 
 #: A process that stepped down (cut off, not crashed) takes back what rescue laid on the
-#: claims it lost: the crash counted on it (a message rejected for it alone goes back to
-#: its queue) and the suspicion of its set. Returns how many messages were cleared. A
-#: unique job whose key a live message holds meanwhile stays rejected (two live messages
-#: of one key are what the unique index refuses).
+#: claims it lost (``ids`` with their ``claims``): the crash counted on it (a message
+#: rejected for it alone goes back to its queue) and the suspicion of its set. Returns
+#: how many messages were cleared. Only a message rescue rejected goes back: one claimed
+#: again since (its claim number moved on) and rejected by the run that followed keeps
+#: that run's outcome and reason. A unique job whose key a live message holds meanwhile
+#: stays rejected (two live messages of one key are what the unique index refuses).
 CLEAR_BLAME = """
 WITH cleared AS (
     UPDATE dramatiq.queue q
@@ -368,15 +370,16 @@ WITH cleared AS (
         blamed_worker = CASE WHEN q.blamed_worker = %(worker_id)s::uuid THEN NULL ELSE q.blamed_worker END,
         suspect_of = CASE WHEN q.suspect_of = %(worker_id)s::uuid THEN NULL ELSE q.suspect_of END,
         "state" = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid AND q.cancelled_at IS NULL
-                            AND NOT EXISTS (SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = q.unique_key
+                            AND q.claims = h.claims AND NOT EXISTS (SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = q.unique_key
                                             AND standmeet.unique_live(l.unique_states, l."state"))
                        THEN 'queued'::dramatiq.state ELSE q."state" END,
         error = CASE WHEN q."state" = 'rejected' AND q.blamed_worker = %(worker_id)s::uuid AND q.cancelled_at IS NULL
-                          AND NOT EXISTS (SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = q.unique_key
+                          AND q.claims = h.claims AND NOT EXISTS (SELECT 1 FROM dramatiq.queue l WHERE l.unique_key = q.unique_key
                                           AND standmeet.unique_live(l.unique_states, l."state"))
                      THEN NULL ELSE q.error END,
         mtime = now()
-    WHERE q.message_id = ANY(%(ids)b::uuid[])
+    FROM unnest(%(ids)b::uuid[], %(claims)s::int[]) AS h(message_id, claims)
+    WHERE q.message_id = h.message_id
       AND (q.blamed_worker = %(worker_id)s::uuid OR q.suspect_of = %(worker_id)s::uuid)
     RETURNING q.queue_name, q."state"
 )
@@ -424,13 +427,22 @@ FROM (SELECT DISTINCT queue_name FROM requeued) AS woken
 #:   * cancelled (``jobs cancel`` while it ran): rejected, never run again.
 #: A process never rescues its own claims (it lives: it is running this; its heartbeat
 #: may only look old because its thread was held up).
+#: The orphans are judged from the statement's snapshot (``judged``), then locked only
+#: as judged: the same claim of the same process, still running. A claim that changed
+#: meanwhile (given back, and claimed by a live process) is left alone: locked in the
+#: judging query itself, Postgres would check the newer row against the dead process's
+#: row through the outer join, find no match, and take the live claim for one whose
+#: process is gone. A dead process's started runs are judged together, as a set, only
+#: when every one of them was locked by this pass (a row locked elsewhere, by another
+#: rescuer or an operator's cancel, leaves the set to the next pass): judged on a part
+#: of the set, one of two runs would be blamed alone, then the other.
 #: Nothing is rescued within that window of the server becoming this database's (its
 #: start, or a standby's promotion: ``standmeet.server_epoch_since()``, migration 0017):
 #: every process lost its connection then, and needs the time to prove it is alive.
 RESCUE = """
 WITH epoch AS MATERIALIZED (
     SELECT standmeet.server_epoch_since() AS since
-), orphaned AS (
+), judged AS MATERIALIZED (
     SELECT q.message_id, q.worker_id, q.started_at IS NOT NULL AS started, q.suspect_of,
            coalesce(w.stopped_at IS NOT NULL, false) AS graceful, q.claims, q.started_at
     FROM dramatiq.queue q
@@ -439,12 +451,19 @@ WITH epoch AS MATERIALIZED (
       AND (w.id IS NULL OR w.stopped_at IS NOT NULL
            OR w.heartbeat_at < now() - """ + rescue_window("w", "after_s") + """)
       AND (SELECT since FROM epoch) < now() - """ + rescue_window("w", "after_s") + """
+), orphaned AS (
+    SELECT j.* FROM judged j
+    JOIN dramatiq.queue q ON q.message_id = j.message_id AND q.claims = j.claims
+                         AND q.worker_id IS NOT DISTINCT FROM j.worker_id AND q."state" = 'consumed'
     FOR UPDATE OF q SKIP LOCKED
 ), per_worker AS (
     SELECT worker_id,
            count(*) FILTER (WHERE started) AS n_started,
-           count(*) FILTER (WHERE started AND suspect_of IS NOT NULL) AS n_suspects
-    FROM orphaned GROUP BY worker_id
+           count(*) FILTER (WHERE started AND suspect_of IS NOT NULL) AS n_suspects,
+           count(*) AS n_judged
+    FROM judged GROUP BY worker_id
+), locked AS (
+    SELECT worker_id, count(*) AS n_locked FROM orphaned GROUP BY worker_id
 ), verdict AS (
     SELECT o.message_id, o.worker_id, o.graceful, o.claims, o.started_at,
            CASE WHEN o.graceful OR NOT o.started OR o.worker_id IS NULL THEN 'requeue'
@@ -452,7 +471,10 @@ WITH epoch AS MATERIALIZED (
                 WHEN p.n_suspects > 0 THEN 'requeue'
                 WHEN p.n_started = 1 THEN 'blame'
                 ELSE 'suspect' END AS verdict
-    FROM orphaned o JOIN per_worker p ON p.worker_id IS NOT DISTINCT FROM o.worker_id
+    FROM orphaned o
+    JOIN per_worker p ON p.worker_id IS NOT DISTINCT FROM o.worker_id
+    JOIN locked l ON l.worker_id IS NOT DISTINCT FROM o.worker_id
+    WHERE l.n_locked = p.n_judged OR o.graceful OR NOT o.started OR o.worker_id IS NULL
 ), rescued AS (
     UPDATE dramatiq.queue q
     SET crashes = q.crashes + (v.verdict = 'blame')::int,

@@ -7,6 +7,7 @@ clock.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from contextlib import nullcontext
 
@@ -14,8 +15,8 @@ import psycopg
 import pytest
 
 from broker.engine import sql, sql_enqueue
-from broker.engine.codec import enqueue_params
-from tests.support.db import query
+from broker.engine.codec import claim_size_params, enqueue_params
+from tests.support.db import query, wait_for
 from tests.support.jobs import mark
 
 DEAD_WORKER = """
@@ -313,3 +314,94 @@ def test_after_a_restart_rescue_waits_a_window_from_the_servers_start_not_from_t
     # Then the restart is dated from the server's start, and the dead worker's job is rescued
     assert scalar(database_url, "SELECT since = pg_postmaster_start_time() FROM standmeet.server_epoch")
     assert _rows(database_url, ids)[0][0] == "queued"
+
+
+#: A live process's row: its heartbeat just now.
+LIVE_WORKER = "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues) VALUES (%s, 'live', 2, '{index}')"
+#: A rescue pass of this database waiting for a lock.
+RESCUE_WAITING = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%%WITH epoch AS MATERIALIZED%%'
+"""
+#: Messages other tests left waiting in the queue these tests claim from.
+DROP_WAITING = "DELETE FROM dramatiq.queue WHERE queue_name = 'index' AND state = 'queued'"
+MESSAGE_ROW = "SELECT state::text, worker_id::text, claims, crashes FROM dramatiq.queue WHERE message_id = %s"
+
+
+def test_a_claim_a_live_process_made_while_rescue_judged_the_dead_ones_is_not_taken_back(broker, database_url):
+    # Given a silent process holding a prefetched message, and a live process
+    query(database_url, DROP_WAITING)
+    [message_id] = _held_by_dead_worker(database_url, [(False, None, 0)])
+    query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = %s", (message_id,))
+    [(dead,)] = query(database_url, "SELECT worker_id::text FROM dramatiq.queue WHERE message_id = %s", (message_id,))
+    live = str(uuid.uuid4())
+    query(database_url, LIVE_WORKER, (live,))
+    # and a rescue pass that has judged from its snapshot, held up before it locks a row
+    # (by a lock on the server's epoch, which it reads first)
+    rescued: list[dict[str, tuple[int, int]]] = []
+    with psycopg.connect(database_url) as holding:
+        holding.execute("LOCK TABLE standmeet.server_epoch IN ACCESS EXCLUSIVE MODE")
+        judging = threading.Thread(target=lambda: rescued.append(broker.rescue_once()), name="test-rescue")
+        judging.start()
+        wait_for(lambda: query(database_url, RESCUE_WAITING) == [(1,)], timeout_s=10, what="rescue waiting")
+        # When, meanwhile, the silent process gives the message back and the live one claims and starts it
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(sql.REQUEUE, {"ids": [message_id], "claims": [1], "worker_id": dead})
+            claimed = conn.execute(sql.CLAIM, {"queue": "index", "n": 1, "n_start": 1, "worker_id": live,
+                                               "claim_until_s": None, **claim_size_params(1 << 20)}).fetchall()
+        assert [row[3] for row in claimed] == [message_id]
+        holding.commit()
+    judging.join(timeout=10)
+    assert not judging.is_alive()
+
+    # Then the live process's claim is untouched: not requeued, nobody blamed, no crash recorded
+    assert rescued == [{}]
+    assert query(database_url, MESSAGE_ROW, (message_id,)) == [("consumed", live, 2, 0)]
+    assert query(database_url, "SELECT count(*) FROM standmeet.job_attempts WHERE message_id = %s",
+                 (message_id,)) == [(0,)]
+
+
+def test_runs_that_died_together_are_judged_together_when_one_was_locked_at_the_first_pass(broker, database_url):
+    # Given a process that died running two jobs at once
+    ids = _held_by_dead_worker(database_url, [(True, None, 0)] * 2)
+    # When the first rescue pass meets the second one's row locked (another rescuer, an
+    # operator's cancel), and a second pass runs once it is free
+    with psycopg.connect(database_url) as holding:
+        holding.execute("SELECT 1 FROM dramatiq.queue WHERE message_id = %s FOR UPDATE", (ids[1],))
+        broker.rescue_once()
+        holding.commit()
+    broker.rescue_once()
+    # Then both are suspects of that crash, and neither is blamed
+    assert _rows(database_url, ids) == [("queued", 0, True, None)] * 2
+
+
+def test_a_cut_off_process_taking_back_its_blame_keeps_the_rejection_of_a_run_that_followed(broker, database_url):
+    # Given a job blamed on a process that was only cut off (rescue requeued it, a crash counted)
+    query(database_url, DROP_WAITING)
+    [message_id] = _held_by_dead_worker(database_url, [(True, None, 0)])
+    [(cut_off,)] = query(database_url, "SELECT worker_id::text FROM dramatiq.queue WHERE message_id = %s",
+                         (message_id,))
+    broker.rescue_once()
+    query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = %s", (message_id,))
+    # and claimed again by this process, whose run then failed for good
+    broker.claiming = True
+    consumer = broker.consume("index", timeout=100)
+    proxy = None
+    for _ in range(20):
+        proxy = proxy or consumer.__next__()
+    assert proxy is not None and proxy.message_id == message_id
+    consumer.nack(proxy)
+    assert broker.settler.flush(5)
+    consumer.close()
+    [(state, error)] = query(database_url, "SELECT state::text, error FROM dramatiq.queue WHERE message_id = %s",
+                             (message_id,))
+    assert state == "rejected"
+
+    # When the cut-off process comes back and takes back the blame of the claim it lost
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert conn.execute(sql.STILL_HELD, {"ids": [message_id], "claims": [1], "worker_id": cut_off}).fetchall() == []
+        conn.execute(sql.CLEAR_BLAME, {"ids": [message_id], "claims": [1], "worker_id": cut_off})
+
+    # Then its crash is taken back, and the run that followed keeps its rejection and reason
+    assert query(database_url, "SELECT state::text, error, crashes FROM dramatiq.queue WHERE message_id = %s",
+                 (message_id,)) == [("rejected", error, 0)]

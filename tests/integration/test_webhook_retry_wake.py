@@ -421,7 +421,8 @@ def test_a_delivery_failed_as_abandoned_is_made_when_its_job_comes_back(
         with psycopg.connect(database_url) as conn:
             assert ops.retry_jobs(conn, message_ids=[operators_job], by="ops") == 1
         with psycopg.connect(database_url, autocommit=True) as conn:
-            conn.execute(sql.CLEAR_BLAME, {"ids": [uuid.UUID(rescued_job)], "worker_id": cut_off})
+            claim = conn.execute("SELECT claims FROM dramatiq.queue WHERE message_id = %s", (rescued_job,)).fetchone()[0]
+            conn.execute(sql.CLEAR_BLAME, {"ids": [uuid.UUID(rescued_job)], "claims": [claim], "worker_id": cut_off})
         query(database_url, "UPDATE dramatiq.queue SET eta = now() WHERE message_id = %s AND state = 'queued'",
               (rescued_job,))  # (due now: not rescue's own delay)
         start_worker(queues=["webhook"], threads=2)
