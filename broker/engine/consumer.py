@@ -185,11 +185,11 @@ class StandmeetConsumer(Consumer):
                 if text is None:  # rejected by the claim itself: never loaded here
                     logger.error("queue %r: message %s rejected: %s", self.state.name, row_id, refusal)
                     continue
-                message = self._decode(conn, text, row_id, row_queue)
+                message = self._decode(conn, text, row_id, row_queue, number)
                 if message is None:
                     continue
                 if message.actor_name not in self.broker.actors:
-                    self._bounce_unknown_actor(conn, message)
+                    self._bounce_unknown_actor(conn, message, number)
                     continue
                 claims.append(Claim(message, int(number), started=rank <= start_now))
         finally:  # held in one go (under the claim lock: nothing checks what this process holds meanwhile)
@@ -220,7 +220,8 @@ class StandmeetConsumer(Consumer):
             wait_s = float(seconds[0])
             self.next_due_s = now + min(wait_s if wait_s > 0 else MIN_WAIT_S, poll_s)
 
-    def _decode(self, conn: psycopg.Connection[Any], text: str, row_id: str, row_queue: str) -> Message | None:
+    def _decode(self, conn: psycopg.Connection[Any], text: str, row_id: str, row_queue: str,
+                number: int) -> Message | None:
         """The row's message, or None after rejecting a row that cannot be run as it is."""
         try:  # Message.decode, without its bytes round trip (the broker's encoder is JSON)
             fields = loads_json(text)
@@ -234,25 +235,26 @@ class StandmeetConsumer(Consumer):
             else:  # the constructor's defaults, or its TypeError for a field it does not know
                 message = Message(**fields)
         except Exception as exc:
-            self._reject_malformed(conn, row_id, f"malformed message: {exc!r}")
+            self._reject_malformed(conn, row_id, number, f"malformed message: {exc!r}")
             return None
         if message.message_id != row_id:
             self._reject_malformed(
-                conn, row_id, f"malformed message: its message_id {message.message_id!r} is not the row's {row_id!r}")
+                conn, row_id, number, f"malformed message: its message_id {message.message_id!r} is not the row's {row_id!r}")
             return None
         if message.queue_name != row_queue:
             self._reject_malformed(
-                conn, row_id, f"malformed message: its queue_name {message.queue_name!r} is not the row's {row_queue!r}")
+                conn, row_id, number, f"malformed message: its queue_name {message.queue_name!r} is not the row's {row_queue!r}")
             return None
         return message
 
-    def _reject_malformed(self, conn: psycopg.Connection[Any], row_id: str, error: str) -> None:
+    def _reject_malformed(self, conn: psycopg.Connection[Any], row_id: str, number: int, error: str) -> None:
         logger.error("queue %r: rejecting message %s: %s", self.state.name, row_id, error)
         # On the send pool, committed synchronously like every outcome: lost in a server crash,
         # the row would stay consumed under this live process, rescued by nobody.
-        self.broker.execute(sql.REJECT_MALFORMED, {"message_id": row_id, "error": error})
+        self.broker.execute(sql.REJECT_MALFORMED, {"message_id": row_id, "claims": number, "error": error,
+                                                   "worker_id": self.broker.worker_id})
 
-    def _bounce_unknown_actor(self, conn: psycopg.Connection[Any], message: Message) -> None:
+    def _bounce_unknown_actor(self, conn: psycopg.Connection[Any], message: Message, number: int) -> None:
         settings = self.broker.settings
         error = (f"no actor {message.actor_name!r} in worker {self.broker.worker_id} "
                  f"(host {socket.gethostname()}, pid {os.getpid()}); given back every "
@@ -260,8 +262,9 @@ class StandmeetConsumer(Consumer):
         logger.warning("queue %r: message %s is for an unknown actor %r; giving it back for %.0f s",
                        self.state.name, message.message_id, message.actor_name, settings.unknown_actor_delay_s)
         self.broker.execute(sql.UNKNOWN_ACTOR, {"message_id": message.message_id, "error": error,  # synchronous
-                                         "delay_s": settings.unknown_actor_delay_s,
-                                         "max_claims": settings.unknown_actor_max_claims})
+                                                "claims": number, "worker_id": self.broker.worker_id,
+                                                "delay_s": settings.unknown_actor_delay_s,
+                                                "max_claims": settings.unknown_actor_max_claims})
 
     @property
     def poll_s(self) -> float:

@@ -276,12 +276,17 @@ WHERE q.message_id = s.message_id AND q.claims = s.claims AND """ + STILL_CLAIME
   AND q.started_at IS NULL
 """
 
+#: The claim ``%(claims)s`` of row ``q`` by this process, still held: what a statement
+#: about a claim this process just made acts on (a claim rescued and taken by another
+#: process meanwhile, had this one stalled past the rescue window, is not this one's).
+_THIS_CLAIM = "q.claims = %(claims)s AND " + STILL_CLAIMED + " AND q.worker_id = %(worker_id)s"
+
 #: A claimed row that cannot be run as it is (not a Dramatiq message, or one whose text
 #: disagrees with its own row): rejected by its row id, with the reason.
 REJECT_MALFORMED = """
-UPDATE dramatiq.queue SET "state" = 'rejected', worker_id = NULL, started_at = NULL, mtime = now(),
+UPDATE dramatiq.queue q SET "state" = 'rejected', worker_id = NULL, started_at = NULL, mtime = now(),
     error = %(error)s
-WHERE message_id = %(message_id)s
+WHERE q.message_id = %(message_id)s AND """ + _THIS_CLAIM + """
 """
 
 #: A message for an actor this process does not have (a rolling deploy?): back to the
@@ -292,7 +297,7 @@ SET "state" = CASE WHEN q.claims >= %(max_claims)s OR q.cancelled_at IS NOT NULL
                    ELSE 'queued'::dramatiq.state END,
     eta = now() + make_interval(secs => %(delay_s)s), worker_id = NULL, started_at = NULL, mtime = now(),
     error = CASE WHEN q.cancelled_at IS NOT NULL THEN """ + _CANCELLED_BY + """ || ': not run' ELSE %(error)s END
-WHERE q.message_id = %(message_id)s
+WHERE q.message_id = %(message_id)s AND """ + _THIS_CLAIM + """
 """
 
 #: Give claimed-but-not-started messages back to their queue, without blame, and wake

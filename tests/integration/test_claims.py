@@ -721,3 +721,22 @@ def test_a_claimed_message_is_the_message_sent_and_a_row_with_a_field_dramatiq_d
             consumer.ack(proxy)
         assert broker.settler.flush(5)
         consumer.close()
+
+
+def test_a_claim_rejected_or_bounced_by_its_consumer_leaves_a_later_claim_of_another_process_alone(
+        broker, database_url):
+    # Given a message claimed here (claim 1), then rescued and claimed by another process
+    # (claim 2), as it would be had this process stalled past the rescue window
+    message = mark.message("claimed-elsewhere-since")
+    other = str(uuid.uuid4())
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
+        conn.execute("UPDATE dramatiq.queue SET state = 'consumed', worker_id = %s, claims = 2, started_at = now()"
+                     " WHERE message_id = %s", (other, message.message_id))
+    # When this process rejects its claim as malformed, or gives it back as an unknown actor's
+    mine = {"message_id": message.message_id, "claims": 1, "worker_id": broker.worker_id, "error": "late"}
+    broker.execute(sql.REJECT_MALFORMED, mine)
+    broker.execute(sql.UNKNOWN_ACTOR, {**mine, "delay_s": 60.0, "max_claims": 1})
+    # Then the other process's claim runs on, untouched
+    assert query(database_url, "SELECT state::text, worker_id::text, claims, error FROM dramatiq.queue"
+                               " WHERE message_id = %s", (message.message_id,)) == [("consumed", other, 2, None)]
