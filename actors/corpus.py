@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import dramatiq
+import psycopg
 
 from actors.reasons import keeps_reason
 from actors.search import Document, IndexRefused, search_index
@@ -49,6 +51,11 @@ WITH existing AS (
 )
 SELECT id FROM existing UNION ALL SELECT id FROM created
 """
+#: The lock two rebuilds starting together take turns on before they look for an open run
+#: (``pg_advisory_xact_lock(class, 0)``, the two-integer lock space): the second then sees
+#: the run the first opened, and resumes it, instead of opening a rebuild of its own.
+OPEN_RUN_LOCK = "SELECT pg_advisory_xact_lock(%(lock_class)s, 0)"
+OPEN_RUN_LOCK_CLASS = 0x5249  # "RI"
 RUN_POSITION = "SELECT last_document_id, finished_at IS NOT NULL FROM standmeet.reindex_runs WHERE id = %s"
 NEXT_BATCH = "SELECT id, title, body FROM standmeet.documents WHERE id > %s ORDER BY id LIMIT %s"
 ADVANCE = """
@@ -58,6 +65,16 @@ WITH batch AS (
 UPDATE standmeet.reindex_runs SET last_document_id = %(last)s, indexed = indexed + %(n)s WHERE id = %(run)s
 """
 FINISH_RUN = "UPDATE standmeet.reindex_runs SET finished_at = now() WHERE id = %s RETURNING indexed"
+
+
+def open_run(conn: psycopg.Connection[Any]) -> int:
+    """The rebuild to resume (the one not finished), or a new one; one at a time, whatever
+    the processes: in a transaction of its own (within the caller's, if one is open)."""
+    with conn.transaction():
+        conn.execute(OPEN_RUN_LOCK, {"lock_class": OPEN_RUN_LOCK_CLASS})
+        row = conn.execute(OPEN_RUN).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 @dramatiq.actor(actor_name="corpus.reindex", queue_name="index", time_limit=600_000)
@@ -74,9 +91,7 @@ def reindex(run_id: int | None = None, batch_size: int = REINDEX_BATCH, margin_s
 
     if run_id is None:
         with db.connection() as conn:
-            row = conn.execute(OPEN_RUN).fetchone()
-        assert row is not None
-        run_id = int(row[0])
+            run_id = open_run(conn)
     index_ = search_index()
     progressed = False
     while True:

@@ -36,3 +36,34 @@ def test_a_rebuild_cut_by_its_deadline_resumes_without_redoing_batches_and_tells
                                               " WHERE id > %s", (before,))[0]
     assert (indexed, finished) == (60, True)
     assert len(search_index().search("reindexword37")) == 1
+
+
+def test_two_rebuilds_starting_together_share_one_run(broker, database_url):
+    import threading
+
+    import psycopg
+
+    # Given a rebuild opening its run, not committed yet (another process's job, mid-start)
+    query(database_url, "UPDATE standmeet.reindex_runs SET finished_at = now() WHERE finished_at IS NULL")
+    with psycopg.connect(database_url) as first:
+        first.execute("SELECT 1")  # (its transaction open: the run is opened within it)
+        first_run = corpus.open_run(first)
+        # When a second rebuild starts meanwhile
+        second_run: list[int] = []
+
+        def start_second() -> None:
+            with psycopg.connect(database_url, autocommit=True) as second:
+                second_run.append(corpus.open_run(second))
+
+        starting = threading.Thread(target=start_second, name="test-second-rebuild")
+        starting.start()
+        wait_for(lambda: not starting.is_alive() or scalar(
+            database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                          " AND wait_event_type = 'Lock' AND wait_event = 'advisory'") == 1,
+                 timeout_s=10, what="the second rebuild opening its run, or waiting for the first")
+        first.commit()
+    starting.join(timeout=10)
+    assert not starting.is_alive()
+    # Then it resumes the first one's run: one rebuild is open, not two
+    assert second_run == [first_run]
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.reindex_runs WHERE finished_at IS NULL") == 1
