@@ -125,11 +125,13 @@ class _Run:
     after its job ended. One per thread, made at its first run and reused: a thread-local
     attribute costs a lookup in the thread's dictionary, a slot of this object none."""
 
-    __slots__ = ("jobs", "disarms", "left", "late")
+    __slots__ = ("jobs", "disarms", "inside", "left", "late")
 
     def __init__(self) -> None:
         self.jobs: RunningJobs | None = None
         self.disarms: Iterable[Callable[[], None]] = ()
+        #: inside its job's body: an actor's function it calls runs as part of it
+        self.inside = False
         self.left = False
         self.late: Interrupt | None = None
 
@@ -154,6 +156,7 @@ def in_a_run(running: RunningJobs | None,
     left, late = run.left, run.late
     run.jobs = running
     run.disarms = disarms
+    run.inside = False
     run.left = False
     run.late = None
     return left, late
@@ -161,7 +164,10 @@ def in_a_run(running: RunningJobs | None,
 
 def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (an actor's function) bracketed as a job's body when a worker thread of this
-    runtime runs it (:class:`RunningJobs`); called anywhere else, ``fn`` alone."""
+    runtime runs it (:class:`RunningJobs`); called anywhere else, ``fn`` alone. Called
+    inside a job's body (a job calling another actor's function, as Dramatiq allows: it
+    runs there and then), it is part of that job: the job keeps its time limit and its
+    place among the running jobs until its own body ends."""
     if getattr(fn, "standmeet_as_run", False):
         return fn
 
@@ -169,7 +175,7 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         this_run = _this_threads_run()
         running = this_run.jobs
-        if running is None:
+        if running is None or this_run.inside:
             return fn(*args, **kwargs)
         disarms = this_run.disarms
         # An interruption is delivered in the job (or as enter() returns: the job is then
@@ -179,14 +185,17 @@ def as_run(fn: Callable[..., Any]) -> Callable[..., Any]:
         # has run), so the third call is the last.
         try:
             running.enter()
+            this_run.inside = True
             result = fn(*args, **kwargs)
         except BaseException:
+            this_run.inside = False
             try:
                 running.leave(disarms)
             except Interrupt:
                 running.leave(disarms)
             this_run.left = True
             raise
+        this_run.inside = False
         try:
             late = running.leave(disarms)
         except Interrupt as exc:

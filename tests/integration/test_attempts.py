@@ -40,6 +40,17 @@ def snooze_once(key: str) -> None:
         raise Snooze(0.05, "not yet")
 
 
+@dramatiq.actor(actor_name="attempts.a_step", queue_name="index")
+def a_step(key: str) -> int:
+    return bump(key)
+
+
+@dramatiq.actor(actor_name="attempts.slow_after_a_step", queue_name="index", time_limit=300, max_retries=0)
+def slow_after_a_step(key: str) -> None:
+    a_step(key)  # another actor's function, called directly: it runs here and now
+    cooperative_sleep(10)
+
+
 def _attempts(url: str, message_id: str) -> list[history.Attempt]:
     with psycopg.connect(url, autocommit=True) as conn:
         return history.attempts(conn, message_id)
@@ -95,3 +106,16 @@ def test_a_time_limit_shows_as_a_timeout_and_a_snooze_as_snoozed(broker, databas
     snoozed_attempts = _attempts(database_url, snoozed.message_id)
     assert [a.outcome for a in snoozed_attempts] == ["snoozed", "done"]
     assert "not yet" in (snoozed_attempts[0].error or "")
+
+
+def test_a_job_that_calls_another_actors_function_keeps_its_own_time_limit(broker, database_url, start_worker):
+    # Given a job of a 300 ms limit that calls another actor's function, then runs on for 10 s
+    start_worker(queues=["index"], threads=2)
+    message = slow_after_a_step.send("calls-a-step")
+    # When it runs
+    # Then it is stopped at its limit, not when it ends on its own
+    wait_for(lambda: scalar(database_url, FINAL, ([message.message_id],)) == 1, timeout_s=5,
+             what="the job stopped at its time limit")
+    [attempt] = _attempts(database_url, message.message_id)
+    assert "TimeLimitExceeded" in (attempt.error or ""), attempt
+    assert scalar(database_url, "SELECT value FROM test_counters WHERE key = 'calls-a-step'") == 1
