@@ -5,7 +5,9 @@ message's key, and the two statements that take and give back a row lease with a
 and a database-clock expiry. Before the actor runs, this middleware takes the lease in
 one autocommit statement; no row back means the key is busy: the message **snoozes**
 (a few seconds plus jitter), which never counts a retry and never fires failure
-callbacks. After the actor — returned, raised, cancelled or skipped — the lease is
+callbacks. A take that fails (the database unreachable, a statement timeout) snoozes
+the message the same way: a job never runs without its lease. After the actor —
+returned, raised, cancelled or skipped — the lease is
 given back, only if the token is still ours. The lease outlives the job's time limit,
 so a crashed worker's lease expires by itself. No transaction is held across the
 actor's work: each statement commits alone.
@@ -146,7 +148,13 @@ class KeyedLease(Middleware):
         key = lease.key(message)
         if key is None:
             return  # this message needs no lease (the actor records why)
-        taken = self.store.take(lease, key)
+        try:
+            taken = self.store.take(lease, key)
+        except Exception as exc:  # raised, Dramatiq would log it and run the job unleased
+            wait = lease.busy_snooze_s() * (1 + random.random() / 2)
+            logger.warning("%s: could not take the lease of key %s (%s: %s); the message waits %.1f s",
+                           message.actor_name, key, type(exc).__name__, exc, wait)
+            snooze_before_start(message, wait, f"{message.actor_name}: the lease of key {key} could not be taken")
         if taken is None:
             wait = lease.busy_snooze_s() * (1 + random.random() / 2)
             snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy", label=LEASE_BUSY)

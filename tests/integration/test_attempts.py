@@ -7,6 +7,7 @@ import psycopg
 
 from broker.ops import history
 from middleware import Snooze
+from middleware.keyed_lease import Lease
 from tests.support.db import scalar, wait_for
 from tests.support.jobs import bump, cooperative_sleep
 
@@ -49,6 +50,18 @@ def a_step(key: str) -> int:
 def slow_after_a_step(key: str) -> None:
     a_step(key)  # another actor's function, called directly: it runs here and now
     cooperative_sleep(10)
+
+
+#: A lease whose take fails, as any statement can (a pool's timeout, a statement timeout,
+#: a connection dropped): here a real error from the server.
+UNTAKEABLE = Lease(key=lambda message: message.args[0], take="SELECT 1 / 0, %(key)s, %(lease_s)s",
+                   release="SELECT %(key)s, %(token)s, %(message_id)s", lease_s=lambda: 5.0,
+                   busy_snooze_s=lambda: 60.0)
+
+
+@dramatiq.actor(actor_name="attempts.leased", queue_name="index", lease=UNTAKEABLE)
+def leased(key: str) -> None:
+    bump(key)
 
 
 def _attempts(url: str, message_id: str) -> list[history.Attempt]:
@@ -119,3 +132,16 @@ def test_a_job_that_calls_another_actors_function_keeps_its_own_time_limit(broke
     [attempt] = _attempts(database_url, message.message_id)
     assert "TimeLimitExceeded" in (attempt.error or ""), attempt
     assert scalar(database_url, "SELECT value FROM test_counters WHERE key = 'calls-a-step'") == 1
+
+
+def test_a_job_whose_lease_cannot_be_taken_waits_and_never_runs_without_it(broker, database_url, start_worker):
+    # Given a job of a keyed lease whose take fails
+    start_worker(queues=["index"], threads=2)
+    message = leased.send("unleased")
+    # When a worker picks it up
+    wait_for(lambda: scalar(database_url, "SELECT (message->'options'->>'snoozes')::int FROM dramatiq.queue"
+                                          " WHERE message_id = %s AND state = 'queued'", (message.message_id,)) == 1,
+             timeout_s=10, what="the job snoozed")
+    # Then it waits for a later try, due in the future, and its body never ran
+    assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
+    assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'unleased'") == 0
