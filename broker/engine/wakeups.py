@@ -9,7 +9,9 @@ one, consumers poll (see :mod:`broker.pg.pool`).
 
 The listener never dies for good: a lost connection is said once (through the process's
 :class:`~broker.pg.pool.Outage`), retried with back-off, and on reconnecting it wakes every
-consumer once, since notifications sent meanwhile were missed.
+consumer once, since notifications sent meanwhile were missed (after its LISTENs, so that
+nothing sent between a consumer's look and the LISTEN is missed); a queue added while
+it waits is woken once it listens there.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class WakeListener:
         self._thread: detach.Detached | None = None
 
     def add(self, channel: str, wake: Callable[[], None]) -> None:
-        """Wake ``wake()`` on every notification of ``channel`` (listened from the next wait)."""
+        """Wake ``wake()`` on every notification of ``channel`` (listened from the next wait,
+        and woken once then)."""
         with self._lock:
             self._wakes[channel] = wake
 
@@ -58,14 +61,19 @@ class WakeListener:
         returns the notifications heard."""
         with self._lock:
             wakes = dict(self._wakes)
-        if self._conn is None or self._conn.closed:
+        reconnected = self._conn is None or self._conn.closed
+        if reconnected:
             self._conn = connect(self.url, application_name="standmeet-wakeups")
             self._listening = set()
-            for wake in wakes.values():  # what was sent while nobody listened
-                wake()
-        for channel in set(wakes) - self._listening:
+        new = [channel for channel in wakes if channel not in self._listening]
+        for channel in new:
             self._conn.execute('LISTEN "' + channel.replace('"', '""') + '"')
             self._listening.add(channel)
+        # What was sent while nobody listened there: its consumers look again, once the
+        # LISTEN is in place (woken before it, a consumer could look, find nothing, and
+        # miss a send committed between its look and the LISTEN).
+        for channel in wakes if reconnected else new:
+            wakes[channel]()
         heard = 0
         for notify in self._conn.notifies(timeout=timeout_s, stop_after=1):
             heard += 1
