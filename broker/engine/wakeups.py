@@ -61,13 +61,14 @@ class WakeListener:
         returns the notifications heard."""
         with self._lock:
             wakes = dict(self._wakes)
-        reconnected = self._conn is None or self._conn.closed
-        if reconnected:
-            self._conn = connect(self.url, application_name="standmeet-wakeups")
+        conn = self._conn
+        reconnected = conn is None or conn.closed
+        if conn is None or reconnected:
+            conn = self._conn = connect(self.url, application_name="standmeet-wakeups")
             self._listening = set()
         new = [channel for channel in wakes if channel not in self._listening]
         for channel in new:
-            self._conn.execute('LISTEN "' + channel.replace('"', '""') + '"')
+            conn.execute('LISTEN "' + channel.replace('"', '""') + '"')
             self._listening.add(channel)
         # What was sent while nobody listened there: its consumers look again, once the
         # LISTEN is in place (woken before it, a consumer could look, find nothing, and
@@ -75,7 +76,7 @@ class WakeListener:
         for channel in wakes if reconnected else new:
             wakes[channel]()
         heard = 0
-        for notify in self._conn.notifies(timeout=timeout_s, stop_after=1):
+        for notify in conn.notifies(timeout=timeout_s, stop_after=1):
             heard += 1
             woken = wakes.get(notify.channel)
             if woken is not None:
