@@ -479,19 +479,30 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         return self.claiming and not self.stepped_down
 
     def stop_claiming(self) -> None:
-        """Claim nothing more (shutdown), and give back at once what was prefetched."""
+        """Claim nothing more (shutdown), and give back at once what was prefetched. A
+        claim on its way is waited for (up to its window), so that what it brings back is
+        given back too, by this or by its consumer, never started."""
         self.claiming = False
         for state in self.queue_states.values():
-            buffered = state.take_buffer()
-            if buffered:
-                try:
-                    self.requeue([c.message for c in buffered], [c.number for c in buffered])
-                except DISCONNECTS as exc:
-                    # Still ours, never started here: offered again by the consumer if this
-                    # process claims again, by the graceful stop otherwise, or by rescue.
-                    state.give_back_later(buffered)
-                    logger.warning("could not give back %d prefetched message(s) yet: %s", len(buffered), exc)
+            waited = state.claim_lock.acquire(timeout=sql.CLAIM_WITHIN_S)
+            try:
+                self.give_back_buffered(state)
+            finally:
+                if waited:
+                    state.claim_lock.release()
             state.wake()
+
+    def give_back_buffered(self, state: QueueState) -> None:
+        """Give back, unblamed, what ``state`` holds prefetched, never started here."""
+        buffered = state.take_buffer()
+        if buffered:
+            try:
+                self.requeue([c.message for c in buffered], [c.number for c in buffered])
+            except DISCONNECTS as exc:
+                # Still ours, never started here: offered again by the consumer if this
+                # process claims again, by the graceful stop otherwise, or by rescue.
+                state.give_back_later(buffered)
+                logger.warning("could not give back %d prefetched message(s) yet: %s", len(buffered), exc)
 
     # -- liveness (broker.engine.liveness) ---------------------------------------------
 

@@ -138,8 +138,12 @@ class StandmeetConsumer(Consumer):
         if self.broker.may_claim:
             self._give_back_excess()
         if self.broker.may_claim and self._due() and self.state.should_claim():
-            if self.claim_once(conn):
-                return self._hand_out()
+            with self.state.claim_lock:
+                if self._claim_once(conn):
+                    if not self.broker.claiming:  # shutdown began while it claimed: none of it starts
+                        self.broker.give_back_buffered(self.state)
+                        return None
+                    return self._hand_out()
         self._wait(conn)
         return None
 

@@ -740,3 +740,42 @@ def test_a_claim_rejected_or_bounced_by_its_consumer_leaves_a_later_claim_of_ano
     # Then the other process's claim runs on, untouched
     assert query(database_url, "SELECT state::text, worker_id::text, claims, error FROM dramatiq.queue"
                                " WHERE message_id = %s", (message.message_id,)) == [("consumed", other, 2, None)]
+
+
+def test_a_claim_on_its_way_when_shutdown_starts_is_given_back_and_none_of_it_starts(broker, database_url):
+    import threading
+
+    from tests.support.db import scalar, wait_for
+    from tests.support.jobs import SLEEP
+
+    # Given messages due on the fetch queue, and its consumer's claim on its way: its rows
+    # are back, not yet held, when shutdown starts on another thread
+    state = broker.queue_states["fetch"]
+    ids = [SLEEP["fetch"].send(0, "shutdown-mid-claim").message_id for _ in range(4)]
+    broker.claiming = True
+    consumer = broker.consume("fetch", timeout=50)
+    hold_all = state.hold_all
+    answered = threading.Event()
+
+    def held_once_shutdown_started(claims: list) -> None:
+        answered.set()
+        wait_for(lambda: not broker.claiming, timeout_s=10, what="shutdown to start")
+        hold_all(claims)
+
+    state.hold_all = held_once_shutdown_started  # type: ignore[method-assign]
+    stopping = threading.Thread(target=lambda: (answered.wait(10), broker.stop_claiming()), name="test-shutdown")
+    stopping.start()
+    try:
+        # When the claim's answer lands
+        handed = consumer.__next__()
+        stopping.join(timeout=10)
+        assert not stopping.is_alive()
+        # Then nothing of it was handed out to run, and all of it is back in its queue, for anyone
+        assert handed is None
+        assert list(state.buffer) == []
+        assert scalar(database_url, CONSUMED, (ids,)) == 0
+    finally:
+        state.hold_all = hold_all  # type: ignore[method-assign]
+        broker.claiming = True
+        consumer.close()
+        query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", (ids,))
