@@ -138,12 +138,8 @@ class StandmeetConsumer(Consumer):
         if self.broker.may_claim:
             self._give_back_excess()
         if self.broker.may_claim and self._due() and self.state.should_claim():
-            with self.state.claim_lock:
-                if self._claim_once(conn):
-                    if not self.broker.claiming:  # shutdown began while it claimed: none of it starts
-                        self.broker.give_back_buffered(self.state)
-                        return None
-                    return self._hand_out()
+            if self.claim_once(conn):
+                return self._hand_out()
         self._wait(conn)
         return None
 
@@ -169,9 +165,14 @@ class StandmeetConsumer(Consumer):
         return self.next_due_s is not None and self.next_due_s <= time.monotonic()
 
     def claim_once(self, conn: psycopg.Connection[Any]) -> int:
-        """Claim up to the free slots of this queue; return how many were claimed."""
+        """Claim up to the free slots of this queue; return how many were claimed and held.
+        What a claim brings back once shutdown has begun is given back at once, unstarted."""
         with self.state.claim_lock:  # nothing checks what this process holds of the queue meanwhile
-            return self._claim_once(conn)
+            claimed = self._claim_once(conn)
+            if claimed and not self.broker.claiming:  # shutdown began while it claimed
+                self.broker.give_back_buffered(self.state)
+                return 0
+            return claimed
 
     def _claim_once(self, conn: psycopg.Connection[Any]) -> int:
         want = self.state.free()

@@ -276,6 +276,7 @@ def _a_run_just_ended(broker: Any, database_url: str, key: str) -> Iterator[dram
     settler (the moment between a run's end and its settle); done afterwards."""
     message = held_through_a_cut.send(key, 0.0)
     state = broker.queue_states["index"]
+    broker.claiming = True  # (a worker stopped by an earlier test stopped the broker's claiming)
     consumer = broker.consume("index")
     try:
         assert consumer.claim_once(consumer._connection()) == 1
