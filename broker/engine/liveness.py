@@ -77,6 +77,10 @@ class Liveness:
         self.rescue_listeners: list[Callable[[dict[str, tuple[int, int]]], None]] = []
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
+        #: held while the process steps down (the flag, then its running jobs interrupted)
+        #: and while it steps up (the flag cleared, jobs allowed again): one never lands
+        #: inside the other, which would leave a stepped-up process cutting off every job
+        self._down_lock = threading.Lock()
         self._heartbeat: detach.Detached | None = None
         self._guard: detach.Detached | None = None
         self._beat_conn: psycopg.Connection[Any] | None = None
@@ -167,18 +171,30 @@ class Liveness:
     def guard_once(self) -> bool:
         """Step down if no heartbeat was confirmed for ``step_down_after_s``: no I/O here, so
         a thread stuck on a dead connection cannot stop it. True if it stepped down now."""
-        confirmed = self.confirmed_at
-        if (self.stepped_down or confirmed is None or self.closing or not self.claiming()
-                or time.monotonic() - confirmed < self.settings.step_down_after_s):
+        if self._confirmed_recently() or self.closing or not self.claiming():
             return False
-        self.step_down(time.monotonic() - confirmed)
+        with self._down_lock:
+            if self._confirmed_recently():  # a heartbeat confirmed since: nothing to do
+                return False
+            self._step_down(time.monotonic() - (self.confirmed_at or 0.0))
         return True
+
+    def _confirmed_recently(self) -> bool:
+        """Stepped down already, or a heartbeat was confirmed within ``step_down_after_s``
+        (or none yet: nothing to judge)."""
+        confirmed = self.confirmed_at
+        return (self.stepped_down or confirmed is None
+                or time.monotonic() - confirmed < self.settings.step_down_after_s)
 
     def step_down(self, silent_s: float) -> None:
         """Stop claiming and starting claims, and interrupt the running jobs (retryable):
         another process may rescue them once this one's heartbeat is older than the rescue
         window, and a run must not go on here then. Prefetched claims are kept unstarted;
         what this process still holds when it can prove it lives again is checked then."""
+        with self._down_lock:
+            self._step_down(silent_s)
+
+    def _step_down(self, silent_s: float) -> None:
         self.stepped_down = True
         interrupted = self.running.interrupt_all(CutOff)  # never a run that has ended
         logger.warning(
@@ -220,8 +236,9 @@ class Liveness:
             self.give_back_unknown(conn)
         except DISCONNECTS:
             return  # not proven after all: the next heartbeat tries again
-        self.stepped_down = False
-        self.running.resume()
+        with self._down_lock:
+            self.stepped_down = False
+            self.running.resume()
         logger.warning("stepping up: heartbeat confirmed again; %d claim(s) lost, claiming again", len(lost))
         for state in self.queue_states.values():
             state.notified()

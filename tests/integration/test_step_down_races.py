@@ -158,3 +158,53 @@ def test_a_claim_handed_to_a_thread_just_before_a_step_down_does_not_start_while
         wait_for(lambda: all(f"hand-{k}:done" in CUT_RUNS for k in ("0", "1", "2", "b")), timeout_s=20,
                  what="every job to end")
         broker.middleware.remove(hold)
+
+
+class _Watched:
+    """A lock that says when a second thread waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.contended = threading.Event()
+
+    def __enter__(self) -> _Watched:
+        if not self._lock.acquire(blocking=False):
+            self.contended.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_step_up_proven_while_the_step_down_interrupts_leaves_jobs_free_to_start(broker, database_url, monkeypatch):
+    # Given a step-down held between its flag and its interruption of the running jobs
+    liveness = broker.liveness
+    watched = _Watched()
+    monkeypatch.setattr(liveness, "_down_lock", watched, raising=False)
+    interrupt_all = liveness.running.interrupt_all
+    interrupting, go_on = threading.Event(), threading.Event()
+
+    def held_interrupt_all(exception: Any) -> int:
+        interrupting.set()
+        assert go_on.wait(10)
+        return interrupt_all(exception)
+
+    monkeypatch.setattr(liveness.running, "interrupt_all", held_interrupt_all)
+    stepping_down = threading.Thread(target=lambda: liveness.step_down(1.0), name="test-step-down")
+    stepping_down.start()
+    assert interrupting.wait(10)
+    # When the heartbeat proves the process alive meanwhile (it steps up, or waits to)
+    proven = threading.Event()
+    proving = threading.Thread(target=lambda: (liveness.prove_alive(), proven.set()), name="test-prove-alive")
+    proving.start()
+    wait_for(lambda: proven.is_set() or watched.contended.is_set(), timeout_s=10,
+             what="the step-up, or its wait for the step-down")
+    go_on.set()
+    stepping_down.join(timeout=10)
+    proving.join(timeout=10)
+    assert not stepping_down.is_alive() and not proving.is_alive()
+    # Then the process is up, and a job may start: it is not cut off as it enters
+    assert not liveness.stepped_down
+    liveness.running.enter()
+    assert liveness.running.leave() is None
