@@ -230,13 +230,27 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
-            in_a_run(self._running, self._hook_table.bound(self.middleware, "disarm"))
+            disarms = self._hook_table.bound(self.middleware, "disarm")
+            in_a_run(self._running, disarms)
             args[0].standmeet_started_mono = time.monotonic()
-        elif signal == "worker_boot" and args:
+            try:
+                self._emit_before(signal, args, kwargs)
+            except BaseException:
+                # The run ends here (skipped, or stopped by a hook): its time limit goes
+                # now, not in the after-hooks, so that it cannot fire while Dramatiq's
+                # worker reports the skip (raised there, it would end the thread before
+                # any after-hook gives back what the before-hooks took).
+                disarm(disarms)
+                raise
+            return
+        if signal == "worker_boot" and args:
             # before its threads start: a job may end before Worker.start() returns
             self._workers = [*self._workers, args[0]]
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
+        self._emit_before(signal, args, kwargs)
+
+    def _emit_before(self, signal: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # As Dramatiq's: a MiddlewareError stops the operation, other errors are logged.
         # A run's policy gated on options the run does not set is skipped, judged just
         # before its hook would be called, on the options the message and its actor

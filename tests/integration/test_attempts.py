@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import dramatiq
 import psycopg
 
 from broker.ops import history
 from middleware import Snooze
 from middleware.keyed_lease import Lease
+from middleware.time_limit import TimeLimit
 from tests.support.db import scalar, wait_for
 from tests.support.jobs import bump, cooperative_sleep
 
@@ -61,6 +65,17 @@ UNTAKEABLE = Lease(key=lambda message: message.args[0], take="SELECT 1 / 0, %(ke
 
 @dramatiq.actor(actor_name="attempts.leased", queue_name="index", lease=UNTAKEABLE)
 def leased(key: str) -> None:
+    bump(key)
+
+
+#: A lease whose key is always busy (its take finds no row).
+ALWAYS_BUSY = Lease(key=lambda message: message.args[0], take="SELECT 1 WHERE %(key)s IS NULL AND %(lease_s)s > 0",
+                    release="SELECT %(key)s, %(token)s, %(message_id)s", lease_s=lambda: 5.0,
+                    busy_snooze_s=lambda: 60.0)
+
+
+@dramatiq.actor(actor_name="attempts.busy_keyed", queue_name="index", lease=ALWAYS_BUSY, time_limit=50)
+def busy_keyed(key: str) -> None:
     bump(key)
 
 
@@ -145,3 +160,30 @@ def test_a_job_whose_lease_cannot_be_taken_waits_and_never_runs_without_it(broke
     # Then it waits for a later try, due in the future, and its body never ran
     assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
     assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'unleased'") == 0
+
+
+def test_a_time_limit_due_while_a_skipped_run_is_reported_leaves_the_worker_thread_working(
+        broker, database_url, start_worker, monkeypatch):
+    # Given a one-thread worker whose report of a skipped run (Dramatiq's "was skipped"
+    # line) is held until that run's time limit has passed, unless it was disarmed
+    [time_limit] = [m for m in broker.middleware if isinstance(m, TimeLimit)]
+    worker_log = logging.getLogger("dramatiq.worker.WorkerThread")
+    warning = worker_log.warning
+
+    def held_warning(msg: object, *args: object, **kwargs: object) -> None:
+        if "was skipped" in str(msg):
+            wait_for(lambda: threading.get_ident() not in time_limit.manager.deadlines, timeout_s=5,
+                     what="the skipped run's time limit to pass or be disarmed")
+        warning(msg, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker_log, "warning", held_warning)
+    start_worker(queues=["index"], threads=1)
+    # When a run of a 50 ms limit is skipped before it starts (its key busy), then another job comes
+    skipped = busy_keyed.send("busy-key")
+    wait_for(lambda: scalar(database_url, "SELECT (message->'options'->>'snoozes')::int FROM dramatiq.queue"
+                                          " WHERE message_id = %s AND state = 'queued'", (skipped.message_id,)) == 1,
+             timeout_s=10, what="the skipped run's snooze written")
+    after = a_step.send("after-the-skip")
+    # Then the worker's one thread runs it: it lived through the skip
+    wait_for(lambda: scalar(database_url, FINAL, ([after.message_id],)) == 1, timeout_s=10,
+             what="the next job on the same thread")
