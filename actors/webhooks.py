@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import random
 import secrets as secrets_module
 import time
@@ -592,6 +593,8 @@ def _retry_after(value: str | None) -> float | None:
             seconds = (parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds()
         except (TypeError, ValueError):
             return None
+    if math.isnan(seconds):  # "nan" parses, and passes through min and max unclamped
+        return None
     return min(max(seconds, RETRY_AFTER_BOUNDS[0]), RETRY_AFTER_BOUNDS[1])
 
 

@@ -63,7 +63,8 @@ def test_a_trickling_endpoint_is_cut_at_the_total_deadline(broker):
     assert 0.9 <= took < 2 * 1.0, took
 
 
-@pytest.mark.parametrize("header, expected", [("120", 120.0), ("0", 1.0), ("999999", 36000.0), ("soon", None)])
+@pytest.mark.parametrize("header, expected", [("120", 120.0), ("0", 1.0), ("999999", 36000.0), ("soon", None),
+                                              ("nan", None), ("NaN", None), ("inf", 36000.0), ("-inf", 1.0)])
 def test_retry_after_is_honoured_within_bounds(header, expected):
     assert webhooks._retry_after(header) == expected
 
