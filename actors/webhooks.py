@@ -497,6 +497,14 @@ RETURNING q.queue_name
 #: waited out a lease, ~20 s, instead of its 5 s back-off); a running one is marked woken
 #: (its next run snoozes until the retry). Each in one UPDATE for both states, so that a
 #: row whose snooze settles while the statement waits for its lock is judged as it is then.
+#: The delivery was replayed (it names another message than the one carrying it here:
+#: the one read with the batch, or the job's own), and this attempt did not make it: the
+#: replay stands (pending, due now, for its own message), whatever this attempt's outcome
+#: would have set. An attempt that made it makes it for the replay too: that message then
+#: finds the delivery made, and ends. (Judged by the message, not by a time: a host's
+#: clock plays no part. A job that runs a delivery replayed before it started, and fails,
+#: leaves one more attempt to the replay's job.)
+_REPLAYED_MEANWHILE = """(%(state)s::text <> 'succeeded' AND message_id <> %(carrier)s::uuid)"""
 _ATTEMPT_AND_DELIVERY = """
 WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
@@ -505,8 +513,11 @@ WITH attempt AS (
             %(outcome)s::text, %(error)s::text, %(body)s::text, %(truncated)s::boolean)
 ), delivery AS (
     UPDATE standmeet.webhook_deliveries
-    SET attempts = %(attempt)s::int, state = %(state)s::text, last_outcome = %(outcome)s::text,
-        next_attempt_at = %(next)s::timestamptz, updated_at = now()
+    SET attempts = %(attempt)s::int,
+        state = CASE WHEN """ + _REPLAYED_MEANWHILE + """ THEN 'pending' ELSE %(state)s::text END,
+        last_outcome = %(outcome)s::text,
+        next_attempt_at = CASE WHEN """ + _REPLAYED_MEANWHILE + """ THEN NULL ELSE %(next)s::timestamptz END,
+        updated_at = now()
     WHERE id = %(made)s::bigint
 ), rescheduled AS (
     UPDATE dramatiq.queue q
@@ -989,6 +1000,7 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -
                                                                              timezone.utc),
         "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
         "holder": message.message_id if message is not None else None,
+        "carrier": made.due.message_id or (message.message_id if message is not None else None),
         "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None,
         "reschedule": made.due.message_id if made.state == "pending" else None,
         **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name)}

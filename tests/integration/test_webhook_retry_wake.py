@@ -620,3 +620,28 @@ def test_a_batch_record_of_a_delivery_whose_job_is_settling_its_snooze_still_rea
         assert state == "queued" and delivery_of(database_url, events[1])[1] == "pending"
         assert abs(eta_s) < 0.5, eta_s
     query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])", ([holder[3], made[3]],))
+
+
+def test_a_replay_made_while_the_last_attempt_was_posted_is_not_undone_by_its_record(broker, database_url,
+                                                                                       webhook_settings):
+    # Given a delivery on its last attempt, whose job holds the endpoint's lease and is posting
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/hook", ["replayed.meanwhile"])
+    [event] = emit(database_url, "replayed.meanwhile", 1)
+    webhooks.fanout.fn(event)
+    delivery, first_job = query(database_url, "SELECT id, message_id::text FROM standmeet.webhook_deliveries"
+                                              " WHERE event_id = %s", (event,))[0]
+    query(database_url, "UPDATE standmeet.webhook_deliveries SET attempts = %s WHERE id = %s",
+          (len(webhooks.SCHEDULE), delivery))
+    taken = PostgresLeases().take(webhooks.ENDPOINT_LEASE, delivery)
+    assert taken is not None and taken[0] is not None
+    started, t0 = datetime.now(timezone.utc), time.monotonic()
+    # When an operator replays it meanwhile, and then the attempt fails for good and is recorded
+    replayed_job = webhooks.replay(delivery)
+    due = webhooks._Due(delivery, len(webhooks.SCHEDULE), event, "replayed.meanwhile", {}, started)
+    made = webhooks._attempt(due, started, t0, webhooks.Outcome("http", 500, body="down"))
+    assert made.state == "failed"
+    webhooks._settle(SimpleNamespace(message_id=first_job, options={}), endpoint, str(taken[0]), made)
+    # Then the attempt is on record, and the replay stands: pending, due now, for its own job
+    assert query(database_url, "SELECT state, next_attempt_at, message_id::text, attempts"
+                               " FROM standmeet.webhook_deliveries WHERE id = %s",
+                 (delivery,)) == [("pending", None, replayed_job, len(webhooks.SCHEDULE) + 1)]
