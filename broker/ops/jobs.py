@@ -284,6 +284,10 @@ class RetryOutcome(_Row):
     skipped_unique: int = 0             # unique jobs left alone: a live message holds their key
 
 
+#: How often a retry is judged again when a send of a unique key it retries commits meanwhile.
+RETRY_TRIES = 3
+
+
 def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[str] | None = None,
                        state: str | None = None, queue: str | None = None, actor: str | None = None,
                        since: datetime | str | None = None, search: str | None = None,
@@ -303,10 +307,20 @@ def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[s
         raise OpsError(f"only rejected or cancelled jobs can be retried, not {state!r} ones")
     if include_cancelled is None:
         include_cancelled = state == "cancelled" or (message_ids is not None and state is None)
-    params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
-                         message_ids=message_ids, error=error)
-    with conn.transaction():
-        row = conn.execute(RETRY_JOBS, {**params, "by": _by(by), "include_cancelled": include_cancelled}).fetchone()
+    params = {**job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
+                            message_ids=message_ids, error=error),
+              "by": _by(by), "include_cancelled": include_cancelled}
+    for tries_left in range(RETRY_TRIES - 1, -1, -1):
+        try:
+            with conn.transaction():
+                row = conn.execute(RETRY_JOBS, params).fetchone()
+            break
+        except psycopg.errors.UniqueViolation as exc:
+            # A send of one of their unique keys committed while the statement ran (its
+            # check read the key free): judged again, that job is left alone and counted.
+            if not tries_left:
+                raise OpsError("jobs of a unique key kept being sent while retrying: "
+                               + (str(exc).strip().splitlines() or [type(exc).__name__])[0]) from exc
     if row is None:
         return RetryOutcome(0, 0, [])
     return RetryOutcome(int(row[0]), int(row[1]), [str(i) for i in row[2]], int(row[4]))

@@ -280,3 +280,37 @@ def test_skipped_sends_show_in_status_json_and_on_the_dashboards_overview(broker
     shown = {u["actor"]: u for u in json.loads(done.stdout)["unique_skips"]}
     assert shown["test.unique"]["skipped"] == skipped >= 2 and shown["test.unique"]["queue"] == "index"
     assert re.search(rf"<td>test.unique</td><td>index</td><td class=\"n\">{skipped}</td>", page), page
+
+
+def test_a_retry_of_a_unique_job_whose_key_a_send_takes_meanwhile_leaves_it_and_says_so(broker, database_url):
+    import threading
+
+    from broker import ops
+
+    # Given a unique job rejected by an operator's cancel, and a send of its key in a
+    # transaction still open
+    first = unique_jobs.unique.send("retry-raced")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert ops.cancel_jobs(conn, message_ids=[first.message_id], by="test") == 1
+    with psycopg.connect(database_url) as sending:
+        live = enqueue(sending, "test.unique", "retry-raced")
+        # When the operator retries the job meanwhile, and the send then commits
+        outcomes: list[ops.RetryOutcome] = []
+
+        def retry() -> None:
+            with psycopg.connect(database_url, autocommit=True) as conn:
+                outcomes.append(ops.retry_jobs_outcome(conn, message_ids=[first.message_id], by="test"))
+
+        retrying = threading.Thread(target=retry, name="test-retry")
+        retrying.start()
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                              " AND wait_event_type = 'Lock'") >= 1 or not retrying.is_alive(),
+                 timeout_s=10, what="the retry waiting for the send")
+        sending.commit()
+    retrying.join(timeout=10)
+    assert not retrying.is_alive()
+    # Then the retry ends without an error: the job stays rejected, said, and the sent one is live
+    [outcome] = outcomes
+    assert (outcome.retried, outcome.skipped_unique) == (0, 1)
+    assert _rows(database_url, "test.unique", "retry-raced") == [(first.message_id, "rejected"),
+                                                                   (live.message_id, "queued")]
