@@ -187,6 +187,14 @@ SET error = %(error)s, relayed_at = NULL, relay_txid = NULL, relayed_by = NULL, 
 WHERE id = %(id)s
 """
 
+#: An event Postgres refused in a pass of its own (rolled back: it is pending again), set
+#: aside with the reason, unless another relay took it meanwhile (it is then relayed, or
+#: claimed by that relay: no longer this one's to judge).
+RELAY_SET_ASIDE = """
+UPDATE standmeet.outbox SET error = %(error)s
+WHERE id = %(id)s AND relayed_at IS NULL AND error IS NULL
+"""
+
 #: An event claimed by a pass that could not route it after all: pending again, no
 #: error recorded, for a process that routes it.
 RELAY_GIVE_BACK = """
@@ -522,7 +530,8 @@ class Relay:
                         return False
                     reason = f"{type(refused).__name__}: {_first_line(refused)}"
                     logger.error("outbox event %s cannot be relayed: %s", taken[0], reason)
-                    conn.execute(RELAY_FAIL_EVENT, {"id": taken[0], "error": reason})
+                    if conn.execute(RELAY_SET_ASIDE, {"id": taken[0], "error": reason}).rowcount == 0:
+                        logger.info("outbox event %s was relayed by another relay meanwhile: not set aside", taken[0])
                     return True
                 if result.claimed == 0:
                     return False

@@ -486,3 +486,42 @@ def test_a_relay_draining_a_long_backlog_proves_itself_alive_between_passes(
         relay.close()
     # Then it beat between its passes (four full ones), not only before the drain
     assert len(beats) == 4
+
+
+def test_an_event_another_relay_relayed_while_this_one_looked_for_the_refused_one_is_not_failed(
+        broker, database_url, clean, conn, monkeypatch):
+    # Given an event this relay's pass cannot write (Postgres refuses the data it was given) ...
+    with conn.transaction():
+        event = emit(conn, "test.ping", {"label": "relayed-elsewhere"})
+    relay_rows, relay_pass = outbox._relay_rows, outbox.relay_once
+    other = psycopg.connect(database_url, autocommit=True)
+    elsewhere: list[Any] = []
+
+    def refused(conn: Any, state: Any, rows: Any) -> None:
+        raise psycopg.errors.DataError("refused in this process")
+
+    def this_relays_pass(conn: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(outbox, "_relay_rows", refused)
+        try:
+            return relay_pass(conn, **kwargs)
+        except psycopg.errors.DataError:
+            # ... and another relay (another process, another release) relays it between
+            # this relay's refused pass and its setting the event aside
+            monkeypatch.setattr(outbox, "_relay_rows", relay_rows)
+            elsewhere.append(relay_pass(other, topics=["test.ping"]))
+            raise
+        finally:
+            monkeypatch.setattr(outbox, "_relay_rows", relay_rows)
+
+    monkeypatch.setattr(outbox, "relay_once", this_relays_pass)
+    relay = Relay(database_url, topics=["test.ping"])
+    try:
+        # When this relay looks for the event Postgres refused, to set it aside
+        relay._set_aside_refused_event(psycopg.errors.DataError("refused"))
+    finally:
+        relay.close()
+        other.close()
+    # Then the event stays relayed, with no error: its message was written, once
+    assert [r.claimed for r in elsewhere] == [1]
+    relayed, error, _ = _event(database_url, event)
+    assert relayed and error is None
