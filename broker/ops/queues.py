@@ -32,7 +32,9 @@ QUEUE_HAS_JOBS = "SELECT EXISTS (SELECT 1 FROM dramatiq.queue WHERE queue_name =
 def pause_queue(conn: psycopg.Connection[Any], name: str, *, by: str) -> bool:
     """Stop every process claiming from ``name``; False when it was paused already.
 
-    Jobs already running finish; nothing more starts until :func:`resume_queue`.
+    Jobs already running finish; nothing more is claimed until :func:`resume_queue`.
+    What a process had prefetched before the pause (a few, at most what its jobs finish
+    in about 50 ms) still starts as its slots free.
     """
     with conn.transaction():
         row = conn.execute(PAUSE_QUEUE, {"queue": _queue_name(name), "by": _by(by)}).fetchone()
