@@ -278,6 +278,8 @@ class Child:
     restart_at: float | None = None
     #: the waits before its restarts (reset once it ran :data:`RESTART_RESET_AFTER_S`)
     backoff: Backoff = field(default_factory=restart_backoff)
+    #: its running process is a restart: an earlier one accepted the configuration
+    restarted: bool = False
 
     @property
     def name(self) -> str:
@@ -360,7 +362,7 @@ class Supervisor:
         finally:
             os.close(write_fd)
         child.process, child.refusal_fd = process, read_fd
-        child.started_at, child.restart_at = time.monotonic(), None
+        child.started_at, child.restart_at, child.restarted = time.monotonic(), None, restarted
         if restarted:
             self.restarted += 1
         else:
@@ -374,18 +376,24 @@ class Supervisor:
             if process is not None and process.poll() is not None:
                 _child_exited(process.pid, self.env)
                 ran = now - child.started_at
+                how = f"exited with {process.returncode}"
                 if process.returncode == CONFIG_REFUSED_EXIT:
                     reason = child.read_refusal() or "(it gave no reason)"
-                    child.forget_process()
-                    self.refusal = f"pid {process.pid} ({child.name}) refused its configuration: {reason}"
-                    logger.error("%s; stopping the others", self.refusal)
-                    return
+                    if not child.restarted:
+                        child.forget_process()
+                        self.refusal = f"pid {process.pid} ({child.name}) refused its configuration: {reason}"
+                        logger.error("%s; stopping the others", self.refusal)
+                        return
+                    # A restart refusing what its first start accepted (a module that
+                    # failed at import, a server briefly short of room): passing, not a
+                    # configuration to fix; restarted with back-off like a crash.
+                    how = f"refused to start again ({reason})"
                 child.forget_process()
                 if ran > RESTART_RESET_AFTER_S:
                     child.backoff.reset()
                 wait_s = child.backoff.next_s()
-                logger.error("pid %d (%s) exited with %s after %.1f s; restarting it in %.2f s",
-                             process.pid, child.name, process.returncode, ran, wait_s)
+                logger.error("pid %d (%s) %s after %.1f s; restarting it in %.2f s",
+                             process.pid, child.name, how, ran, wait_s)
                 child.restart_at = now + wait_s
             if child.restart_at is not None and now >= child.restart_at and not self.signals.stopping:
                 self._start(child, restarted=True)

@@ -349,3 +349,44 @@ def test_an_exception_in_the_supervisor_stops_its_children(monkeypatch):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+#: A module that fails at import while the file its environment names exists (a service
+#: it reads at import briefly unreachable).
+FLAKY_AT_IMPORT = '''
+import os
+
+import actors  # noqa: F401  (configures the broker)
+
+if os.path.exists(os.environ["FLAKY_FLAG"]):
+    raise ConnectionError("a service it reads at import was briefly unreachable")
+'''
+
+
+def test_a_restart_that_fails_at_import_is_restarted_again_and_the_fleet_goes_on(database_url, env, tmp_path):
+    # Given `run` whose worker started with a module that fails at import while a flag exists
+    (tmp_path / "flaky_at_import.py").write_text(FLAKY_AT_IMPORT)
+    flag = tmp_path / "unreachable"
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}", "FLAKY_FLAG": str(flag)}
+    cmd = [sys.executable, "-m", "broker.cli", "run", "tests.support.jobs", "flaky_at_import", "--queues", "fetch",
+           "--worker-shutdown-timeout", str(SHUTDOWN_MS), "--no-scheduler"]
+    log = tmp_path / "run.log"
+    with supervised(cmd, env, log=log) as run:
+        [first] = wait_for(lambda: child_pids(run.pid), timeout_s=30, what="the worker")
+        # When the worker crashes while that import fails, so that its restart fails at import
+        flag.write_text("")
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: "refused to start again (cannot load module 'flaky_at_import'" in log.read_text(),
+                 timeout_s=30, what="the restart failing at import")
+        # and the import then works again
+        flag.unlink()
+        # Then `run` restarts it once more instead of stopping, and stops cleanly when told
+        wait_for(lambda: log.read_text().count("restarted pid") >= 2, timeout_s=30, what="another restart")
+        assert run.poll() is None, log.read_text()
+        os.kill(run.pid, signal.SIGTERM)
+        code = run.wait(timeout=30)
+        members = session_members(run.pid)
+    text = log.read_text()
+    assert code == 0, text
+    assert "stopping the others" not in text, text
+    assert members == [], text
