@@ -349,6 +349,8 @@ class Supervisor:
                 self.signals.on_force = None
         if self.refusal is not None:
             return CONFIG_REFUSED_EXIT
+        if self.killed:  # a process did not stop within the shutdown timeout: not a clean stop
+            return 1
         return self.signals.exit_status
 
     def _start(self, child: Child, *, restarted: bool) -> None:

@@ -390,3 +390,36 @@ def test_a_restart_that_fails_at_import_is_restarted_again_and_the_fleet_goes_on
     assert code == 0, text
     assert "stopping the others" not in text, text
     assert members == [], text
+
+
+#: A module whose supervised processes cannot exit (a thread of its own that never ends).
+NEVER_EXITS = '''
+import sys
+import threading
+import time
+
+import actors  # noqa: F401  (configures the broker)
+
+if "--supervised-by" in sys.argv:
+    threading.Thread(target=time.sleep, args=(3600,), name="never-ends", daemon=False).start()
+'''
+
+
+def test_run_that_had_to_kill_a_process_after_the_shutdown_timeout_does_not_exit_0(database_url, env, tmp_path):
+    # Given `run` whose worker cannot exit when stopped
+    (tmp_path / "never_exits.py").write_text(NEVER_EXITS)
+    env = {**env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"}
+    cmd = [sys.executable, "-m", "broker.cli", "run", "tests.support.jobs", "never_exits", "--queues", "fetch",
+           "--worker-shutdown-timeout", str(SHUTDOWN_MS), "--no-scheduler"]
+    log = tmp_path / "run.log"
+    with supervised(cmd, env, log=log) as run:
+        wait_for(lambda: child_pids(run.pid), timeout_s=30, what="the worker")
+        # When it is stopped
+        os.kill(run.pid, signal.SIGTERM)
+        code = run.wait(timeout=STOP_BOUND_S + 10)
+        members = session_members(run.pid)
+    text = log.read_text()
+    # Then the worker is killed after the shutdown timeout, and the exit status says so
+    assert "1 process(es) killed after the shutdown timeout" in text, text
+    assert code == 1, text
+    assert members == [], text
