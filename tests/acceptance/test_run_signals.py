@@ -21,7 +21,7 @@ from broker.settings import replace
 from tests.acceptance.test_run_supervisor import session_members, supervised
 from tests.support.db import query, wait_for
 from tests.support.http import http_server
-from tests.support.procs import child_pids
+from tests.support.procs import supervised_pids
 
 RUN = [sys.executable, "-m", "broker.cli", "run", "--no-scheduler", "--queues", "webhook",
        "--worker-shutdown-timeout", "15000"]
@@ -100,9 +100,9 @@ def test_a_deliberate_second_ctrl_c_forces_the_exit_says_so_and_fails(database_u
 def test_run_restarts_a_crashed_worker_with_back_off(database_url, run_env, tmp_path):
     log = tmp_path / "run.log"
     with supervised(RUN, run_env, log=log) as run:
-        first = wait_for(lambda: child_pids(run.pid), timeout_s=30, what="the worker process")
+        first = wait_for(lambda: supervised_pids(log.read_text()), timeout_s=30, what="the worker process")
         os.kill(first[0], signal.SIGKILL)
-        replaced = wait_for(lambda: [p for p in child_pids(run.pid) if p not in first], timeout_s=30,
+        replaced = wait_for(lambda: [p for p in supervised_pids(log.read_text()) if p not in first], timeout_s=30,
                             what="a new worker process")
         wait_for(lambda: "restarted pid" in log.read_text(), timeout_s=10, what="the restart to be logged")
         os.killpg(run.pid, signal.SIGTERM)

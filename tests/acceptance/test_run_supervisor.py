@@ -25,7 +25,7 @@ from broker.exits import CONFIG_REFUSED_EXIT
 from broker.pg.migrate import MIGRATION_LOCK_KEY
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP
-from tests.support.procs import ROOT, child_pids, running, worker_cmd
+from tests.support.procs import ROOT, running, supervised_pids, worker_cmd
 
 #: The worker shutdown timeout of these tests, and how long `run` may take to stop all
 #: of its children after a signal: that timeout, the documented grace, and room for a
@@ -98,8 +98,6 @@ def session_members(session: int) -> list[int]:
     return [pid for pid in map(int, out.split()) if alive(pid)]
 
 
-def started_pids(text: str) -> list[int]:
-    return [int(line.split("started pid ")[1].split(":")[0]) for line in text.splitlines() if "started pid " in line]
 
 
 def _started(url: str, label: str) -> int:
@@ -114,8 +112,8 @@ def test_children_die_with_a_sigkilled_run_and_its_running_job_runs_again(
     job = SLEEP["fetch"].send(60_000, "orphaned")
     try:
         with supervised(RUN, env, log=log) as run:
-            children = wait_for(lambda: len(child_pids(run.pid)) == 2 and child_pids(run.pid), timeout_s=30,
-                                what="the worker and the scheduler")
+            children = wait_for(lambda: len(supervised_pids(log.read_text())) == 2 and supervised_pids(log.read_text()),
+                                timeout_s=30, what="the worker and the scheduler")
             wait_for(lambda: _started(database_url, "orphaned") == 1, timeout_s=30, what="the job to start")
             # When `run` is SIGKILLed (no chance to stop anything itself)
             killed = time.monotonic()
@@ -156,7 +154,7 @@ def test_a_signal_before_any_child_starts_starts_none(database_url, env, tmp_pat
     text = log.read_text()
     assert code == 0, text
     assert "stopping: SIGTERM came before any process started" in text
-    assert started_pids(text) == [] and members == [], text
+    assert supervised_pids(text) == [] and members == [], text
 
 
 def _restart_wait_s(text: str, pid: int) -> float:
@@ -173,7 +171,7 @@ def test_a_signal_during_a_restart_back_off_restarts_nothing_and_stops_at_once(d
     waits: list[float] = []
     with supervised([*RUN, "--no-scheduler"], env, log=log) as run:
         for step_s in (1.0, 2.0):
-            pid = wait_for(lambda: [p for p in child_pids(run.pid) if p not in killed], timeout_s=30,
+            pid = wait_for(lambda: [p for p in supervised_pids(log.read_text()) if p not in killed], timeout_s=30,
                            what="a new worker process")[0]
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -255,7 +253,7 @@ def test_a_signal_right_after_the_start_stops_every_child_within_the_shutdown_ti
     # Given `run` starting two workers and the scheduler
     log = tmp_path / "run.log"
     with supervised([*RUN, "--processes", "2"], env, log=log) as run:
-        wait_for(lambda: started_pids(log.read_text()), timeout_s=30, what="the first child")
+        wait_for(lambda: supervised_pids(log.read_text()), timeout_s=30, what="the first child")
         # When SIGTERM comes as soon as the first child is started
         sent = time.monotonic()
         os.kill(run.pid, signal.SIGTERM)
@@ -267,7 +265,7 @@ def test_a_signal_right_after_the_start_stops_every_child_within_the_shutdown_ti
     assert code == 0, text
     assert took < STOP_BOUND_S, (took, text)
     assert members == [], text
-    assert 1 <= len(started_pids(text)) <= 3 and "restarted pid" not in text, text
+    assert 1 <= len(supervised_pids(text)) <= 3 and "restarted pid" not in text, text
 
 
 def test_a_child_refusing_its_configuration_stops_run_with_its_reason(database_url, env, tmp_path):
@@ -287,7 +285,7 @@ def test_a_child_refusing_its_configuration_stops_run_with_its_reason(database_u
     last = text.strip().splitlines()[-1]
     assert last.startswith("standmeet-jobs: pid ") and "(-m broker.worker) refused its configuration: " \
         "refusing to start: STANDMEET_EXAMPLE is wrong for this worker" in last, text
-    assert len(started_pids(text)) == 2 and "restarted pid" not in text and "Traceback" not in text, text
+    assert len(supervised_pids(text)) == 2 and "restarted pid" not in text and "Traceback" not in text, text
     assert members == [], text
 
 
@@ -316,7 +314,7 @@ def test_run_refuses_a_module_that_cannot_load_before_starting_anything(subproce
     text = log.read_text()
     assert code == CONFIG_REFUSED_EXIT, text
     assert "standmeet-jobs: cannot load module 'no_module_by_that_name'" in text and "Traceback" not in text, text
-    assert started_pids(text) == [] and members == [], text
+    assert supervised_pids(text) == [] and members == [], text
 
 
 def test_an_exception_in_the_supervisor_stops_its_children(monkeypatch):
@@ -372,7 +370,8 @@ def test_a_restart_that_fails_at_import_is_restarted_again_and_the_fleet_goes_on
            "--worker-shutdown-timeout", str(SHUTDOWN_MS), "--no-scheduler"]
     log = tmp_path / "run.log"
     with supervised(cmd, env, log=log) as run:
-        [first] = wait_for(lambda: child_pids(run.pid), timeout_s=30, what="the worker")
+        wait_for(lambda: "worker ready: " in log.read_text(), timeout_s=30, what="the worker ready")
+        [first] = supervised_pids(log.read_text())
         # When the worker crashes while that import fails, so that its restart fails at import
         flag.write_text("")
         os.kill(first, signal.SIGKILL)
@@ -413,7 +412,7 @@ def test_run_that_had_to_kill_a_process_after_the_shutdown_timeout_does_not_exit
            "--worker-shutdown-timeout", str(SHUTDOWN_MS), "--no-scheduler"]
     log = tmp_path / "run.log"
     with supervised(cmd, env, log=log) as run:
-        wait_for(lambda: child_pids(run.pid), timeout_s=30, what="the worker")
+        wait_for(lambda: "worker ready: " in log.read_text(), timeout_s=30, what="the worker ready")
         # When it is stopped
         os.kill(run.pid, signal.SIGTERM)
         code = run.wait(timeout=STOP_BOUND_S + 10)
