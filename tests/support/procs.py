@@ -40,15 +40,6 @@ def running(cmd: list[str], env: dict[str, str], *, log: Path) -> Iterator[subpr
 def supervised_pids(log_text: str) -> list[int]:
     """The processes `run` says it started or restarted, in order: its children, and none
     of the short-lived ones a process forks on its own (a helper a library runs at start,
-    which :func:`child_pids` may list for a moment)."""
+    which a list of its child processes may show for a moment)."""
     return [int(line.split("started pid ")[1].split(":")[0]) for line in log_text.splitlines()
             if "started pid " in line]
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Dramatiq's worker processes under its main process)."""
-    try:
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        return []
-    return [int(p) for p in out.split()]
