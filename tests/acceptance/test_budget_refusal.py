@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from broker.exits import CONFIG_REFUSED_EXIT
-from tests.acceptance.test_run_supervisor import session_members, started_pids, supervised
+from tests.acceptance.test_run_supervisor import session_members, supervised
 from tests.support.db import wait_for
-from tests.support.procs import ROOT, dramatiq_cmd
+from tests.support.procs import ROOT, dramatiq_cmd, supervised_pids
 
 OVER_BUDGET = {"STANDMEET_QUEUE_WEBHOOK_MAX_WORKERS": "30"}
 EXPECTED_TERMS = [
@@ -74,7 +74,7 @@ def test_run_refuses_more_worker_processes_than_the_server_can_hold_and_starts_n
     for words in ("+ the scheduler ", "max_connections ", "superuser_reserved_connections ",
                   "STANDMEET_SERVER_CONNECTIONS_RESERVE 10", "held now by other clients", "Lower --processes ("):
         assert words in refusal, refusal
-    assert "Traceback" not in text and started_pids(text) == [] and members == [], text
+    assert "Traceback" not in text and supervised_pids(text) == [] and members == [], text
 
 
 def test_run_refuses_when_the_reserve_leaves_no_room_for_one_worker(subprocess_env, tmp_path):
@@ -84,7 +84,7 @@ def test_run_refuses_when_the_reserve_leaves_no_room_for_one_worker(subprocess_e
     assert code == CONFIG_REFUSED_EXIT, text
     refusal = text.strip().splitlines()[-1]
     assert "STANDMEET_SERVER_CONNECTIONS_RESERVE 100000" in refusal and "Not one worker process fits" in refusal, text
-    assert started_pids(text) == [] and members == [], text
+    assert supervised_pids(text) == [] and members == [], text
 
 
 @pytest.mark.parametrize("processes, threads", [("0", "0"), ("1", "-1")])
@@ -93,7 +93,7 @@ def test_run_refuses_nonsensical_counts_in_one_line(subprocess_env, tmp_path, pr
                                         "--threads", threads], subprocess_env, tmp_path / "run.log")
     assert code == CONFIG_REFUSED_EXIT, text
     assert text.strip().splitlines()[-1].startswith("standmeet-jobs: --"), text
-    assert started_pids(text) == [] and members == [], text
+    assert supervised_pids(text) == [] and members == [], text
 
 
 def test_check_prints_every_connection_of_a_process_and_checks_a_fleet(subprocess_env):
