@@ -134,6 +134,17 @@ def scalar(url: str, text: str, params: dict[str, Any] | Sequence[Any] | None = 
     return query(url, text, params)[0][0]
 
 
+def expired_rows_after_statistics_of_one(url: str, table: str, insert_expired: str) -> None:
+    """Nine expired rows of ``table`` (``insert_expired`` writes one, its ``%s`` a key),
+    with statistics gathered while it held a single one: the planner then joins a batch's
+    rows in a plan that reads its subquery again for each row deleted."""
+    query(url, "DELETE FROM " + table)
+    query(url, insert_expired, ("nearly-empty",))
+    query(url, "ANALYZE " + table)
+    for n in range(8):
+        query(url, insert_expired, (f"expired-{n}",))
+
+
 def eventually(check: Callable[[], T], *, timeout_s: float = 10.0, what: str = "condition") -> T:
     """Call ``check`` until it returns something truthy, or fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

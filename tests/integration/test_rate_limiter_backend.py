@@ -17,6 +17,7 @@ from tests.integration.backends_support import (
     child_report,
     children,
     eventually,
+    expired_rows_after_statistics_of_one,
     fresh_database,
     listeners,
     query,
@@ -312,14 +313,8 @@ EXPIRED_KEY = "INSERT INTO standmeet.rate_limits (key, value, expires_at) VALUES
 
 
 def test_a_prune_deletes_no_more_than_its_batch_whatever_plan_the_statistics_lead_to(db_url: str) -> None:
-    # Given statistics gathered while the table held a single expired key (the planner then
-    # joins the batch's rows in a plan that reads its subquery again for each row deleted)
-    query(db_url, "DELETE FROM standmeet.rate_limits")
-    query(db_url, EXPIRED_KEY, ("nearly-empty",))
-    query(db_url, "ANALYZE standmeet.rate_limits")
-    # and nine expired keys now
-    for n in range(8):
-        query(db_url, EXPIRED_KEY, (f"expired-{n}",))
+    # Given nine expired keys, with statistics gathered while the table held one
+    expired_rows_after_statistics_of_one(db_url, "standmeet.rate_limits", EXPIRED_KEY)
 
     # When one prune of two runs
     deleted = prune_expired_once(db_url, batch=2)

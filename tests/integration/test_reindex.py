@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from actors import corpus
 from actors.search import search_index
-from tests.support.db import query, scalar, wait_for
+from tests.support.db import lock_waits, query, scalar, wait_for
 
 
 def test_a_rebuild_cut_by_its_deadline_resumes_without_redoing_batches_and_tells_its_subscribers(
@@ -57,9 +57,7 @@ def test_two_rebuilds_starting_together_share_one_run(broker, database_url):
 
         starting = threading.Thread(target=start_second, name="test-second-rebuild")
         starting.start()
-        wait_for(lambda: not starting.is_alive() or scalar(
-            database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                          " AND wait_event_type = 'Lock' AND wait_event = 'advisory'") == 1,
+        wait_for(lambda: not starting.is_alive() or lock_waits(database_url, event="advisory") == 1,
                  timeout_s=10, what="the second rebuild opening its run, or waiting for the first")
         first.commit()
     starting.join(timeout=10)

@@ -16,7 +16,7 @@ import pytest
 
 from broker.engine import sql, sql_enqueue
 from broker.engine.codec import claim_size_params, enqueue_params
-from tests.support.db import query, wait_for
+from tests.support.db import lock_waits, query, wait_for
 from tests.support.jobs import mark
 
 DEAD_WORKER = """
@@ -318,11 +318,6 @@ def test_after_a_restart_rescue_waits_a_window_from_the_servers_start_not_from_t
 
 #: A live process's row: its heartbeat just now.
 LIVE_WORKER = "INSERT INTO standmeet.worker_processes (id, hostname, pid, queues) VALUES (%s, 'live', 2, '{index}')"
-#: A rescue pass of this database waiting for a lock.
-RESCUE_WAITING = """
-SELECT count(*) FROM pg_stat_activity
-WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%%WITH epoch AS MATERIALIZED%%'
-"""
 #: Messages other tests left waiting in the queue these tests claim from.
 DROP_WAITING = "DELETE FROM dramatiq.queue WHERE queue_name = 'index' AND state = 'queued'"
 MESSAGE_ROW = "SELECT state::text, worker_id::text, claims, crashes FROM dramatiq.queue WHERE message_id = %s"
@@ -343,7 +338,8 @@ def test_a_claim_a_live_process_made_while_rescue_judged_the_dead_ones_is_not_ta
         holding.execute("LOCK TABLE standmeet.server_epoch IN ACCESS EXCLUSIVE MODE")
         judging = threading.Thread(target=lambda: rescued.append(broker.rescue_once()), name="test-rescue")
         judging.start()
-        wait_for(lambda: query(database_url, RESCUE_WAITING) == [(1,)], timeout_s=10, what="rescue waiting")
+        wait_for(lambda: lock_waits(database_url, statement="WITH epoch AS MATERIALIZED") == 1, timeout_s=10,
+                 what="rescue waiting")
         # When, meanwhile, the silent process gives the message back and the live one claims and starts it
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(sql.REQUEUE, {"ids": [message_id], "claims": [1], "worker_id": dead})

@@ -20,6 +20,7 @@ from tests.integration.backends_support import (
     child_report,
     children,
     eventually,
+    expired_rows_after_statistics_of_one,
     fresh_database,
     listeners,
     query,
@@ -169,14 +170,8 @@ EXPIRED_RESULT = "INSERT INTO standmeet.results (message_key, value, expires_at)
 
 
 def test_a_prune_deletes_no_more_than_its_batch_whatever_plan_the_statistics_lead_to(db_url: str) -> None:
-    # Given statistics gathered while the table held a single expired row (the planner then
-    # joins the batch's rows in a plan that reads its subquery again for each row deleted)
-    query(db_url, "DELETE FROM standmeet.results")
-    query(db_url, EXPIRED_RESULT, ("nearly-empty",))
-    query(db_url, "ANALYZE standmeet.results")
-    # and nine expired results now
-    for n in range(8):
-        query(db_url, EXPIRED_RESULT, (f"expired-{n}",))
+    # Given nine expired results, with statistics gathered while the table held one
+    expired_rows_after_statistics_of_one(db_url, "standmeet.results", EXPIRED_RESULT)
 
     # When one prune of two runs
     deleted = prune_expired_once(db_url, batch=2)

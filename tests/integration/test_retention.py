@@ -10,7 +10,7 @@ import psycopg
 from broker.engine import sql, sql_enqueue
 from broker.engine.codec import enqueue_params
 from broker.settings import replace
-from tests.support.db import query, wait_for
+from tests.support.db import lock_waits, query, wait_for
 from tests.support.jobs import mark
 
 
@@ -88,13 +88,6 @@ def test_relays_gone_for_a_day_are_forgotten_unless_an_old_event_may_still_wait_
     assert left == {relays["now"]}
 
 
-#: Backends of this database waiting for a row lock in the prune of finished messages.
-PRUNE_WAITING = """
-SELECT count(*) FROM pg_stat_activity
-WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%%DELETE FROM dramatiq.queue%%'
-"""
-
-
 def test_a_job_an_operator_retries_while_the_prune_reads_it_is_kept(broker, database_url):
     # Given a message rejected long ago
     message = mark.message("retried-while-pruned")
@@ -116,7 +109,7 @@ def test_a_job_an_operator_retries_while_the_prune_reads_it_is_kept(broker, data
 
         pruning = threading.Thread(target=prune, name="test-prune")
         pruning.start()
-        wait_for(lambda: query(database_url, PRUNE_WAITING) == [(1,)], timeout_s=10,
+        wait_for(lambda: lock_waits(database_url, statement="DELETE FROM dramatiq.queue") == 1, timeout_s=10,
                  what="the prune waiting for the retried row")
         retrying.commit()
     pruning.join(timeout=10)

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 from broker import ConfigError, UniqueBy, enqueue, enqueue_many, outbox
 from broker.errors import InvalidMessage
 from tests.support import unique_jobs
-from tests.support.db import query, scalar, wait_for
+from tests.support.db import lock_waits, query, scalar, wait_for
 
 LIVE = """
 SELECT message_id::text, state::text FROM dramatiq.queue
@@ -303,8 +303,7 @@ def test_a_retry_of_a_unique_job_whose_key_a_send_takes_meanwhile_leaves_it_and_
 
         retrying = threading.Thread(target=retry, name="test-retry")
         retrying.start()
-        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                                              " AND wait_event_type = 'Lock'") >= 1 or not retrying.is_alive(),
+        wait_for(lambda: lock_waits(database_url) >= 1 or not retrying.is_alive(),
                  timeout_s=10, what="the retry waiting for the send")
         sending.commit()
     retrying.join(timeout=10)

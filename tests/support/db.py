@@ -101,6 +101,23 @@ def scalar(url: str, text: str, params: Any = None) -> Any:
     return rows[0][0] if rows else None
 
 
+#: Sessions of this database waiting for a lock, in a statement containing ``%(like)s``
+#: (None: any), of the ``%(event)s`` kind (None: any).
+LOCK_WAITS = """
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND wait_event_type = 'Lock'
+  AND (%(like)s::text IS NULL OR strpos(query, %(like)s::text) > 0)
+  AND (%(event)s::text IS NULL OR wait_event = %(event)s::text)
+"""
+
+
+def lock_waits(url: str, *, statement: str | None = None, event: str | None = None) -> int:
+    """How many sessions of this database wait for a lock (in a statement containing
+    ``statement``; of the ``event`` kind, e.g. ``advisory``): what a test of two
+    transactions waits for before it lets the first one go."""
+    return int(scalar(url, LOCK_WAITS, {"like": statement, "event": event}))
+
+
 def wait_for(
     condition: Callable[[], Any], *, timeout_s: float, interval_s: float = 0.02, what: str = "condition"
 ) -> Any:
