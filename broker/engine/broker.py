@@ -497,8 +497,9 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         claim on its way is waited for (up to its window), so that what it brings back is
         given back too, by this or by its consumer, never started."""
         self.claiming = False
+        deadline = time.monotonic() + sql.CLAIM_WITHIN_S  # one window for every queue's claim, not one each
         for state in self.queue_states.values():
-            waited = state.claim_lock.acquire(timeout=sql.CLAIM_WITHIN_S)
+            waited = state.claim_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
             try:
                 self.give_back_buffered(state)
             finally:
