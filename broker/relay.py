@@ -18,6 +18,7 @@ import sys
 from broker import detach
 from broker.boot import DEFAULT_APP_MODULES, OneLineParser, boot, bounded_int
 from broker.exits import CONFIG_REFUSED_EXIT
+from broker.observability.stacks import dump_stacks_on_request
 from broker.outbox import Relay
 
 #: The most rows one pass may take (``--batch``).
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows per pass (default: STANDMEET_RELAY_BATCH)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dump_stacks_on_request()
 
     from broker.errors import StandmeetError
 

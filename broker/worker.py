@@ -130,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log_format = (os.environ.get("STANDMEET_LOG_FORMAT") or "text").strip().lower()
     configure_logging("json" if log_format == "json" else "text")
+    from broker.observability.stacks import dump_stacks_on_request
+
+    dump_stacks_on_request()
 
     stop = threading.Event()
     closed = threading.Event()

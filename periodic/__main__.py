@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    from broker.observability.stacks import dump_stacks_on_request
     from periodic import (
         ClockWatch,
         periodic_jobs,
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         configure_logging(settings.log_format)
+        dump_stacks_on_request()
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
         broker = boot(args.modules, settings=settings)
         # The budget of the queues a worker of these modules serves: the one `run` checks.

@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from broker.observability.logs import configure_logging
 
     configure_logging(args.log_format or _env_log_format(), level=logging.DEBUG if args.verbose else logging.INFO)
+    from broker.observability.stacks import dump_stacks_on_request
+
+    dump_stacks_on_request()  # `run`, the dashboard, a long `migrate`: where each thread waits
     if not hasattr(args, "func"):
         parser.print_help()
         return 2

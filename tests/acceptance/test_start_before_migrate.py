@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import db as testdb
 from tests.support.db import scalar, wait_for
-from tests.support.procs import ROOT, running, worker_cmd
+from tests.support.procs import ROOT, exit_status, running, worker_cmd
 
 MIGRATE = [sys.executable, "-m", "broker.cli", "migrate"]
 SCHEDULER = [sys.executable, "-m", "periodic"]
@@ -64,7 +64,8 @@ def test_processes_started_before_migrate_wait_for_it_then_start(new_database, s
                  what="the relay registered")
         for proc in (worker, scheduler, relay):
             proc.send_signal(signal.SIGTERM)
-        codes = [proc.wait(timeout=60) for proc in (worker, scheduler, relay)]
+        codes = [exit_status(proc, logs[name], timeout_s=60)
+                 for name, proc in (("worker", worker), ("scheduler", scheduler), ("relay", relay))]
     texts = {name: log.read_text() for name, log in logs.items()}
     assert codes == [0, 0, 0], texts
     for text in texts.values():

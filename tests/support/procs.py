@@ -43,3 +43,27 @@ def supervised_pids(log_text: str) -> list[int]:
     which a list of its child processes may show for a moment)."""
     return [int(line.split("started pid ")[1].split(":")[0]) for line in log_text.splitlines()
             if "started pid " in line]
+
+
+#: What the interpreter writes at the head of each thread's stack (``faulthandler``).
+STACK_HEAD = "(most recent call first):"
+
+
+def exit_status(proc: subprocess.Popen[bytes], log: Path, *, timeout_s: float) -> int:
+    """``proc``'s exit status once it exits, within ``timeout_s``. One that does not exit
+    fails the test with its log, and with where each of its threads was: asked with
+    :data:`broker.observability.stacks.STACKS_SIGNAL`, as an operator would."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    from broker.observability.stacks import STACKS_SIGNAL
+    from tests.support.db import wait_for
+
+    proc.send_signal(STACKS_SIGNAL)
+    try:
+        wait_for(lambda: STACK_HEAD in log.read_text(errors="replace"), timeout_s=10, what="the stacks written")
+    except AssertionError:
+        pass  # the log says what it says
+    raise AssertionError(f"pid {proc.pid} ({' '.join(proc.args[1:4])}) did not exit within {timeout_s} s; "
+                         f"its log, with its threads' stacks:\n{log.read_text(errors='replace')[-30_000:]}")
