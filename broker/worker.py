@@ -43,6 +43,7 @@ from broker.boot import (
     refuse,
     supervisor_gone,
 )
+from broker.exits import FORCE_AFTER_S
 from broker.running import SHUTDOWN_MS_ATTRIBUTE, running_jobs
 
 # Only what ``--help`` needs is imported here: Dramatiq, psycopg and the application are
@@ -54,8 +55,6 @@ logger = logging.getLogger("standmeet.worker")
 
 #: How often idle worker threads look for a shutdown (Dramatiq's default is 1 s).
 WORKER_POLL_MS = 100
-#: A second Ctrl-C forces the exit only this long after the first signal.
-FORCE_AFTER_S = 1.0
 #: The most threads one worker process may be given (``--threads``).
 THREADS_MOST = 10_000
 #: The longest ``--worker-shutdown-timeout``: a day, as STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S allows.

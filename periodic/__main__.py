@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ from broker.boot import (
     supervisor_gone,
 )
 from broker.errors import ConfigError, ModuleNotLoaded, StandmeetError
+from broker.exits import FORCE_AFTER_S
 from broker.observability.logs import configure_logging
 from broker.pg.budget import (
     SCHEDULER_TICK_THREADS,
@@ -69,8 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     if supervisor_gone("periodic", args):
         return 1
     stop = threading.Event()
+    first_signal_at: list[float] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not first_signal_at:
+            first_signal_at.append(time.monotonic())
+            stop.set()
+            return
+        if signum == signal.SIGINT and time.monotonic() - first_signal_at[0] > FORCE_AFTER_S:
+            forced_exit()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     from broker.observability.stacks import dump_stacks_on_request
     from periodic import (
         ClockWatch,
@@ -140,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.shutdown(wait=True)
     broker.close()
     return 0
+
+
+def forced_exit() -> None:
+    """A deliberate second Ctrl-C (``run`` forwards one as SIGINT): exit now, status 1. A
+    tick waiting on the database is cut off with its transaction, which rolls back: nothing
+    is half-written, and its period is enqueued once by another scheduler, or by this one
+    restarted within the period. A relay pass under way (one transaction) rolls back too:
+    its events stay pending for the next relay."""
+    logger.warning("second Ctrl-C: exiting now; a tick under way is rolled back (nothing half-written)")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _publish(publish: Callable[[Any], None], jobs: Any, *, said: bool) -> bool:

@@ -32,15 +32,13 @@ from typing import TYPE_CHECKING, Any
 from broker.backoff import Backoff
 from broker.boot import app_modules, load_modules
 from broker.cli.common import check_counts, logger, say, threads_per_worker
-from broker.exits import CONFIG_REFUSED_EXIT
+from broker.exits import CONFIG_REFUSED_EXIT, FORCE_AFTER_S
 
 if TYPE_CHECKING:
     from broker.settings import Settings
 
 #: Grace given to child processes beyond the worker shutdown timeout before SIGKILL.
 CHILD_EXIT_GRACE_S = 5.0
-#: A second Ctrl-C forces the exit only this long after the first signal.
-FORCE_AFTER_S = 1.0
 #: A crashed child is restarted after a back-off whose step doubles (reset once it ran a
 #: while); each wait is jittered into [half, full] of the step.
 RESTART_MIN_BACKOFF_S = 1.0
