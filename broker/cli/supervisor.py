@@ -376,7 +376,7 @@ class Supervisor:
             if process is not None and process.poll() is not None:
                 _child_exited(process.pid, self.env)
                 ran = now - child.started_at
-                how = f"exited with {process.returncode}"
+                how = exit_description(process.returncode)
                 if process.returncode == CONFIG_REFUSED_EXIT:
                     reason = child.read_refusal() or "(it gave no reason)"
                     if not child.restarted:
@@ -419,11 +419,33 @@ class Supervisor:
                 logger.error("pid %d did not stop in time; killing it", process.pid)
                 self.killed += 1
                 _send(process, signal.SIGKILL)
-        for process in processes:
+        for child in self.children:
+            process = child.process
+            if process is None:
+                continue
             process.wait()
             _child_exited(process.pid, self.env)
+            how = exit_description(process.returncode)
+            if process not in alive:  # it ended on its own, unseen before the stop: not restarted
+                logger.error("pid %d (%s) %s before the stop; not restarted", process.pid, child.name, how)
+            elif process.returncode == 0:
+                logger.info("pid %d (%s) stopped", process.pid, child.name)
+            else:
+                logger.warning("pid %d (%s) %s as it stopped", process.pid, child.name, how)
         for child in self.children:
             child.forget_process()
+
+
+def exit_description(returncode: int) -> str:
+    """How a child ended, for a log line: ``exited with 1``; ``exited with -9 (killed by
+    SIGKILL)`` for a signal (the negative number is what ``subprocess`` reports)."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"exited with {returncode} (killed by {name})"
 
 
 def _send(process: subprocess.Popen[bytes], signum: int) -> None:

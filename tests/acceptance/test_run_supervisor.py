@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from broker.backoff import Backoff
-from broker.cli.supervisor import CHILD_EXIT_GRACE_S, Signals, Supervisor
+from broker.cli.supervisor import CHILD_EXIT_GRACE_S, Child, Signals, Supervisor
 from broker.exits import CONFIG_REFUSED_EXIT
 from broker.pg.migrate import MIGRATION_LOCK_KEY
 from tests.support.db import query, scalar, wait_for
@@ -347,6 +347,56 @@ def test_an_exception_in_the_supervisor_stops_its_children(monkeypatch):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+#: A child that exits with the status it is given on SIGTERM.
+EXITS_ON_SIGTERM = ("import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(sys.argv[1])))\n"
+                    "time.sleep(60)\n")
+
+
+def test_the_stop_says_how_each_child_ended_a_crash_just_before_it_included(caplog):
+    # Given a supervisor of three children: one that stops cleanly, one that exits 3 on
+    # SIGTERM, and one that crashed (SIGKILL) an instant before the stop, unseen by a look
+    up = [sys.executable, "-c", EXITS_ON_SIGTERM]
+    supervisor = Supervisor([[*up, "0"], [*up, "3"], [*up, "0"]], env=dict(os.environ), shutdown_s=10,
+                            signals=Signals())
+    supervisor.children = [Child(command) for command in supervisor.commands]
+    caplog.set_level(logging.INFO, logger="standmeet")
+    try:
+        for child in supervisor.children:
+            supervisor._start(child, restarted=False)
+        clean, failing, crashed = (child.process for child in supervisor.children)
+        assert clean is not None and failing is not None and crashed is not None
+        wait_for(lambda: all(_sigterm_handled(p.pid) for p in (clean, failing)), timeout_s=30,
+                 what="the children to handle SIGTERM")
+        crashed.kill()
+        crashed.wait(timeout=10)
+        # When it stops them
+        supervisor._stop_children()
+    finally:
+        for child in supervisor.children:
+            if child.process is not None and child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+    # Then each one's end is said, in words for a signal, the crash as not restarted
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"pid {clean.pid} (") and line.endswith(") stopped") for line in lines), lines
+    assert any(line.startswith(f"pid {failing.pid} (") and line.endswith(") exited with 3 as it stopped")
+               for line in lines), lines
+    assert any(line.startswith(f"pid {crashed.pid} (")
+               and line.endswith(") exited with -9 (killed by SIGKILL) before the stop; not restarted")
+               for line in lines), lines
+
+
+def _sigterm_handled(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM (its handler is installed)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
 
 
 #: A module that fails at import while the file its environment names exists (a service
