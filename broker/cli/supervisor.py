@@ -420,18 +420,18 @@ class Supervisor:
                 self.killed += 1
                 _send(process, signal.SIGKILL)
         for child in self.children:
-            process = child.process
-            if process is None:
+            if child.process is None:
                 continue
-            process.wait()
-            _child_exited(process.pid, self.env)
-            how = exit_description(process.returncode)
-            if process not in alive:  # it ended on its own, unseen before the stop: not restarted
-                logger.error("pid %d (%s) %s before the stop; not restarted", process.pid, child.name, how)
-            elif process.returncode == 0:
-                logger.info("pid %d (%s) stopped", process.pid, child.name)
+            ended = child.process
+            ended.wait()
+            _child_exited(ended.pid, self.env)
+            how = exit_description(ended.returncode)
+            if ended not in alive:  # it ended on its own, unseen before the stop: not restarted
+                logger.error("pid %d (%s) %s before the stop; not restarted", ended.pid, child.name, how)
+            elif ended.returncode == 0:
+                logger.info("pid %d (%s) stopped", ended.pid, child.name)
             else:
-                logger.warning("pid %d (%s) %s as it stopped", process.pid, child.name, how)
+                logger.warning("pid %d (%s) %s as it stopped", ended.pid, child.name, how)
         for child in self.children:
             child.forget_process()
 
