@@ -208,12 +208,13 @@ WITH outcome AS MATERIALIZED (
         eta = CASE WHEN o.outcome IN ('queued', 'rerun')
                    THEN now() + make_interval(secs => CASE WHEN q.woken_at IS NULL THEN o.delay_s ELSE 0 END)
                    ELSE q.eta END,
-        error = CASE WHEN o.outcome = 'rejected' THEN o.error
-                     WHEN q.cancelled_at IS NOT NULL
+        error = CASE WHEN q.cancelled_at IS NOT NULL
                           THEN """ + _CANCELLED_BY + """ || CASE o.outcome
                                WHEN 'done' THEN ': its run returned after the cancellation'
                                WHEN 'rerun' THEN ': its run ended with no outcome; not run again'
+                               WHEN 'rejected' THEN ': its run was stopped'
                                ELSE ': not retried' END
+                     WHEN o.outcome = 'rejected' THEN o.error
                      WHEN o.outcome = 'rerun' AND q.runs_without_outcome + 1 >= %(max_runs_without_outcome)s
                           THEN 'rejected: ' || (q.runs_without_outcome + 1) || ' runs ended with no outcome'
                                || ' (STANDMEET_MAX_RUNS_WITHOUT_OUTCOME); the last: ' || coalesce(o.error, 'no reason given')

@@ -442,6 +442,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                     return "dropped"
             self._cancelled.add(message_id)
         if self.cancellations.cancel(message_id):
+            with self._cond:  # ending, it no longer holds its unique key: the same call sent again runs
+                self._free_key(message_id, done=False)
             return "stopping"
         with self._cond:
             self._cancelled.discard(message_id)

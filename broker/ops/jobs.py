@@ -226,6 +226,8 @@ RETRY_JOBS = (
     "    SET \"state\" = 'queued', eta = now(), mtime = now(), worker_id = NULL, error = NULL, crashes = 0,\n"
     "        runs_without_outcome = 0,\n"
     "        cancelled_at = NULL, cancelled_by = NULL, retried_at = now(), retried_by = %(by)s,\n"
+    # a cancel took its running bit (unique.UNIQUE_RUNNING): live again, it holds its key
+    "        unique_states = q.unique_states | 2::smallint,\n"
     "        message = jsonb_set(q.message, '{options}',\n"
     "            (coalesce(q.message->'options', '{}'::jsonb) - 'traceback' - 'error')\n"
     "            || jsonb_build_object('retries', 0, 'retried_by', %(by)s::text,\n"
@@ -258,6 +260,10 @@ CANCEL_JOBS = (
     "    UPDATE dramatiq.queue q\n"
     "    SET cancelled_at = now(), cancelled_by = %(by)s,\n"
     "        \"state\" = CASE WHEN q.\"state\" = 'queued' THEN 'rejected'::dramatiq.state ELSE q.\"state\" END,\n"
+    # a running one no longer holds its unique key (bit 2, unique.UNIQUE_RUNNING): the
+    # same call sent again is a message of its own, not folded into one that is ending
+    "        unique_states = CASE WHEN q.\"state\" = 'consumed' THEN q.unique_states & ~2::smallint\n"
+    "                             ELSE q.unique_states END,\n"
     "        error = CASE WHEN q.\"state\" = 'queued'\n"
     "                     THEN 'cancelled by ' || %(by)s || ' at ' || to_char(now() AT TIME ZONE 'UTC',\n"
     "                          'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')\n"

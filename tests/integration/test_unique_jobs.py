@@ -254,6 +254,36 @@ def test_a_retry_of_a_rejected_unique_job_leaves_it_while_a_live_message_holds_i
                                                                  (live.message_id, "queued")]
 
 
+def test_a_cancelled_running_job_frees_its_key_so_the_same_call_sent_again_runs(
+        broker, database_url, start_worker):
+    from broker import ops
+
+    # Given a unique job running (its key named: the same call, however long it runs)
+    start_worker(queues=["index"])
+    first = unique_jobs.unique_slow.send_with_options(args=("cancel-frees", 60_000), unique_key="cancel-frees")
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'cancel-frees'"),
+             timeout_s=20, what="the first run to start")
+    # When an operator cancels it, and the same call is sent again at once
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert ops.cancel_jobs(conn, message_ids=[first.message_id], by="test") == 1
+    again = unique_jobs.unique_slow.send_with_options(args=("cancel-frees", 0), unique_key="cancel-frees")
+    # Then the new send is a message of its own (not folded into the cancelled one, which
+    # never runs again), and it runs
+    assert again.message_id != first.message_id
+    assert _done(database_url, again.message_id) == "done"
+    # And the cancelled one ends rejected, saying who cancelled it
+    assert _done(database_url, first.message_id) == "rejected"
+    error = scalar(database_url, "SELECT error FROM dramatiq.queue WHERE message_id = %s::uuid", (first.message_id,))
+    assert re.match(r"cancelled by test at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", error or ""), error
+    # And a retry of the cancelled one holds its key again while it is live
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        outcome = ops.retry_jobs_outcome(conn, message_ids=[first.message_id], include_cancelled=True, by="test")
+    assert outcome.retried == 1
+    assert unique_jobs.unique_slow.send_with_options(args=("cancel-frees", 0), unique_key="cancel-frees").message_id \
+        == first.message_id
+    broker.flush("index")
+
+
 def test_skipped_sends_show_in_status_json_and_on_the_dashboards_overview(broker, database_url):
     import subprocess
     import sys

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dramatiq
 
-from broker import UniqueBy
+from broker import UniqueBy, deadline
 from broker.outbox import route
-from tests.support.jobs import bump, record_finish, record_start
+from tests.support.jobs import bump, cooperative_sleep, record_finish, record_start
 
 QUEUE = "index"
 
@@ -35,6 +35,19 @@ def unique_raise_once(key: str) -> None:
     run = record_start("test.unique_raise_once", QUEUE, key)
     if bump(key) == 1:
         raise RuntimeError(f"boom on the first run of {key}")
+    record_finish(run)
+
+
+@dramatiq.actor(actor_name="test.unique_slow", queue_name=QUEUE, unique=True, max_retries=0)
+def unique_slow(label: str, ms: int) -> None:
+    """One live message per label, running ``ms`` milliseconds, stopped by a cancellation
+    at its next deadline check (every 10 ms)."""
+    run = record_start("test.unique_slow", QUEUE, label)
+    end = ms / 1000
+    while end > 0:
+        deadline.check()
+        cooperative_sleep(0.01)
+        end -= 0.01
     record_finish(run)
 
 

@@ -142,6 +142,28 @@ def test_an_actor_whose_priority_its_column_cannot_hold_has_its_sends_refused(ma
     assert broker.waiting("mem_big_prio") == []
 
 
+def test_a_cancelled_running_unique_job_frees_its_key(make_broker):
+    # (the engine's cancel takes the running bit of its key: the same call sent again runs)
+    broker = make_broker(queues={"mem_cancel_unique": 2})
+    started, cancelled = threading.Event(), threading.Event()
+
+    @dramatiq.actor(queue_name="mem_cancel_unique", unique=True)
+    def job(n: int) -> None:
+        started.set()
+        cancelled.wait(WAIT_S)
+
+    start_worker(broker)
+    first = job.send(1)
+    assert started.wait(WAIT_S)
+    assert broker.cancel(first.message_id) == "stopping"
+    again = job.send(1)
+    cancelled.set()
+    broker.join("mem_cancel_unique", timeout=5_000, fail_fast=False)
+    assert again.message_id != first.message_id
+    assert [m.message_id for m in broker.dead_letters] == [first.message_id]
+    assert again.message_id in [m.message_id for m in broker.done]
+
+
 def test_a_cancelled_run_that_returns_is_rejected_saying_so(make_broker):
     broker = make_broker(queues={"mem_cancel_returns": 1})
     started, cancelled = threading.Event(), threading.Event()
