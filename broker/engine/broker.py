@@ -343,13 +343,15 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             context.returned = True
         if context is not None and signal == "skip_message":
             context.skipped = True  # acked without running, unless a middleware requeues it
+        if isinstance(exception, CutOff) and context is not None:
+            # it runs again at once: known before the after-hooks, so that none takes the
+            # run for one that ended (the results policy would store None for it)
+            context.requeue_delay_ms = 0
         _local.settling = context
         try:
             self._emit_after(signal, *args, **kwargs)
         finally:
             _local.settling = None
-        if isinstance(exception, CutOff) and context is not None and context.requeue_delay_ms is None:
-            context.requeue_delay_ms = 0
 
     def settle(self, proxy: MessageProxy, *, rejected: bool) -> None:
         """Hand a finished run's outcome to the settler and free its running slot.

@@ -26,7 +26,7 @@ from psycopg import sql as pgsql
 
 from broker.engine import runs
 from tests.support.db import conninfo_dbname, query, scalar, wait_for
-from tests.support.jobs import CUED_RUNS, CUES, CUT_RUNS, ended_on_cue, held_through_a_cut
+from tests.support.jobs import CUED_RUNS, CUES, CUT_RUNS, cooperative_sleep, ended_on_cue, held_through_a_cut
 
 END_SESSIONS = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -136,6 +136,45 @@ def test_a_step_down_never_interrupts_a_run_that_has_already_ended(
     # and the interruption reached the thread only once its run had ended, and was dropped
     assert any(f"message {message.message_id}: CutOff arrived after the job had ended" in r.getMessage()
                for r in caplog.records)
+
+
+#: Runs of ``test.stored_after_a_cut`` by key; the cue its second run of a key ends on.
+STORED_RUNS: list[str] = []
+SECOND_RUN_ENDS = threading.Event()
+
+
+@dramatiq.actor(actor_name="test.stored_after_a_cut", queue_name="index", max_retries=0, store_results=True)
+def stored_after_a_cut(key: str) -> str:
+    """Its result is kept. The first run of ``key`` sleeps a minute (cooperatively: an
+    interruption lands); the second ends on :data:`SECOND_RUN_ENDS`, with the result."""
+    first = key not in STORED_RUNS
+    STORED_RUNS.append(key)
+    if first:
+        cooperative_sleep(60)
+        return "the first run's"
+    SECOND_RUN_ENDS.wait(30)
+    return "the second run's"
+
+
+def test_a_run_a_step_down_interrupted_stores_no_result_a_waiter_gets_the_run_that_ends(
+        broker, database_url, start_worker):
+    # Given a job whose result is kept, running
+    from dramatiq.results import ResultMissing
+
+    start_worker(queues=["index"], threads=2)
+    message = stored_after_a_cut.send("cut-result")
+    wait_for(lambda: STORED_RUNS.count("cut-result") == 1, timeout_s=10, what="the first run to start")
+    # When the worker steps down, interrupting it, and it runs again
+    broker.liveness.step_down(broker.settings.step_down_after_s)
+    wait_for(lambda: STORED_RUNS.count("cut-result") == 2, timeout_s=30, what="the second run to start")
+    # Then while the second run runs, no result is there (none was stored for the first)
+    try:
+        with pytest.raises(ResultMissing):
+            message.get_result(block=False)
+    finally:
+        SECOND_RUN_ENDS.set()
+    # And a waiter gets the result of the run that ended
+    assert message.get_result(block=True, timeout=20_000) == "the second run's"
 
 
 def test_a_worker_back_from_a_cut_says_which_claims_it_lost_and_writes_no_stale_settle(
