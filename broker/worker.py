@@ -55,6 +55,8 @@ logger = logging.getLogger("standmeet.worker")
 
 #: How often idle worker threads look for a shutdown (Dramatiq's default is 1 s).
 WORKER_POLL_MS = 100
+#: How often the main thread looks for a signal another thread caught (see ``main``).
+SIGNAL_LOOK_S = 0.5
 #: The most threads one worker process may be given (``--threads``).
 THREADS_MOST = 10_000
 #: The longest ``--worker-shutdown-timeout``: a day, as STANDMEET_WORKER_SHUTDOWN_TIMEOUT_S allows.
@@ -205,7 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 1
     logger.info("worker ready: queues %s; %s", ", ".join(queues), connections.describe())
-    stop.wait()
+    # Timed, not one wait: a SIGTERM that lands while this thread cannot take it (it was
+    # creating the worker's threads, which blocks every signal for a moment) is caught by
+    # another thread, and only this one runs the handler; it does so once it takes the
+    # interpreter again. One untimed wait would never return: the worker would never stop.
+    while not stop.wait(SIGNAL_LOOK_S):
+        pass
     worker.stop(timeout=shutdown_ms)
     broker.close()
     closed.set()
