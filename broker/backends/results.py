@@ -44,6 +44,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker import detach
+from broker.backends import RESULTS_NAMESPACE
 from broker.errors import ConfigError, DatabaseError, DatabaseUnavailable
 from broker.pg import pool as pgpool
 
@@ -341,7 +342,7 @@ class PostgresResultBackend(ResultBackend):
         *,
         url: str | None = None,
         pool: ConnectionPool[Any] | None = None,
-        namespace: str = "dramatiq-results",
+        namespace: str = RESULTS_NAMESPACE,
         encoder: Encoder | None = None,
         use_namespace_prefix_keys: bool = False,
         pool_max_size: int = 4,

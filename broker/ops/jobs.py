@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 
+from broker.backends import RESULTS_NAMESPACE
 from broker.ops.common import (
     AMBIGUOUS_SHOWN,
     JOB_STATES,
@@ -234,7 +235,16 @@ RETRY_JOBS = (
     "                                  'retried_at', to_jsonb(now())))\n"
     "    FROM picked\n"
     "    WHERE q.message_id = picked.message_id\n"
-    "    RETURNING q.queue_name, q.message_id::text AS message_id, picked.cancelled\n"
+    "    RETURNING q.queue_name, q.message_id::text AS message_id, picked.cancelled,\n"
+    "              q.message->>'actor_name' AS actor_name\n"
+    # what the results policy stored for the rejected run (its failure) is not this run's
+    # result: a waiter must wait for the retried run (the key: the results backend's,
+    # hashed or not, of the default namespace)
+    "), forgotten AS (\n"
+    "    DELETE FROM standmeet.results r USING retried t\n"
+    "    WHERE r.message_key IN (\n"
+    "        md5(%(results_namespace)s || ':' || t.queue_name || ':' || t.actor_name || ':' || t.message_id),\n"
+    "        %(results_namespace)s || ':' || t.queue_name || ':' || t.actor_name || ':' || t.message_id)\n"
     "), woken AS (\n"
     "    SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')\n"
     "    FROM (SELECT DISTINCT queue_name FROM retried) AS queues\n"
@@ -315,7 +325,7 @@ def retry_jobs_outcome(conn: psycopg.Connection[Any], *, message_ids: Sequence[s
         include_cancelled = state == "cancelled" or (message_ids is not None and state is None)
     params = {**job_filters(state=state, queue=queue, actor=actor, since=since, search=search,
                             message_ids=message_ids, error=error),
-              "by": _by(by), "include_cancelled": include_cancelled}
+              "by": _by(by), "include_cancelled": include_cancelled, "results_namespace": RESULTS_NAMESPACE}
     for tries_left in range(RETRY_TRIES - 1, -1, -1):
         try:
             with conn.transaction():
