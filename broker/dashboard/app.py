@@ -73,6 +73,10 @@ NOTICES = {
                           "(retry one from its own page, or `jobs retry ID`)."),
     "retried_cancelled": "Retry queued: this job had been cancelled, and was retried because you named it.",
     "nothing": "Nothing matched: nothing was changed.",
+    "unique_held": ("Left as it was: a live job of the same unique key holds the key, and runs instead "
+                    "(retry it once that one has ended)."),
+    "some_unique_held": ("The jobs that had failed were queued again, except those whose unique key a live job "
+                         "holds: that one runs instead."),
     "none_selected": "Nothing selected: tick the rows to act on, then press Retry selected or Cancel selected.",
     "selected_retry": "The selected jobs that had failed were queued again; the others were left as they were.",
     "selected_cancel": "The selected jobs not yet finished were cancelled; the others were left as they were.",

@@ -151,25 +151,32 @@ async def jobs_bulk(request: Request) -> Response:
     kwargs = ops_filters(filters, hide_args=config.hide_args)
     by, source = actor_of(request)
 
-    def act(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    def act(conn: psycopg.Connection[Any]) -> tuple[int, int, int]:
         with conn.transaction():
             count, plans = _bulk_plan(conn, action, kwargs)
             if count > BULK_LIMIT:
                 raise Refused(400, f"{count} jobs match: narrow the filter to at most {BULK_LIMIT}")
-            changed, skipped, acted_on = 0, 0, []
+            changed, skipped, held, acted_on = 0, 0, 0, []
             for plan in plans:
                 ids = _matching_ids(conn, plan)
                 if ids:
-                    done, left = _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
-                    changed, skipped = changed + done, skipped + left
+                    done, left, kept = _apply(conn, action, state=plan["state"], message_ids=ids, by=by)
+                    changed, skipped, held = changed + done, skipped + left, held + kept
                     acted_on += ids
             ops.record_action(conn, action=f"jobs.{action}", target={"filter": filters, "message_ids": acted_on},
                               by=by, source=source, affected=changed)
-        return changed, skipped
+        return changed, skipped, held
 
-    changed, skipped = await with_conn(request, act)
-    notice = "bulk_cancel_final" if skipped else "bulk" if changed else "nothing"
+    changed, skipped, held = await with_conn(request, act)
+    notice = "bulk_cancel_final" if skipped else _held_notice(held, changed) or ("bulk" if changed else "nothing")
     return redirect("/jobs", notice, **filters)
+
+
+def _held_notice(held: int, changed: int) -> str | None:
+    """The notice of a retry that left jobs alone because a live job holds their unique key."""
+    if not held:
+        return None
+    return "some_unique_held" if changed else "unique_held"
 
 
 #: At most this many jobs are acted on by one "Retry selected" / "Cancel selected".
@@ -196,19 +203,20 @@ async def jobs_selected(request: Request) -> Response:
         return redirect("/jobs", "none_selected", **back)
     by, source = actor_of(request)
 
-    def act(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    def act(conn: psycopg.Connection[Any]) -> tuple[int, int, int]:
         with conn.transaction():
             if action == "retry":
                 outcome = ops.retry_jobs_outcome(conn, message_ids=ids, include_cancelled=False, by=by)
-                changed, skipped = outcome.retried, outcome.skipped_cancelled
+                changed, skipped, held = outcome.retried, outcome.skipped_cancelled, outcome.skipped_unique
             else:
-                changed, skipped = ops.cancel_jobs(conn, message_ids=ids, by=by), 0
+                changed, skipped, held = ops.cancel_jobs(conn, message_ids=ids, by=by), 0, 0
             ops.record_action(conn, action=f"jobs.{action}", target={"selected": True, "message_ids": ids},
                               by=by, source=source, affected=changed)
-        return changed, skipped
+        return changed, skipped, held
 
-    changed, skipped = await with_conn(request, act)
-    notice = "selected_cancel_final" if skipped else f"selected_{action}" if changed else "nothing"
+    changed, skipped, held = await with_conn(request, act)
+    notice = "selected_cancel_final" if skipped else _held_notice(held, changed) or (
+        f"selected_{action}" if changed else "nothing")
     return redirect("/jobs", notice, **back)
 
 
@@ -224,13 +232,14 @@ def _matching_ids(conn: psycopg.Connection[Any], plan: dict[str, Any]) -> list[s
 
 
 def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_ids: list[str],
-           by: str) -> tuple[int, int]:
-    """Retry or cancel exactly these jobs (those still in ``state``): how many changed, and
-    how many cancelled ones a retry left alone (cancel is final for a bulk action)."""
+           by: str) -> tuple[int, int, int]:
+    """Retry or cancel exactly these jobs (those still in ``state``): how many changed, how
+    many cancelled ones a retry left alone (cancel is final for a bulk action), and how many
+    it left because a live job holds their unique key."""
     if action == "retry":
         outcome = ops.retry_jobs_outcome(conn, message_ids=message_ids, state=state, by=by)
-        return outcome.retried, outcome.skipped_cancelled
-    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by), 0
+        return outcome.retried, outcome.skipped_cancelled, outcome.skipped_unique
+    return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by), 0, 0
 
 
 @guarded
@@ -292,21 +301,21 @@ async def _job_action(request: Request, action: str) -> Response:
     message_id = ops.parse_message_id(request.path_params["id"])
     by, source = actor_of(request)
 
-    def act(conn: psycopg.Connection[Any]) -> tuple[int, bool]:
-        was_cancelled = False
+    def act(conn: psycopg.Connection[Any]) -> tuple[int, bool, int]:
+        was_cancelled, held = False, 0
         with conn.transaction():
             if action == "retry":  # named by its page: retried even if it was cancelled, and said
                 outcome = ops.retry_jobs_outcome(conn, message_ids=[message_id], by=by)
-                changed, was_cancelled = outcome.retried, bool(outcome.retried_cancelled)
+                changed, was_cancelled, held = outcome.retried, bool(outcome.retried_cancelled), outcome.skipped_unique
             else:
                 changed = ops.cancel_jobs(conn, message_ids=[message_id], by=by)
             ops.record_action(conn, action=f"jobs.{action}", target={"message_ids": [message_id]}, by=by,
                               source=source, affected=changed)
-        return changed, was_cancelled
+        return changed, was_cancelled, held
 
-    changed, was_cancelled = await with_conn(request, act)
+    changed, was_cancelled, held = await with_conn(request, act)
     notice = ("retried_cancelled" if was_cancelled else "retried" if action == "retry" else "cancelled") \
-        if changed else "nothing"
+        if changed else _held_notice(held, changed) or "nothing"
     return redirect(f"/jobs/{message_id}", notice)
 
 

@@ -219,6 +219,29 @@ def test_retry_on_a_job_page_runs_a_failed_job_again_until_done_and_is_recorded(
     assert by == "dashboard" and source == "dashboard testclient"
 
 
+def test_a_retry_a_live_job_of_its_unique_key_holds_back_says_so_on_each_action(
+        broker, database_url, dashboard, start_worker):
+    from tests.support import unique_jobs
+
+    # Given rejected unique jobs, and a live (delayed) one of each one's key
+    start_worker(queues=["index"], threads=2)
+    held = [unique_jobs.unique_fails.send(f"dash-held-{n}") for n in range(2)]
+    assert [settled(database_url, m.message_id) for m in held] == ["rejected", "rejected"]
+    live = [unique_jobs.unique_fails.send_with_options(args=(f"dash-held-{n}",), delay=600_000) for n in range(2)]
+    assert {m.message_id for m in live}.isdisjoint(m.message_id for m in held)
+    with dashboard() as client:
+        # When it is retried from its page, or ticked on the list
+        one = post(client, f"/jobs/{held[0].message_id}/retry", page=f"/jobs/{held[0].message_id}")
+        ticked = post(client, "/jobs/selected", {"action": "retry", "selected": held[1].message_id}, page="/jobs")
+        # Then each says the key held it back, not that nothing matched
+        assert one.headers["location"].startswith(f"/jobs/{held[0].message_id}?notice=unique_held")
+        assert "notice=unique_held" in ticked.headers["location"], ticked.headers["location"]
+        page = client.get(one.headers["location"]).text
+    assert "a live job of the same unique key holds the key" in page
+    assert [state_of(database_url, m.message_id) for m in held] == ["rejected", "rejected"]
+    broker.flush("index")
+
+
 def test_cancel_on_a_job_page_keeps_a_queued_job_from_ever_running(broker, database_url, dashboard):
     message = OK.send_with_options(args=("cancel-me",), delay=600_000)
     with dashboard() as client:

@@ -51,6 +51,13 @@ def unique_slow(label: str, ms: int) -> None:
     record_finish(run)
 
 
+@dramatiq.actor(actor_name="test.unique_fails", queue_name=QUEUE, unique=True, max_retries=0)
+def unique_fails(label: str) -> None:
+    """One live message per label; every run fails (rejected at once: no retries)."""
+    record_start("test.unique_fails", QUEUE, label)
+    raise RuntimeError(f"{label} fails")
+
+
 @dramatiq.actor(actor_name="test.plain", queue_name=QUEUE, max_retries=0)
 def plain(label: str) -> None:
     """No key: every send is a message."""
