@@ -34,6 +34,12 @@ _ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) AS async
 
 #: Who cancelled the message of row ``q`` and when, as ``jobs cancel`` words it: the start
 #: of the ``error`` of every message settled as cancelled (followed by how its run ended).
+#: A cancel that reached the run in time: made before the run ended (its end by the
+#: database's clock: the settle's ``now()`` less how long ago the run ended, ``o.ended_ago``).
+#: A cancel made once the run had returned comes too late: the run is recorded as it ended.
+_CANCELLED_IN_TIME = ("(q.cancelled_at IS NOT NULL"
+                      " AND q.cancelled_at < now() - make_interval(secs => coalesce(o.ended_ago, 0)))")
+
 _CANCELLED_BY = (
     "'cancelled by ' || coalesce(q.cancelled_by, 'an operator') || ' at '"
     " || to_char(q.cancelled_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
@@ -196,7 +202,7 @@ WITH outcome AS MATERIALIZED (
 ), settled AS (
     UPDATE dramatiq.queue q
     SET "state" = (CASE WHEN o.outcome = 'rejected' THEN 'rejected'
-                        WHEN q.cancelled_at IS NOT NULL THEN 'rejected'
+                        WHEN """ + _CANCELLED_IN_TIME + """ THEN 'rejected'
                         WHEN o.outcome = 'rerun' AND q.runs_without_outcome + 1 >= %(max_runs_without_outcome)s
                              THEN 'rejected'
                         WHEN o.outcome = 'rerun' THEN 'queued'
@@ -208,7 +214,7 @@ WITH outcome AS MATERIALIZED (
         eta = CASE WHEN o.outcome IN ('queued', 'rerun')
                    THEN now() + make_interval(secs => CASE WHEN q.woken_at IS NULL THEN o.delay_s ELSE 0 END)
                    ELSE q.eta END,
-        error = CASE WHEN q.cancelled_at IS NOT NULL
+        error = CASE WHEN """ + _CANCELLED_IN_TIME + """
                           THEN """ + _CANCELLED_BY + """ || CASE o.outcome
                                WHEN 'done' THEN ': its run returned after the cancellation'
                                WHEN 'rerun' THEN ': its run ended with no outcome; not run again'
@@ -225,9 +231,9 @@ WITH outcome AS MATERIALIZED (
     WHERE q.message_id = o.message_id AND q.claims = o.claims AND """ + STILL_CLAIMED + """
       AND q.worker_id IS NOT DISTINCT FROM %(worker_id)s::uuid
       AND was.message_id = o.message_id
-    RETURNING q.queue_name, q.message_id, q."state"::text AS state, q.cancelled_at IS NOT NULL AS cancelled,
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state, """ + _CANCELLED_IN_TIME + """ AS cancelled,
               q.claims, was.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, o.hint,
-              CASE WHEN q.cancelled_at IS NOT NULL OR (o.outcome = 'rerun' AND q."state" = 'rejected') THEN q.error
+              CASE WHEN """ + _CANCELLED_IN_TIME + """ OR (o.outcome = 'rerun' AND q."state" = 'rejected') THEN q.error
                    ELSE o.error END AS run_error
 )""" + FOLLOWUPS_OF_SETTLED + RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED + """UNION ALL
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
@@ -257,14 +263,14 @@ WITH ran_here AS MATERIALIZED (
       AND q.started_at IS NULL
 ), settled AS (
     UPDATE dramatiq.queue q
-    SET "state" = (CASE WHEN q.cancelled_at IS NULL THEN 'done' ELSE 'rejected' END)::dramatiq.state,
-        error = CASE WHEN q.cancelled_at IS NOT NULL
+    SET "state" = (CASE WHEN """ + _CANCELLED_IN_TIME + """ THEN 'rejected' ELSE 'done' END)::dramatiq.state,
+        error = CASE WHEN """ + _CANCELLED_IN_TIME + """
                      THEN """ + _CANCELLED_BY + """ || ': its run returned after the cancellation' END,
         worker_id = NULL, started_at = NULL, mtime = now()
     FROM ran_here o
     WHERE q.message_id = o.message_id AND q.claims = o.claims AND """ + STILL_CLAIMED + """
       AND q.worker_id IS NOT DISTINCT FROM %(worker_id)s::uuid
-    RETURNING q.queue_name, q.message_id, q."state"::text AS state, q.cancelled_at IS NOT NULL AS cancelled,
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state, """ + _CANCELLED_IN_TIME + """ AS cancelled,
               q.claims, q.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, 'done' AS hint, q.error AS run_error
 )""" + RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED
 

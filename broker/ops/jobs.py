@@ -268,14 +268,16 @@ CANCEL_JOBS = (
     "    FOR UPDATE\n"
     "), cancelled AS (\n"
     "    UPDATE dramatiq.queue q\n"
-    "    SET cancelled_at = now(), cancelled_by = %(by)s,\n"
+    # the moment of the cancel itself, not of its transaction's start: a run that returned
+    # before it was made is recorded as it ended (broker.engine.sql._CANCELLED_IN_TIME)
+    "    SET cancelled_at = clock_timestamp(), cancelled_by = %(by)s,\n"
     "        \"state\" = CASE WHEN q.\"state\" = 'queued' THEN 'rejected'::dramatiq.state ELSE q.\"state\" END,\n"
     # a running one no longer holds its unique key (bit 2, unique.UNIQUE_RUNNING): the
     # same call sent again is a message of its own, not folded into one that is ending
     "        unique_states = CASE WHEN q.\"state\" = 'consumed' THEN q.unique_states & ~2::smallint\n"
     "                             ELSE q.unique_states END,\n"
     "        error = CASE WHEN q.\"state\" = 'queued'\n"
-    "                     THEN 'cancelled by ' || %(by)s || ' at ' || to_char(now() AT TIME ZONE 'UTC',\n"
+    "                     THEN 'cancelled by ' || %(by)s || ' at ' || to_char(clock_timestamp() AT TIME ZONE 'UTC',\n"
     "                          'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')\n"
     "                     ELSE q.error END,\n"
     "        mtime = CASE WHEN q.\"state\" = 'queued' THEN now() ELSE q.mtime END\n"

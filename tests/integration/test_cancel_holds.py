@@ -14,7 +14,7 @@ from broker import ops
 from broker.engine import sql, sql_enqueue
 from broker.engine.codec import claim_size_params, enqueue_params
 from broker.settings import MIB
-from tests.support.db import query, scalar, wait_for
+from tests.support.db import lock_waits, query, scalar, wait_for
 from tests.support.jobs import noop, record_finish, record_start
 
 CLAIM_SIZES = {**claim_size_params(MIB), "claim_until_s": None}
@@ -85,6 +85,31 @@ def test_a_cancelled_running_job_that_returns_is_settled_as_cancelled_not_done(b
     wait_for(lambda: _row(database_url, message.message_id)[0] != "consumed", timeout_s=15,
              what="the run to be settled")
     _assert_cancelled(database_url, message.message_id, "its run returned after the cancellation")
+
+
+def test_a_run_that_returned_before_the_cancel_was_made_is_recorded_done(broker, database_url, start_worker):
+    # Given a running job, and an operator's transaction holding its row (as a bulk
+    # cancel's does while it works)
+    start_worker(queues=["index"], threads=2)
+    message = hold.send("returns-before-cancel")
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'returns-before-cancel'"),
+             timeout_s=15, what="the job to start")
+    with psycopg.connect(database_url) as operator:
+        operator.execute("SELECT 1 FROM dramatiq.queue WHERE message_id = %s FOR UPDATE", (message.message_id,))
+        # When the run returns, its outcome waits for the row, and only then the cancel is made
+        query(database_url, "INSERT INTO test_counters (key, value) VALUES ('release:returns-before-cancel', 1)")
+        wait_for(lambda: scalar(database_url, "SELECT finished_at IS NOT NULL FROM test_runs"
+                                              " WHERE label = 'returns-before-cancel'"), timeout_s=15,
+                 what="the run to return")
+        wait_for(lambda: lock_waits(database_url, statement="dramatiq.queue"), timeout_s=15,
+                 what="its outcome to wait for the row")
+        assert ops.cancel_jobs(operator, message_ids=[message.message_id], by="ops@host") == 1
+        operator.commit()
+    # Then the run is recorded as it ended: done (the cancel came too late to stop anything)
+    wait_for(lambda: _row(database_url, message.message_id)[0] != "consumed", timeout_s=15,
+             what="the run to be settled")
+    state, error, cancelled_at = _row(database_url, message.message_id)
+    assert (state, error, cancelled_at is not None) == ("done", None, True)
 
 
 def test_a_cancelled_prefetched_message_given_back_is_rejected_not_requeued(broker, database_url):

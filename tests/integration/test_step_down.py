@@ -26,7 +26,14 @@ from psycopg import sql as pgsql
 
 from broker.engine import runs
 from tests.support.db import conninfo_dbname, query, scalar, wait_for
-from tests.support.jobs import CUED_RUNS, CUES, CUT_RUNS, cooperative_sleep, ended_on_cue, held_through_a_cut
+from tests.support.jobs import (
+    CUED_RUNS,
+    CUES,
+    CUT_RUNS,
+    cooperative_sleep,
+    ended_on_cue,
+    held_through_a_cut,
+)
 
 END_SESSIONS = """
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
