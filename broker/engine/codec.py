@@ -17,7 +17,7 @@ import re
 import reprlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq.broker import MessageProxy
@@ -25,6 +25,9 @@ from dramatiq.message import Message
 
 from broker.errors import ConfigError, InvalidMessage, MessageTooLarge
 from broker.settings import MIB, Settings
+
+if TYPE_CHECKING:
+    from broker.engine.unique import UniqueKey
 
 logger = logging.getLogger("standmeet.broker")
 
@@ -573,14 +576,19 @@ def quick_checked_size_bound(message: Message) -> int | None:
     return plain_args_size_bound(message.args)
 
 
-def followup_params(followups: Sequence[tuple[str, Message, float]]) -> dict[str, Any]:
+def followup_params(followups: Sequence[tuple[str, Message, float, UniqueKey | None]]) -> dict[str, Any]:
     """The parameters of ``sql_enqueue.FOLLOWUPS_OF_SETTLED`` (in the settle statement) for
-    ``followups``: (the id of the run that sent it, the message, its delay in seconds)."""
+    ``followups``: (the id of the run that sent it, the message, its delay in seconds, its
+    unique key or None)."""
     return {
-        "f_parents": [parent for parent, _, _ in followups],
-        "f_queues": [m.queue_name for _, m, _ in followups],
-        "f_ids": [m.message_id for _, m, _ in followups],
-        "f_messages": [message_json(m) for _, m, _ in followups],
-        "f_delays": [delay for _, _, delay in followups],
-        "f_priorities": [message_priority(m) for _, m, _ in followups],
+        "f_parents": [parent for parent, _, _, _ in followups],
+        "f_queues": [m.queue_name for _, m, _, _ in followups],
+        "f_ids": [m.message_id for _, m, _, _ in followups],
+        "f_messages": [message_json(m) for _, m, _, _ in followups],
+        "f_delays": [delay for _, _, delay, _ in followups],
+        "f_priorities": [message_priority(m) for _, m, _, _ in followups],
+        # hex: the settle's connection sends arrays of str, int, float and UUID only
+        "f_unique_keys": [key.digest.hex() if key is not None else None for _, _, _, key in followups],
+        "f_unique_periods": [key.period_s if key is not None else None for _, _, _, key in followups],
+        "f_unique_states": [key.states if key is not None else None for _, _, _, key in followups],
     }

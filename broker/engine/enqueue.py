@@ -470,7 +470,7 @@ def send_from_run(broker: StandmeetBroker, context: SettleContext, message: Mess
         context.requeue_delay_ms = int(delay_seconds(delay_ms) * 1000)
     else:
         enqueue_one_params(message, delay_ms, max_bytes=broker.settings.message_max_bytes)
-        context.followups.append((as_message(message), delay_seconds(delay_ms)))
+        context.followups.append((as_message(message), delay_seconds(delay_ms), unique_key_of(message, broker)))
     after_enqueue(broker, [message], delay_ms)
     return message
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from dramatiq.broker import MessageProxy
@@ -26,6 +26,14 @@ from broker.engine.codec import followup_params, storable_text
 from broker.errors import CutOff, DatabaseUnavailable, DeadlineExceeded, Deferred
 from broker.pg.long_statement import LongStatement
 from broker.pg.pool import Outage, close_quietly
+
+if TYPE_CHECKING:
+    from broker.engine.unique import UniqueKey
+
+#: A message a run sent from its after-hooks (a pipeline's next step, a callback): written
+#: with the run's settle, after its delay in seconds, holding its unique key if it has one
+#: and no live message holds it (a pipeline is never cut: held, it is written without).
+Followup = tuple[Message, float, "UniqueKey | None"]
 
 logger = logging.getLogger("standmeet.broker")
 
@@ -52,7 +60,7 @@ class Outcome:
     options_json: str | None
     delay_s: float = 0.0
     error: str | None = None
-    followups: list[tuple[Message, float]] = field(default_factory=list)
+    followups: list[Followup] = field(default_factory=list)
     #: what the run was, for its attempt and the history (see sql.RECORD_RAN): done | failed
     #: | rejected | snoozed | timeout | interrupted | rerun; ``error`` is its error
     attempt: str = "done"
@@ -69,7 +77,7 @@ class SettleContext:
 
     proxy: MessageProxy
     requeue_delay_ms: int | None = None
-    followups: list[tuple[Message, float]] = field(default_factory=list)
+    followups: list[Followup] = field(default_factory=list)
     returned: bool = False
     skipped: bool = False
     #: what broke in the after-hooks, when one raised (the reason of a run with no outcome)
@@ -323,7 +331,7 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str], *, now: f
         "options": [o.options_json for o in outcomes],  # None: left as it is
         "delays": [o.delay_s for o in outcomes],
         "errors": [o.error for o in outcomes],
-        **followup_params([(o.message_id, m, delay) for o in outcomes for m, delay in o.followups]),
+        **followup_params([(o.message_id, *followup) for o in outcomes for followup in o.followups]),
         "awaited": list(awaited),
     }
 

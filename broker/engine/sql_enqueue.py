@@ -92,19 +92,38 @@ SELECT pg_notify(standmeet.enqueue_channel(queue_name), '') FROM enqueued
 
 #: The messages that runs settled in the same statement sent from their after-hooks
 #: (pipelines, callbacks): a CTE ``followed`` of ``broker.engine.sql.SETTLE``, written only
-#: for claims the statement settled (its CTE ``settled``), never over an existing id.
+#: for claims the statement settled (its CTE ``settled``), never over an existing id. One
+#: with a unique key holds it when no live message does (``followed_keyed``, against the
+#: partial unique index, as a send); one whose key a live message holds is written all the
+#: same, without it (``followed_plain``): a pipeline is never cut by a key.
 #: Parameters: :func:`broker.engine.codec.followup_params`.
-FOLLOWUPS_OF_SETTLED = """, followed AS (
+FOLLOWUPS_OF_SETTLED = """, sent_by_settled AS MATERIALIZED (
+    SELECT f.* FROM unnest(%(f_parents)b::uuid[], %(f_queues)b::text[], %(f_ids)b::uuid[], %(f_messages)b::jsonb[],
+                           %(f_delays)s::float8[], %(f_priorities)s::int[], %(f_unique_keys)b::text[],
+                           %(f_unique_periods)s::float8[], %(f_unique_states)s::int2[])
+         AS f(parent_id, queue_name, message_id, message, delay_s, priority, unique_key_hex, period_s, states)
+    WHERE f.parent_id IN (SELECT message_id FROM settled)
+), followed_keyed AS (
+    INSERT INTO dramatiq.queue AS q
+        (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority, unique_key, unique_states)
+    SELECT f.queue_name, f.message_id, 'queued', f.message,
+           now() + make_interval(secs => f.delay_s), now(), now(), f.priority,
+           standmeet.unique_key_at(decode(f.unique_key_hex, 'hex'), f.period_s), f.states
+    FROM sent_by_settled f
+    WHERE f.unique_key_hex IS NOT NULL
+    ON CONFLICT DO NOTHING
+    RETURNING q.queue_name, q.message_id
+), followed_plain AS (
     INSERT INTO dramatiq.queue AS q
         (queue_name, message_id, "state", message, eta, enqueued_at, mtime, priority)
     SELECT f.queue_name, f.message_id, 'queued', f.message,
            now() + make_interval(secs => f.delay_s), now(), now(), f.priority
-    FROM unnest(%(f_parents)b::uuid[], %(f_queues)b::text[], %(f_ids)b::uuid[], %(f_messages)b::jsonb[],
-                %(f_delays)s::float8[], %(f_priorities)s::int[])
-         AS f(parent_id, queue_name, message_id, message, delay_s, priority)
-    WHERE f.parent_id IN (SELECT message_id FROM settled)
+    FROM sent_by_settled f
+    WHERE f.message_id NOT IN (SELECT message_id FROM followed_keyed)
     ON CONFLICT (message_id) DO NOTHING
     RETURNING q.queue_name
+), followed AS (
+    SELECT queue_name FROM followed_keyed UNION ALL SELECT queue_name FROM followed_plain
 )"""
 
 #: Write messages that carry a unique key (migration 0021), in one statement: each is

@@ -200,10 +200,11 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         """Add ``message`` (checked) to its queue (the lock held). A ``send`` whose unique
         key is taken returns the live message; one with the id of a waiting message
         replaces it whole; one with the id of a message that ran is not run again (as the
-        engine's rows). A ``followup`` is never written over an existing id."""
+        engine's rows). A ``followup`` is never written over an existing id; it holds its unique
+        key when no live message does, and is written without it when one does."""
         data = message.encode()
         message_id = message.message_id
-        key = self._unique_key(message) if send else None
+        key = self._unique_key(message) if send or followup else None
         if send or followup:
             waiting = next((w for q in self.queues.values() if (w := q.find(message_id)) is not None), None)
             if message_id in self._ran_ids or (followup and waiting is not None):
@@ -215,11 +216,14 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                 self._free_key(message_id, done=False)
         if key is not None:
             holder = self._unique.get(key)
-            if holder is not None:
+            if holder is not None and followup:
+                key = None  # a pipeline is never cut by a key: written without it, as the engine does
+            elif holder is not None:
                 logger.debug("unique: %s skipped, %s holds its key", message.message_id, holder[0].message_id)
                 return holder[0]
-            self._unique[key] = (message, False)
-            self._key_of[message.message_id] = key
+            else:
+                self._unique[key] = (message, False)
+                self._key_of[message.message_id] = key
         due = self.clock.monotonic() + delay_ms_of(delay) / 1000
         self._queue(message.queue_name).push(
             Waiting(due, next(self._seq), Message.decode(data), message_priority(message)))
@@ -300,7 +304,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             else:
                 self._rerun(proxy)
             for followup, delay in context.followups if context is not None else []:
-                self._keep(followup, delay, followup=True)  # no unique key: the engine's follow-ups hold none
+                self._keep(followup, delay, followup=True)  # holds its key if free; written all the same
             self._cond.notify_all()
 
     def _done(self, message: Message) -> None:

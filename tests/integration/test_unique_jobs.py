@@ -284,6 +284,30 @@ def test_a_cancelled_running_job_frees_its_key_so_the_same_call_sent_again_runs(
     broker.flush("index")
 
 
+def test_a_pipeline_step_holds_its_key_when_free_and_runs_all_the_same_when_it_is_held(
+        broker, database_url, start_worker):
+    # Given a pipeline whose next step, delayed, goes to a unique actor whose key is free,
+    # and one whose key a delayed message holds
+    start_worker(queues=["index"])
+    held = unique_jobs.unique.send_with_options(args=("pipe-held",), delay=600_000)
+    dramatiq.pipeline([unique_jobs.plain.message("pipe-1"),
+                       unique_jobs.unique.message_with_options(args=("pipe-free",), pipe_ignore=True,
+                                                               delay=600_000)]).run()
+    dramatiq.pipeline([unique_jobs.plain.message("pipe-2"),
+                       unique_jobs.unique.message_with_options(args=("pipe-held",), pipe_ignore=True)]).run()
+    # When the first steps have run
+    step = wait_for(lambda: _rows(database_url, "test.unique", "pipe-free"), timeout_s=20,
+                    what="the first pipeline's next step written")
+    wait_for(lambda: [s for _, s in _rows(database_url, "test.unique", "pipe-held")].count("done") == 1,
+             timeout_s=20, what="the second pipeline's next step to run")
+    # Then the step whose key was free holds it: the same call sent now is folded into it
+    assert unique_jobs.unique.send("pipe-free").message_id == step[0][0]
+    assert _rows(database_url, "test.unique", "pipe-free") == [(step[0][0], "queued")]
+    # And the step whose key was held ran all the same, the holder still waiting
+    assert (held.message_id, "queued") in _rows(database_url, "test.unique", "pipe-held")
+    broker.flush("index")
+
+
 def test_skipped_sends_show_in_status_json_and_on_the_dashboards_overview(broker, database_url):
     import subprocess
     import sys

@@ -54,8 +54,9 @@ def test_an_id_sent_twice_runs_once_and_one_that_ran_is_never_run_again(make_bro
     assert broker.drain() == 1 and ran == [2, 1]
 
 
-def test_a_pipeline_step_to_a_unique_actor_neither_holds_nor_respects_its_key(make_broker):
-    # (the engine writes a run's follow-ups with no unique key)
+def test_a_pipeline_step_to_a_unique_actor_runs_though_its_key_is_held_and_holds_it_when_free(make_broker):
+    # (the engine writes a run's follow-up with its key when no live message holds it,
+    # and without it otherwise: a pipeline is never cut by a key)
     broker = make_broker()
     ran: list[tuple[str, int]] = []
 
@@ -73,6 +74,12 @@ def test_a_pipeline_step_to_a_unique_actor_neither_holds_nor_respects_its_key(ma
     broker.drain(advance=False)
     assert ran == [("edit", 7), ("rebuild", 7)]
     assert [m.message_id for m in broker.waiting("mem_follow")] == [held.message_id]
+    # a step whose key is free holds it: the same call sent meanwhile is folded into it
+    dramatiq.pipeline([edit.message(8), rebuild.message_with_options(pipe_ignore=True, delay=60_000, args=(8,))]).run()
+    broker.drain(advance=False)
+    step = [m for m in broker.waiting("mem_follow") if m.args == (8,)]
+    assert len(step) == 1
+    assert rebuild.send(8).message_id == step[0].message_id
 
 
 def test_a_follow_up_that_cannot_be_stored_fails_its_hook_and_the_rest_run(make_broker):
