@@ -57,7 +57,7 @@ RESULTS_CHANNEL = "standmeet_results"
 STORE_RESULT = """
 WITH stored AS (
     INSERT INTO standmeet.results AS r (message_key, value, expires_at)
-    VALUES (%(key)s, %(value)s, now() + %(ttl_ms)s * interval '1 millisecond')
+    VALUES (%(key)s, %(value)s, coalesce(now() + %(ttl_ms)s * interval '1 millisecond', 'infinity'))
     ON CONFLICT (message_key) DO UPDATE
         SET value = EXCLUDED.value, expires_at = EXCLUDED.expires_at
     RETURNING r.message_key
@@ -392,12 +392,14 @@ class PostgresResultBackend(ResultBackend):
             return Missing
         return self.encoder.decode(bytes(row[0]))
 
-    def _store(self, message_key: str, result: Result, ttl: int) -> None:
-        """Write the encoded result for ``ttl`` milliseconds and notify waiters, atomically."""
+    def _store(self, message_key: str, result: Result, ttl: int | None) -> None:
+        """Write the encoded result for ``ttl`` milliseconds (None: kept until deleted, as
+        Dramatiq's Redis backend keeps a result stored with no TTL, e.g. a message's
+        ``result_ttl=None``) and notify waiters, atomically."""
         params = {
             "key": message_key,
             "value": self.encoder.encode(result),
-            "ttl_ms": int(ttl),
+            "ttl_ms": None if ttl is None else int(ttl),
             "channel": RESULTS_CHANNEL,
         }
         with translated_errors("storing a result"), self.database.connection() as conn:

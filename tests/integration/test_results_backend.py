@@ -144,6 +144,17 @@ def test_a_result_is_missing_once_its_ttl_has_passed_though_its_row_is_still_the
     assert scalar(db_url, COUNT_KEY, (key,)) == 1  # expired by the clock, not yet pruned
 
 
+def test_a_result_stored_with_no_ttl_is_kept_as_dramatiqs_redis_backend_keeps_it(
+    db_url: str, backend: PostgresResultBackend
+) -> None:
+    # (Dramatiq passes a message's ``result_ttl=None`` through to the backend as it is)
+    message = a_message()
+    backend.store_result(message, {"answer": 42}, None)  # type: ignore[arg-type]
+    assert backend.get_result(message) == {"answer": 42}
+    key = backend.build_message_key(message)
+    assert scalar(db_url, "SELECT expires_at = 'infinity' FROM standmeet.results WHERE message_key = %s", (key,))
+
+
 def test_pruning_deletes_expired_results_batch_by_batch_and_keeps_live_ones(
     db_url: str, backend: PostgresResultBackend
 ) -> None:
