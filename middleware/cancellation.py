@@ -41,6 +41,12 @@ class Cancellation(Middleware):
             watcher = CancellationWatcher(poll_s=DEFAULT_POLL_S if poll_s is None else poll_s)
         self.watcher: Watcher = watcher
 
+    def after_worker_boot(self, broker: Any, worker: Any) -> None:
+        # a job cancelled while it waits prefetched is given back before it starts
+        watch_prefetched = getattr(self.watcher, "watch_prefetched", None)
+        if watch_prefetched is not None:
+            watch_prefetched(broker)
+
     def before_process_message(self, broker: Any, message: Any) -> None:
         run = message.standmeet_cancel_run = self.watcher.watch(message.message_id)
         deadline.set_run(run)

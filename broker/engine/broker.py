@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import dramatiq
@@ -508,6 +508,23 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
                 if waited:
                     state.claim_lock.release()
             state.wake()
+
+    def prefetched_message_ids(self) -> list[str]:
+        """The message ids this process holds prefetched, not started (the cancellation
+        watcher asks which of them an operator cancelled)."""
+        return [message_id for state in self.queue_states.values() for message_id in state.prefetched_ids()]
+
+    def give_back_cancelled(self, message_ids: Collection[str]) -> int:
+        """Prefetched claims an operator cancelled before they started: taken out of their
+        buffers, never to start here, and given back by their consumers (the give-back
+        rejects them: ``cancelled by … : not run``). How many."""
+        taken = 0
+        for state in self.queue_states.values():
+            taken_here = state.give_back_buffered_of(message_ids)
+            if taken_here:
+                taken += taken_here
+                state.wake()
+        return taken
 
     def give_back_buffered(self, state: QueueState) -> None:
         """Give back, unblamed, what ``state`` holds prefetched, never started here."""

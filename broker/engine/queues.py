@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from dramatiq.broker import MessageProxy
@@ -214,6 +214,21 @@ class QueueState:
         if len(self.buffer) * per_claim_s <= PREFETCH_HOLD_S * self.limit:
             return len(self.buffer)
         return max(self.settings.prefetch_floor, int(self.limit * PREFETCH_HOLD_S / per_claim_s))
+
+    def prefetched_ids(self) -> list[str]:
+        """The message ids of the claims buffered here, not started."""
+        with self.lock:
+            return [claim.message.message_id for claim in self.buffer]
+
+    def give_back_buffered_of(self, message_ids: Collection[str]) -> int:
+        """Take the buffered claims of ``message_ids`` out of the buffer, never to start
+        here: the consumer gives them back (:meth:`take_excess`). How many were taken."""
+        with self.lock:
+            going = [claim for claim in self.buffer if claim.message.message_id in message_ids]
+            if going:
+                self.buffer = deque(claim for claim in self.buffer if claim.message.message_id not in message_ids)
+                self.returning.extend(going)
+        return len(going)
 
     def give_back_later(self, claims: Iterable[Claim]) -> None:
         """Claims whose give-back failed: offered again by :meth:`take_excess`, never started."""

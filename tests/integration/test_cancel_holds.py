@@ -112,6 +112,35 @@ def test_a_run_that_returned_before_the_cancel_was_made_is_recorded_done(broker,
     assert (state, error, cancelled_at is not None) == ("done", None, True)
 
 
+def test_a_prefetched_job_cancelled_before_it_starts_is_given_back_rejected_and_never_runs(
+        broker, database_url, start_worker):
+    # Given the queue's four slots held by running jobs, and a fifth job prefetched behind them
+    held = [f"slot-holder-{n}" for n in range(4)]
+    for key in held:
+        hold.send(key)
+    waiting = hold.send("prefetched-then-cancelled")
+    start_worker(queues=["index"], threads=8)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'slot-holder-%%'") == 4,
+             timeout_s=15, what="the four jobs to start")
+    wait_for(lambda: query(database_url, "SELECT state::text, started_at FROM dramatiq.queue WHERE message_id = %s",
+                           (waiting.message_id,)) == [("consumed", None)], timeout_s=15,
+             what="the fifth to be prefetched, not started")
+    try:
+        # When an operator cancels it while it waits for a slot
+        _cancel(database_url, waiting.message_id)
+        # Then it is given back and rejected before any slot frees: it never runs
+        wait_for(lambda: _row(database_url, waiting.message_id)[0] == "rejected", timeout_s=15,
+                 what="the cancelled job to be given back")
+        _assert_cancelled(database_url, waiting.message_id, "not run")
+    finally:
+        for key in held:
+            query(database_url, "INSERT INTO test_counters (key, value) VALUES (%s, 1)", (f"release:{key}",))
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label LIKE 'slot-holder-%%'"
+                                          " AND finished_at IS NOT NULL") == 4, timeout_s=15,
+             what="the four jobs to end")
+    assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'prefetched-then-cancelled'") == 0
+
+
 def test_a_cancelled_prefetched_message_given_back_is_rejected_not_requeued(broker, database_url):
     message_id, worker, claim = _claimed(database_url, "prefetched", started=False)
     _cancel(database_url, message_id)
