@@ -40,6 +40,18 @@ _ASYNC_COMMIT = "(SELECT set_config('synchronous_commit', 'off', true)) AS async
 _CANCELLED_IN_TIME = ("(q.cancelled_at IS NOT NULL"
                       " AND q.cancelled_at < now() - make_interval(secs => coalesce(o.ended_ago, 0)))")
 
+#: Whether an operator's cancel decides a settled run's outcome: always for a run that is
+#: to run again (a retry, no outcome: it is rejected, not retried), and for a run that
+#: returned only when the cancel was made in time (:data:`_CANCELLED_IN_TIME`).
+_CANCEL_APPLIES = ("(q.cancelled_at IS NOT NULL AND (o.outcome IN ('queued', 'rerun')"
+                   " OR q.cancelled_at < now() - make_interval(secs => coalesce(o.ended_ago, 0))))")
+
+#: A cancelled message never takes its unique key back (the cancel freed it: the same call
+#: sent again may hold it now): recorded done, too late for the cancel, it drops the bit by
+#: which a done message holds its key (4, ``unique.UNIQUE_DONE``).
+_CANCELLED_HOLDS_NO_KEY = ("CASE WHEN q.cancelled_at IS NOT NULL THEN q.unique_states & ~4::smallint"
+                           " ELSE q.unique_states END")
+
 _CANCELLED_BY = (
     "'cancelled by ' || coalesce(q.cancelled_by, 'an operator') || ' at '"
     " || to_char(q.cancelled_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
@@ -202,7 +214,7 @@ WITH outcome AS MATERIALIZED (
 ), settled AS (
     UPDATE dramatiq.queue q
     SET "state" = (CASE WHEN o.outcome = 'rejected' THEN 'rejected'
-                        WHEN """ + _CANCELLED_IN_TIME + """ THEN 'rejected'
+                        WHEN """ + _CANCEL_APPLIES + """ THEN 'rejected'
                         WHEN o.outcome = 'rerun' AND q.runs_without_outcome + 1 >= %(max_runs_without_outcome)s
                              THEN 'rejected'
                         WHEN o.outcome = 'rerun' THEN 'queued'
@@ -214,7 +226,7 @@ WITH outcome AS MATERIALIZED (
         eta = CASE WHEN o.outcome IN ('queued', 'rerun')
                    THEN now() + make_interval(secs => CASE WHEN q.woken_at IS NULL THEN o.delay_s ELSE 0 END)
                    ELSE q.eta END,
-        error = CASE WHEN """ + _CANCELLED_IN_TIME + """
+        error = CASE WHEN """ + _CANCEL_APPLIES + """
                           THEN """ + _CANCELLED_BY + """ || CASE o.outcome
                                WHEN 'done' THEN ': its run returned after the cancellation'
                                WHEN 'rerun' THEN ': its run ended with no outcome; not run again'
@@ -226,14 +238,15 @@ WITH outcome AS MATERIALIZED (
                                || ' (STANDMEET_MAX_RUNS_WITHOUT_OUTCOME); the last: ' || coalesce(o.error, 'no reason given')
                      WHEN o.outcome = 'done' THEN NULL
                      ELSE q.error END,
+        unique_states = """ + _CANCELLED_HOLDS_NO_KEY + """,
         worker_id = NULL, started_at = NULL, mtime = now()
     FROM outcome o, dramatiq.queue was
     WHERE q.message_id = o.message_id AND q.claims = o.claims AND """ + STILL_CLAIMED + """
       AND q.worker_id IS NOT DISTINCT FROM %(worker_id)s::uuid
       AND was.message_id = o.message_id
-    RETURNING q.queue_name, q.message_id, q."state"::text AS state, """ + _CANCELLED_IN_TIME + """ AS cancelled,
+    RETURNING q.queue_name, q.message_id, q."state"::text AS state, """ + _CANCEL_APPLIES + """ AS cancelled,
               q.claims, was.eta AS due_at, o.actor_name, o.started_ago, o.ended_ago, o.hint,
-              CASE WHEN """ + _CANCELLED_IN_TIME + """ OR (o.outcome = 'rerun' AND q."state" = 'rejected') THEN q.error
+              CASE WHEN """ + _CANCEL_APPLIES + """ OR (o.outcome = 'rerun' AND q."state" = 'rejected') THEN q.error
                    ELSE o.error END AS run_error
 )""" + FOLLOWUPS_OF_SETTLED + RAN_OF_SETTLED + RECORD_RAN + RECEIPTS_OF_SETTLED + """UNION ALL
 SELECT pg_notify(standmeet.enqueue_channel(queue_name), '')
@@ -266,6 +279,7 @@ WITH ran_here AS MATERIALIZED (
     SET "state" = (CASE WHEN """ + _CANCELLED_IN_TIME + """ THEN 'rejected' ELSE 'done' END)::dramatiq.state,
         error = CASE WHEN """ + _CANCELLED_IN_TIME + """
                      THEN """ + _CANCELLED_BY + """ || ': its run returned after the cancellation' END,
+        unique_states = """ + _CANCELLED_HOLDS_NO_KEY + """,
         worker_id = NULL, started_at = NULL, mtime = now()
     FROM ran_here o
     WHERE q.message_id = o.message_id AND q.claims = o.claims AND """ + STILL_CLAIMED + """

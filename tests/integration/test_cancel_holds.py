@@ -141,6 +141,78 @@ def test_a_prefetched_job_cancelled_before_it_starts_is_given_back_rejected_and_
     assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'prefetched-then-cancelled'") == 0
 
 
+def _claim_index(url: str, worker: str) -> dict[str, int]:
+    """Claim what the index queue holds for ``worker`` (a process that is not running):
+    claim numbers by message id."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(sql.CLAIM, {"queue": "index", "n": 10, "n_start": 10, "worker_id": worker,
+                                        **CLAIM_SIZES}).fetchall()
+    return {str(r[3]): int(r[1]) for r in rows}
+
+
+def _keyed_rows(url: str, key_of: str) -> list[tuple[str, str, bool]]:
+    return [(str(m), s, live) for m, s, live in query(
+        url, "SELECT message_id, state::text, standmeet.unique_live(unique_states, state) FROM dramatiq.queue"
+             " WHERE unique_key = (SELECT unique_key FROM dramatiq.queue WHERE message_id = %s)"
+             " ORDER BY enqueued_at, message_id", (key_of,))]
+
+
+def test_a_run_to_be_retried_is_rejected_by_a_cancel_made_after_it_ended_and_takes_no_key_back(
+        broker, database_url):
+    from broker.engine.settler import Outcome, settle_params
+    from tests.support import unique_jobs
+
+    # Given a unique job's run that raised a second ago, its retry not yet written, then
+    # cancelled by an operator, and the same call sent again (the cancel freed the key)
+    query(database_url, "DELETE FROM dramatiq.queue WHERE queue_name = 'index'")
+    worker = str(uuid.uuid4())
+    first = unique_jobs.unique_slow.send_with_options(args=("late", 0), unique_key="late-retry")
+    claims = _claim_index(database_url, worker)
+    ended = time.monotonic() - 1.0
+    _cancel(database_url, first.message_id)
+    again = unique_jobs.unique_slow.send_with_options(args=("late", 0), unique_key="late-retry")
+    assert again.message_id != first.message_id
+    # When its retry is settled
+    outcome = Outcome(first.message_id, claims[first.message_id], "index", "queued", None, delay_s=3600,
+                      error="boom", attempt="failed", actor_name="test.unique_slow", started_mono=ended - 1,
+                      ended_mono=ended)
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.SETTLE, {**settle_params([outcome], []), "worker_id": worker, "max_runs_without_outcome": 5})
+    # Then it is rejected, not retried (cancel is final), and the new message alone holds the key
+    _assert_cancelled(database_url, first.message_id, "not retried")
+    assert _keyed_rows(database_url, again.message_id) == [(first.message_id, "rejected", False),
+                                                          (again.message_id, "queued", True)]
+
+
+def test_a_run_done_in_its_period_cancelled_too_late_takes_no_key_back_and_its_batch_settles(
+        broker, database_url):
+    from tests.support import unique_jobs
+
+    # Given a once-an-hour unique job and a plain one, both run to the end a second ago,
+    # their outcomes not yet written; the first cancelled then, and the same call sent again
+    query(database_url, "DELETE FROM dramatiq.queue WHERE queue_name = 'index'")
+    worker = str(uuid.uuid4())
+    first = unique_jobs.unique_per_hour.send("late-done")
+    other = unique_jobs.plain.send("late-done-other")
+    claims = _claim_index(database_url, worker)
+    ended = time.monotonic() - 1.0
+    _cancel(database_url, first.message_id)
+    again = unique_jobs.unique_per_hour.send("late-done")
+    assert again.message_id != first.message_id
+    # When their outcomes are written together
+    now = time.monotonic()
+    ids = [first.message_id, other.message_id]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(sql.SETTLE_DONE, {"ids": ids, "claims": [claims[i] for i in ids], "worker_id": worker,
+                                       "s_ids": [], "s_claims": [], "awaited": [], "actors": ["x", "x"],
+                                       "started_ago": [now - ended + 1] * 2, "ended_ago": [now - ended] * 2})
+    # Then both are done (the cancel came too late), and only the new message holds the key
+    assert _row(database_url, first.message_id)[:2] == ("done", None)
+    assert _row(database_url, other.message_id)[:2] == ("done", None)
+    assert _keyed_rows(database_url, again.message_id) == [(first.message_id, "done", False),
+                                                          (again.message_id, "queued", True)]
+
+
 def test_a_cancelled_prefetched_message_given_back_is_rejected_not_requeued(broker, database_url):
     message_id, worker, claim = _claimed(database_url, "prefetched", started=False)
     _cancel(database_url, message_id)
