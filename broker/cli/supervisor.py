@@ -428,7 +428,9 @@ class Supervisor:
             how = exit_description(ended.returncode)
             if ended not in alive:  # it ended on its own, unseen before the stop: not restarted
                 logger.error("pid %d (%s) %s before the stop; not restarted", ended.pid, child.name, how)
-            elif ended.returncode == 0:
+            elif ended.returncode in (0, -signal.SIGTERM):
+                # (-SIGTERM: the SIGTERM sent here came as the child's interpreter was ending,
+                # its own stop done and its handlers gone: SIGTERM's default action ended it)
                 logger.info("pid %d (%s) stopped", ended.pid, child.name)
             else:
                 logger.warning("pid %d (%s) %s as it stopped", ended.pid, child.name, how)

@@ -9,6 +9,7 @@ that would handle a signal included."""
 from __future__ import annotations
 
 import faulthandler
+import io
 import signal
 import sys
 
@@ -16,7 +17,14 @@ import sys
 STACKS_SIGNAL = signal.SIGUSR1
 
 
-def dump_stacks_on_request() -> None:
+def dump_stacks_on_request() -> bool:
     """From now on, :data:`STACKS_SIGNAL` writes every thread's stack to stderr. Called by
-    the process entry points (worker, scheduler, relay, ``run``) once they log to stderr."""
-    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    the process entry points (worker, scheduler, relay, ``run``) once they log to stderr.
+    Where stderr is no file the interpreter can write to (redirected to a buffer, closed,
+    None under ``pythonw``), nothing is registered and False is returned: the command runs
+    all the same."""
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError, RuntimeError, io.UnsupportedOperation):
+        return False
+    return True

@@ -356,18 +356,20 @@ EXITS_ON_SIGTERM = ("import signal, sys, time\n"
 
 
 def test_the_stop_says_how_each_child_ended_a_crash_just_before_it_included(caplog):
-    # Given a supervisor of three children: one that stops cleanly, one that exits 3 on
-    # SIGTERM, and one that crashed (SIGKILL) an instant before the stop, unseen by a look
+    # Given a supervisor of four children: one that stops cleanly, one that exits 3 on
+    # SIGTERM, one that crashed (SIGKILL) an instant before the stop, unseen by a look,
+    # and one that SIGTERM's default action ends (as a child whose interpreter is ending)
     up = [sys.executable, "-c", EXITS_ON_SIGTERM]
-    supervisor = Supervisor([[*up, "0"], [*up, "3"], [*up, "0"]], env=dict(os.environ), shutdown_s=10,
+    plain = [sys.executable, "-c", "import time; time.sleep(60)"]
+    supervisor = Supervisor([[*up, "0"], [*up, "3"], [*up, "0"], plain], env=dict(os.environ), shutdown_s=10,
                             signals=Signals())
     supervisor.children = [Child(command) for command in supervisor.commands]
     caplog.set_level(logging.INFO, logger="standmeet")
     try:
         for child in supervisor.children:
             supervisor._start(child, restarted=False)
-        clean, failing, crashed = (child.process for child in supervisor.children)
-        assert clean is not None and failing is not None and crashed is not None
+        clean, failing, crashed, ended_by_default = (child.process for child in supervisor.children)
+        assert clean is not None and failing is not None and crashed is not None and ended_by_default is not None
         wait_for(lambda: all(_sigterm_handled(p.pid) for p in (clean, failing)), timeout_s=30,
                  what="the children to handle SIGTERM")
         crashed.kill()
@@ -381,7 +383,8 @@ def test_the_stop_says_how_each_child_ended_a_crash_just_before_it_included(capl
                 child.process.wait()
     # Then each one's end is said, in words for a signal, the crash as not restarted
     lines = [r.getMessage() for r in caplog.records]
-    assert any(line.startswith(f"pid {clean.pid} (") and line.endswith(") stopped") for line in lines), lines
+    for stopped in (clean, ended_by_default):
+        assert any(line.startswith(f"pid {stopped.pid} (") and line.endswith(") stopped") for line in lines), lines
     assert any(line.startswith(f"pid {failing.pid} (") and line.endswith(") exited with 3 as it stopped")
                for line in lines), lines
     assert any(line.startswith(f"pid {crashed.pid} (")
