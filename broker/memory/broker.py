@@ -288,12 +288,14 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             queue = self._queue(proxy.queue_name)
             queue.handed_out -= 1
             again = context is not None and context.requeue_delay_ms is not None
-            if message.message_id in self._cancelled and not rejected:
+            if message.message_id in self._cancelled:
                 # cancelled while it ran: not retried, and rejected even if its run returned
-                returned = not again and context is not None and (context.returned or context.skipped)
-                rejected, again = True, False
+                returned = not again and not rejected and context is not None and (context.returned
+                                                                                    or context.skipped)
                 proxy.options["error"] = ("cancelled by an operator: its run returned after the cancellation"
-                                          if returned else "cancelled by an operator while it ran")
+                                          if returned else "cancelled by an operator: its run was stopped"
+                                          if rejected else "cancelled by an operator: not retried")
+                rejected, again = True, False
             if rejected:
                 self._reject(proxy)
             elif again:
