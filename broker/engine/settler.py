@@ -26,9 +26,16 @@ from broker.engine.codec import followup_params, storable_text
 from broker.errors import CutOff, DatabaseUnavailable, DeadlineExceeded, Deferred
 from broker.pg.long_statement import LongStatement
 from broker.pg.pool import Outage, close_quietly
+from broker.pg.preflight import first_line
 
 if TYPE_CHECKING:
     from broker.engine.unique import UniqueKey
+
+#: What the database refuses a settle for because of what one of its rows holds (a unique
+#: or check violation, a value out of range): the batch is written again one outcome at a
+#: time, and the one refused alone is set aside (:meth:`Settler.settle_apart`). Not a schema
+#: that does not match (every outcome would be refused: they are kept and written again).
+REFUSED_BY_A_ROW: tuple[type[BaseException], ...] = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 
 #: A message a run sent from its after-hooks (a pipeline's next step, a callback): written
 #: with the run's settle, after its delay in seconds, holding its unique key if it has one
@@ -211,7 +218,10 @@ class Settler:
                     return  # stopped, nothing left
                 continue
             try:
-                self.settle_once(outcomes, started)
+                try:
+                    self.settle_once(outcomes, started)
+                except REFUSED_BY_A_ROW:
+                    self.settle_apart(outcomes, started)
                 backoff.reset()
             except Exception as exc:  # never dies: kept, retried with back-off, said once
                 if not self._closed:  # closed: the process exits, and says what was not written
@@ -301,6 +311,31 @@ class Settler:
         for queue_name, count in per_queue.items():
             self._on_settled(queue_name, count)
         return len(outcomes)
+
+    def settle_apart(self, outcomes: Sequence[Outcome], started: Sequence[tuple[str, int]]) -> list[Outcome]:
+        """The database refused a batch for what a row holds (:data:`REFUSED_BY_A_ROW`), not
+        for a lost connection: write each outcome alone, and set aside the one it refuses
+        alone (rejected with the reason: it neither blocks the process's other outcomes, a
+        whole worker's, nor runs again unseen). Returns those set aside. Anything else
+        raises, as a batch's failure does: what is left is kept and written again (an
+        outcome written already is not written twice: its claim has moved on)."""
+        conn = self._connection()
+        if started:
+            self.settle_once([], started)
+        set_aside: list[Outcome] = []
+        for outcome in outcomes:
+            try:
+                self.settle_once([outcome], [])
+            except REFUSED_BY_A_ROW as exc:
+                reason = storable_text(f"its outcome ({outcome.outcome}) could not be written, set aside: "
+                                       f"{type(exc).__name__}: {first_line(exc)}")
+                conn = self._connection()
+                conn.execute(sql.SET_ASIDE_OUTCOME, {"message_id": outcome.message_id, "claims": outcome.claim,
+                                                     "worker_id": self.worker_id, "error": reason})
+                logger.error("message %s: %s; rejected (an operator may retry it)", outcome.message_id, reason)
+                self._on_settled(outcome.queue_name, 1)
+                set_aside.append(outcome)
+        return set_aside
 
     def close(self) -> None:
         with self._lock:  # never held while a connection opens: close does not wait for one

@@ -321,6 +321,17 @@ SET "state" = CASE WHEN q.claims >= %(max_claims)s OR q.cancelled_at IS NOT NULL
 WHERE q.message_id = %(message_id)s AND """ + _THIS_CLAIM + """
 """
 
+#: An outcome the database refuses for what its own row holds (a unique, check or data
+#: error), written alone: set aside, rejected with the reason, so that it blocks no other
+#: outcome of the process and does not run again unseen; an operator may retry it. Only
+#: if it is still the claim it names.
+SET_ASIDE_OUTCOME = """
+UPDATE dramatiq.queue q
+SET "state" = 'rejected', error = %(error)s, worker_id = NULL, started_at = NULL, mtime = now()
+WHERE q.message_id = %(message_id)s AND q.claims = %(claims)s AND """ + STILL_CLAIMED + """
+  AND q.worker_id = %(worker_id)s
+"""
+
 #: Give claimed-but-not-started messages back to their queue, without blame, and wake
 #: its consumers; one cancelled meanwhile is rejected instead, never to run.
 REQUEUE = """
