@@ -367,8 +367,10 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         context: SettleContext | None = getattr(proxy, "standmeet_settle", None)
         followups = context.followups if context is not None else []
         # A run done with its options as claimed leaves them as they are (None): no JSON to make.
-        done_as_claimed = (not rejected and context is not None and context.requeue_delay_ms is None
-                           and (context.returned or context.skipped)
+        # (a skip is done only if its after-hooks did not fail: a snooze whose put-back
+        # raised was not put back, and the job never ran)
+        ended = context is not None and (context.returned or (context.skipped and context.hook_failure is None))
+        done_as_claimed = (not rejected and context is not None and context.requeue_delay_ms is None and ended
                            and getattr(proxy, "standmeet_claimed_options", None) == proxy.options)
         options = None if done_as_claimed else options_json(proxy)
         if options is None and not done_as_claimed:  # what a middleware left cannot be stored
@@ -383,7 +385,7 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "queued", options,
                               delay_s=context.requeue_delay_ms / 1000.0, followups=followups, attempt=attempt,
                               error=attempt_error(proxy, exception, attempt))
-        elif context is not None and (context.returned or context.skipped):
+        elif context is not None and ended:
             outcome = Outcome(proxy.message_id, claim, proxy.queue_name, "done", options, followups=followups)
         else:
             # Neither returned, nor retried, nor rejected: a middleware failed in the middle

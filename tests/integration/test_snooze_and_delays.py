@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 
+import dramatiq
 import pytest
 
+from middleware import Snooze
 from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import SLEEP, on_failure, snooze_n
 
@@ -104,3 +106,30 @@ def test_a_job_woken_while_it_runs_is_due_at_once_when_it_snoozes(broker, databa
              what="the woken job to run again and be done")
     assert scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'woken-1'") == 2
     assert scalar(database_url, "SELECT woken_at FROM dramatiq.queue WHERE message_id = %s", (message.message_id,)) is None
+
+
+#: Runs of ``test.snoozes_too_far`` and their ends, by key (in this process).
+TOO_FAR_RUNS: list[str] = []
+
+
+@dramatiq.actor(actor_name="test.snoozes_too_far", queue_name="index", max_retries=0)
+def snoozes_too_far(key: str) -> None:
+    """Its first run snoozes past the longest delay a message may have (over ten years):
+    the put-back is refused; a later run ends."""
+    TOO_FAR_RUNS.append(key)
+    if TOO_FAR_RUNS.count(key) == 1:
+        raise Snooze(4e8, "come back in thirteen years")
+    TOO_FAR_RUNS.append(f"{key}:ended")
+
+
+def test_a_snooze_whose_put_back_is_refused_is_not_recorded_done_it_runs_again(broker, database_url, start_worker):
+    # Given a job whose snooze cannot be put back (its delay is past the longest allowed)
+    start_worker(queues=["index"], threads=2)
+    message = snoozes_too_far.send("too-far")
+    # When it has been settled
+    wait_for(lambda: "too-far:ended" in TOO_FAR_RUNS, timeout_s=30, what="a run of it to end")
+    wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                            (message.message_id,)) == "done", timeout_s=30, what="it to be done")
+    # Then it was not recorded done after the refused snooze (its body never ran): it ran
+    # again, as a run without an outcome does, and that run ended
+    assert TOO_FAR_RUNS == ["too-far", "too-far", "too-far:ended"]
