@@ -37,7 +37,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from broker import deadline, services
-from broker.errors import DatabaseUnavailable
+from broker.errors import DatabaseUnavailable, DeadlineExceeded
 from broker.pg.pool import (
     SET_LOCAL_STATEMENT_TIMEOUT,
     SET_STATEMENT_TIMEOUT,
@@ -89,7 +89,7 @@ def connection(*, timeout_s: float | None = None) -> Iterator[psycopg.Connection
     if timeout_s is not None:
         limit = timeout_s if limit is None else min(limit, timeout_s)
     session = topology_for(found.url).session_state
-    conn = _checkout(pool, _ms(limit), session=session)
+    conn = _checkout(pool, _ms(limit), session=session, wait_s=limit)
     try:
         if session:
             yield conn
@@ -131,15 +131,25 @@ async def aconnection(*, timeout_s: float | None = None) -> AsyncIterator[psycop
         await conn.close()
 
 
-def _checkout(pool: ConnectionPool, statement_timeout_ms: int, *, session: bool = True) -> psycopg.Connection:
+def _checkout(pool: ConnectionPool, statement_timeout_ms: int, *, session: bool = True,
+              wait_s: float | None = None) -> psycopg.Connection:
     """A pooled connection, its statement_timeout set for the session where the session is
     ours (or kept: :func:`_keeps`). The pool hands out only connections that look alive;
     the SET, when one is needed, is the real check: a connection killed while idle (server
-    restart, pg_terminate_backend) is dropped and replaced once, instead of failing the job."""
+    restart, pg_terminate_backend) is dropped and replaced once, instead of failing the job.
+
+    It waits for a free connection the pool's checkout timeout at most, and no longer than
+    ``wait_s`` (what is left of the job: a wait inside the pool is one no interruption
+    reaches, so the job's time limit would land only once it ended); a wait the job's
+    deadline ended raises :class:`broker.errors.DeadlineExceeded`."""
     for attempt in (1, 2):
+        capped = wait_s is not None and wait_s < pool.timeout
         try:
-            conn = pool.getconn()
+            conn = pool.getconn(timeout=max(0.001, wait_s) if capped and wait_s is not None else None)
         except PoolTimeout as exc:
+            if capped:
+                raise DeadlineExceeded(f"the job's time limit passed while it waited for a database "
+                                       f"connection (all {pool.max_size} were in use)") from exc
             raise DatabaseUnavailable(f"no application connection became free: {exc}") from exc
         if not session:
             return conn  # the deadline is SET LOCAL in the block's own transaction
@@ -188,7 +198,12 @@ def _target_ms(needed_ms: int) -> int:
     return max(1, needed_ms - _slack_ms(needed_ms))
 
 
+#: The longest statement_timeout Postgres takes (an int4 of milliseconds, about 24.8 days):
+#: a longer time limit leaves statements the most Postgres allows.
+MAX_STATEMENT_TIMEOUT_MS = 2_147_483_647
+
+
 def _ms(limit_s: float | None) -> int:
     if limit_s is None:
         return 0  # no limit outside a job
-    return max(1, int(limit_s * 1000))
+    return min(MAX_STATEMENT_TIMEOUT_MS, max(1, int(limit_s * 1000)))

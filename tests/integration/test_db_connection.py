@@ -18,6 +18,7 @@ import pytest
 from psycopg_pool import ConnectionPool
 
 from broker import deadline, services
+from broker.errors import DeadlineExceeded
 from broker.pg import db
 from broker.pg.pool import SET_STATEMENT_TIMEOUT, topology_for, use_settings
 from tests.conftest import configured_broker
@@ -90,6 +91,37 @@ def test_a_statement_past_the_jobs_deadline_is_stopped_by_postgres(broker, job):
         assert "statement timeout" in str(stopped.value)
         assert took < 0.5 + 2.0, took  # the deadline, and a loaded machine's delay at most
         job(0.5)
+
+
+def test_a_time_limit_longer_than_postgres_takes_leaves_statements_the_most_it_allows(broker, job):
+    # Given a job with thirty days left (a statement_timeout Postgres cannot hold)
+    job(30 * 86_400)
+    # When it borrows a connection and runs a statement
+    with db.connection() as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        # Then its statements may run as long as Postgres allows
+        if session_is_ours(services.current().url):
+            assert conn.execute(SHOW_MS).fetchone() == (db.MAX_STATEMENT_TIMEOUT_MS - db.STATEMENT_TIMEOUT_SLACK_MS,)
+
+
+def test_a_job_waiting_for_a_connection_stops_at_its_deadline_not_the_pools_timeout(database_url, job):
+    # Given an application pool of two connections, both borrowed by other jobs
+    with own_services(database_url, pool_max_size=2):
+        pool = services.current().app_pool
+        held = [pool.getconn() for _ in range(pool.max_size)]
+        try:
+            # When a job with half a second left asks for one
+            job(0.5)
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded, match="waited for a database connection"):
+                with db.connection():
+                    pass
+            took = time.monotonic() - started
+        finally:
+            for conn in held:
+                pool.putconn(conn)
+    # Then it stopped at its deadline, not after the pool's checkout timeout (10 s)
+    assert took < 0.5 + 2.0, took
 
 
 def test_a_session_close_enough_to_the_deadline_is_kept_without_a_round_trip(broker, database_url, job, sets,
