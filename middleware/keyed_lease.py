@@ -130,6 +130,25 @@ class PostgresLeases:
                 conn.execute(held.lease.release, params)
 
 
+#: How long a message waits when its lease's own wait cannot be read.
+FALLBACK_BUSY_WAIT_S = 1.0
+
+
+def _busy_wait_s(lease: Lease) -> float:
+    """How long a message waits for its lease: the lease's ``busy_snooze_s``, jittered up
+    to half again (so waiters do not come back together); FALLBACK_BUSY_WAIT_S if that
+    raises or is not a number of seconds."""
+    try:
+        wait = float(lease.busy_snooze_s())
+    except Exception as exc:
+        logger.warning("the lease's busy_snooze_s raised %s: %s; waiting %g s", type(exc).__name__, exc,
+                       FALLBACK_BUSY_WAIT_S)
+        wait = FALLBACK_BUSY_WAIT_S
+    if not 0 <= wait < float("inf"):
+        wait = FALLBACK_BUSY_WAIT_S
+    return wait * (1 + random.random() / 2)
+
+
 class KeyedLease(Middleware):
     #: A run of an actor without a lease costs this policy nothing (``broker.engine.hooks``).
     runs_only_with_options = frozenset({"lease"})
@@ -145,19 +164,27 @@ class KeyedLease(Middleware):
         lease: Lease | None = broker.get_actor(message.actor_name).options.get("lease")
         if lease is None:
             return
-        key = lease.key(message)
+        # Whatever raises here (the key, the take, the wait), Dramatiq would log it and run
+        # the job unleased: the message waits instead, a snooze (bounded by max_snoozes).
+        try:
+            key = lease.key(message)
+        except Exception as exc:
+            wait = _busy_wait_s(lease)
+            logger.warning("%s: the lease key of message %s could not be found (%s: %s); the message waits %.1f s",
+                           message.actor_name, message.message_id, type(exc).__name__, exc, wait)
+            snooze_before_start(message, wait, f"{message.actor_name}: its lease key could not be found")
         if key is None:
             return  # this message needs no lease (the actor records why)
         try:
             taken = self.store.take(lease, key)
-        except Exception as exc:  # raised, Dramatiq would log it and run the job unleased
-            wait = lease.busy_snooze_s() * (1 + random.random() / 2)
+        except Exception as exc:
+            wait = _busy_wait_s(lease)
             logger.warning("%s: could not take the lease of key %s (%s: %s); the message waits %.1f s",
                            message.actor_name, key, type(exc).__name__, exc, wait)
             snooze_before_start(message, wait, f"{message.actor_name}: the lease of key {key} could not be taken")
         if taken is None:
-            wait = lease.busy_snooze_s() * (1 + random.random() / 2)
-            snooze_before_start(message, wait, f"{message.actor_name}: key {key} is busy", label=LEASE_BUSY)
+            snooze_before_start(message, _busy_wait_s(lease), f"{message.actor_name}: key {key} is busy",
+                                label=LEASE_BUSY)
         if taken[0] is None:
             message.standmeet_lease_read = tuple(taken[2:])  # type: ignore[attr-defined]
             return  # the statement found nothing to lease (the actor records why)

@@ -68,6 +68,21 @@ def leased(key: str) -> None:
     bump(key)
 
 
+def _no_key(message: object) -> str:
+    raise KeyError("account")  # a message of an older shape, without the field the key reads
+
+
+#: A lease whose key cannot be found, and whose own wait cannot be read either.
+KEYLESS = Lease(key=_no_key, take="SELECT gen_random_uuid(), %(key)s, %(lease_s)s",
+                release="SELECT %(key)s, %(token)s, %(message_id)s", lease_s=lambda: 5.0,
+                busy_snooze_s=lambda: 1 / 0)
+
+
+@dramatiq.actor(actor_name="attempts.keyless", queue_name="index", lease=KEYLESS)
+def keyless(key: str) -> None:
+    bump(key)
+
+
 #: A lease whose key is always busy (its take finds no row).
 ALWAYS_BUSY = Lease(key=lambda message: message.args[0], take="SELECT 1 WHERE %(key)s IS NULL AND %(lease_s)s > 0",
                     release="SELECT %(key)s, %(token)s, %(message_id)s", lease_s=lambda: 5.0,
@@ -160,6 +175,21 @@ def test_a_job_whose_lease_cannot_be_taken_waits_and_never_runs_without_it(broke
     # Then it waits for a later try, due in the future, and its body never ran
     assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
     assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'unleased'") == 0
+
+
+def test_a_job_whose_lease_key_cannot_be_found_waits_and_never_runs_without_its_lease(
+        broker, database_url, start_worker):
+    # Given a job of a keyed lease whose key raises (and whose wait raises too)
+    start_worker(queues=["index"], threads=2)
+    message = keyless.send("keyless")
+    # When a worker picks it up
+    wait_for(lambda: scalar(database_url, "SELECT (message->'options'->>'snoozes')::int FROM dramatiq.queue"
+                                          " WHERE message_id = %s AND state = 'queued'", (message.message_id,)) == 1,
+             timeout_s=10, what="the job snoozed")
+    # Then it waits for a later try, and its body never ran
+    assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
+    assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'keyless'") == 0
+    broker.flush("index")
 
 
 def test_a_time_limit_due_while_a_skipped_run_is_reported_leaves_the_worker_thread_working(
