@@ -366,9 +366,8 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         key = (proxy.message_id, claim)
         context: SettleContext | None = getattr(proxy, "standmeet_settle", None)
         followups = context.followups if context is not None else []
-        # A run done with its options as claimed leaves them as they are (None): no JSON to make.
-        # (a skip is done only if its after-hooks did not fail: a snooze whose put-back
-        # raised was not put back, and the job never ran)
+        # A run done with its options as claimed leaves them as they are (None): no JSON to make. A
+        # skip is done only if its after-hooks did not fail (a snooze not put back never ran).
         ended = context is not None and (context.returned or (context.skipped and context.hook_failure is None))
         done_as_claimed = (not rejected and context is not None and context.requeue_delay_ms is None and ended
                            and getattr(proxy, "standmeet_claimed_options", None) == proxy.options)
@@ -520,13 +519,10 @@ class StandmeetBroker(DeclaredQueues, dramatiq.Broker):
         """Prefetched claims an operator cancelled before they started: taken out of their
         buffers, never to start here, and given back by their consumers (the give-back
         rejects them: ``cancelled by … : not run``). How many."""
-        taken = 0
-        for state in self.queue_states.values():
-            taken_here = state.give_back_buffered_of(message_ids)
-            if taken_here:
-                taken += taken_here
-                state.wake()
-        return taken
+        taken = [(state, state.give_back_buffered_of(message_ids)) for state in self.queue_states.values()]
+        for state in (state for state, n in taken if n):
+            state.wake()
+        return sum(n for _, n in taken)
 
     def give_back_buffered(self, state: QueueState) -> None:
         """Give back, unblamed, what ``state`` holds prefetched, never started here."""
