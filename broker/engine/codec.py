@@ -251,6 +251,30 @@ def check_options(message: Message | MessageProxy) -> None:
                              f"a text of 1 to {MAX_UNIQUE_KEY_CHARS} characters")
 
 
+#: The options an actor may declare that :data:`NUMERIC_OPTIONS` bounds (a message's
+#: progress, ``retries`` and ``snoozes``, and its own ``delay``, are not an actor's).
+ACTOR_NUMERIC_OPTIONS = frozenset({"max_retries", "min_backoff", "max_backoff", "time_limit", "max_age",
+                                   "result_ttl", "priority", "max_snoozes", "unique_period_s"})
+
+
+def check_actor_options(actor_name: str, options: dict[str, Any]) -> None:
+    """Refuse, as the actor is declared, an option its runs could not use (``time_limit=
+    'abc'``, a negative ``max_snoozes``): :class:`ConfigError` naming the actor, the option
+    and the value. Unchecked, a policy's before-hook would raise at every run, and Dramatiq
+    would log it and run the job without that policy."""
+    for name in options.keys() & ACTOR_NUMERIC_OPTIONS:
+        value = options[name]
+        if name in ("max_retries", "result_ttl") and value is None:
+            continue  # no cap on retries; a result kept until deleted
+        minimum, whole = NUMERIC_OPTIONS[name]
+        maximum = OPTION_MAXIMA.get(name, MAX_OPTION_VALUE)
+        kind = "a whole number" if whole else "a number"
+        if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
+                or not math.isfinite(value) or not minimum <= value <= maximum):
+            raise ConfigError(f"actor {actor_name!r}: option {name}={_short.repr(value)} is not {kind} "
+                              f"from {minimum} to {maximum}")
+
+
 def delay_seconds(delay: Any) -> float:
     """A send's ``delay`` (milliseconds, or None) in seconds; a clear error if it is not one."""
     if delay is None:

@@ -13,6 +13,7 @@ from typing import Any
 from dramatiq.broker import MessageProxy
 from dramatiq.message import Message
 
+from broker.engine.codec import check_actor_options
 from broker.errors import ConfigError
 from broker.settings import PREFETCH_HOLD_S, PREFETCH_HORIZON_S, QueueSettings, Settings
 
@@ -451,6 +452,12 @@ class DeclaredQueues:
     def new_queue(self, queue_name: str, settings: QueueSettings) -> Any:
         """What the broker keeps for a queue it declares (it has a ``settings``)."""
         raise NotImplementedError
+
+    def declare_actor(self, actor: Any) -> None:
+        """An actor whose options its runs could not use is refused as it is declared
+        (:func:`broker.engine.codec.check_actor_options`)."""
+        check_actor_options(actor.actor_name, actor.options)
+        super().declare_actor(actor)  # type: ignore[misc]
 
     def declare_queue(self, queue_name: str) -> None:
         if queue_name not in self.queues:
