@@ -8,8 +8,10 @@ one autocommit statement; no row back means the key is busy: the message **snooz
 callbacks. A take that fails (the database unreachable, a statement timeout) snoozes
 the message the same way: a job never runs without its lease. After the actor —
 returned, raised, cancelled or skipped — the lease is
-given back, only if the token is still ours. The lease outlives the job's time limit,
-so a crashed worker's lease expires by itself. No transaction is held across the
+given back, only if the token is still ours. The lease outlives the job's time limit
+(it is taken for ``lease_s``, or for what is left of the run's limit and
+:data:`LEASE_OUTLIVES_LIMIT_S` more, whichever is longer: a holder is stopped before its
+lease can expire), so a crashed worker's lease expires by itself. No transaction is held across the
 actor's work: each statement commits alone.
 
     @dramatiq.actor(lease=Lease(key=account_of, take=TAKE, release=RELEASE,
@@ -43,6 +45,7 @@ from typing import Any, Protocol
 from dramatiq import Middleware
 from dramatiq.broker import MessageProxy
 
+from broker import deadline
 from middleware.snooze import LEASE_BUSY, snooze_before_start
 
 logger = logging.getLogger("standmeet.middleware")
@@ -116,7 +119,7 @@ class PostgresLeases:
     def take(self, lease: Lease, key: Any) -> tuple[Any, ...] | None:
         with self._db.connection() as conn:
             row: tuple[Any, ...] | None = conn.execute(
-                lease.take, {"key": key, "lease_s": lease.lease_s()}).fetchone()
+                lease.take, {"key": key, "lease_s": outliving_lease_s(lease)}).fetchone()
         return row
 
     def release(self, held: Held, message_id: str) -> None:
@@ -128,6 +131,20 @@ class PostgresLeases:
             with conn.pipeline(), conn.transaction():  # one round trip
                 conn.execute(held.lease.release_lock, params)
                 conn.execute(held.lease.release, params)
+
+
+#: How much longer than what is left of its run's time limit a lease is taken for (the
+#: run's after-hooks and settle, a loaded machine): a lease never expires under a holder
+#: that still runs.
+LEASE_OUTLIVES_LIMIT_S = 5.0
+
+
+def outliving_lease_s(lease: Lease) -> float:
+    """How long to take ``lease`` for: its ``lease_s``, or what is left of this run's time
+    limit and :data:`LEASE_OUTLIVES_LIMIT_S` more, whichever is longer."""
+    lease_s = float(lease.lease_s())
+    left = deadline.remaining_s()
+    return lease_s if left is None else max(lease_s, left + LEASE_OUTLIVES_LIMIT_S)
 
 
 #: How long a message waits when its lease's own wait cannot be read.

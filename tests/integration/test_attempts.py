@@ -12,7 +12,7 @@ from broker.ops import history
 from middleware import Snooze
 from middleware.keyed_lease import Lease
 from middleware.time_limit import TimeLimit
-from tests.support.db import scalar, wait_for
+from tests.support.db import query, scalar, wait_for
 from tests.support.jobs import bump, cooperative_sleep
 
 FINAL = "SELECT count(*) FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[]) AND state IN ('done', 'rejected')"
@@ -81,6 +81,35 @@ KEYLESS = Lease(key=_no_key, take="SELECT gen_random_uuid(), %(key)s, %(lease_s)
 @dramatiq.actor(actor_name="attempts.keyless", queue_name="index", lease=KEYLESS)
 def keyless(key: str) -> None:
     bump(key)
+
+
+#: A lease of a row with a database-clock expiry, taken for one second: far shorter than
+#: its jobs' time limit (the queue's, 30 s).
+SHORT_TAKE = """
+INSERT INTO test_short_leases (key, token, until)
+VALUES (%(key)s, gen_random_uuid(), clock_timestamp() + make_interval(secs => %(lease_s)s))
+ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token, until = EXCLUDED.until
+    WHERE test_short_leases.until < clock_timestamp()
+RETURNING token::text
+"""
+SHORT = Lease(key=lambda message: message.args[0], take=SHORT_TAKE,
+              release="DELETE FROM test_short_leases WHERE key = %(key)s AND token = %(token)s::uuid",
+              lease_s=lambda: 1.0, busy_snooze_s=lambda: 0.1)
+#: How many runs of a key hold its short lease at once, now and at most.
+SHORT_HOLDERS = {"now": 0, "most": 0}
+SHORT_LOCK = threading.Lock()
+
+
+@dramatiq.actor(actor_name="attempts.short_leased", queue_name="index", max_retries=0, lease=SHORT)
+def short_leased(key: str) -> None:
+    with SHORT_LOCK:
+        SHORT_HOLDERS["now"] += 1
+        SHORT_HOLDERS["most"] = max(SHORT_HOLDERS["most"], SHORT_HOLDERS["now"])
+    try:
+        cooperative_sleep(2.5)  # longer than the lease's own second
+    finally:
+        with SHORT_LOCK:
+            SHORT_HOLDERS["now"] -= 1
 
 
 #: A lease whose key is always busy (its take finds no row).
@@ -190,6 +219,25 @@ def test_a_job_whose_lease_key_cannot_be_found_waits_and_never_runs_without_its_
     assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
     assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'keyless'") == 0
     broker.flush("index")
+
+
+def test_a_lease_shorter_than_its_jobs_time_limit_never_expires_under_a_holder_that_still_runs(
+        broker, database_url, start_worker):
+    # Given two jobs of one key, each running 2.5 s under a lease the actor takes for 1 s
+    query(database_url, "CREATE TABLE IF NOT EXISTS test_short_leases (key text PRIMARY KEY, token uuid,"
+                        " until timestamptz)")
+    try:
+        start_worker(queues=["index"], threads=4)
+        sent = [short_leased.send("one-key") for _ in range(2)]
+        # When both have run
+        for message in sent:
+            wait_for(lambda m=message: scalar(database_url, "SELECT state::text FROM dramatiq.queue"
+                                                            " WHERE message_id = %s", (m.message_id,)) == "done",
+                     timeout_s=60, what=f"{message.message_id} to be done")
+        # Then they never held the key at once: the lease was taken for the time limit left
+        assert SHORT_HOLDERS["most"] == 1
+    finally:
+        query(database_url, "DROP TABLE IF EXISTS test_short_leases")
 
 
 def test_a_time_limit_due_while_a_skipped_run_is_reported_leaves_the_worker_thread_working(
