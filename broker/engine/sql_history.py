@@ -90,13 +90,18 @@ WHERE ctid = ANY(ARRAY(
 """
 
 #: Delete one batch of the periodic jobs' claimed periods older than the retention, each
-#: job's latest kept (what ``status`` shows). A period is claimed only while current (an
-#: interval's) or up to an hour after its fire time (cron's): the retention is at least a day.
+#: job's latest kept (what ``status`` shows). A claimed period is kept as long as it can
+#: be claimed again: an interval's while it is current (its start and the job's declared
+#: interval: a period of a changed interval may start before the old one's latest), a cron
+#: fire time's up to an hour after it; then for the retention, at least a day.
 PRUNE_PERIODIC_RUNS = """
 DELETE FROM standmeet.periodic_runs
 WHERE ctid = ANY(ARRAY(
     SELECT r.ctid FROM standmeet.periodic_runs r
-    WHERE r.period_start < now() - make_interval(secs => greatest(%(retention_s)s, 86400))
+    LEFT JOIN standmeet.periodic_schedules s ON s.job = r.job
+    WHERE r.period_start < now() - make_interval(secs => greatest(%(retention_s)s, 86400)
+                                                         + coalesce(s.interval_s, CASE WHEN s.cron IS NULL
+                                                                                       THEN 0 ELSE 3600 END))
       AND r.period_start < (SELECT max(l.period_start) FROM standmeet.periodic_runs l WHERE l.job = r.job)
     LIMIT %(batch)s
 ))

@@ -157,3 +157,21 @@ def test_claimed_periods_past_the_retention_are_pruned_and_each_jobs_latest_is_k
                                               " WHERE job = 'pruned-daily' ORDER BY period_start DESC")]
     assert days == list(range(0, 15)) or days == list(range(0, 14)), days
     assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = 'pruned-gone'") == 1
+
+
+def test_a_period_of_a_changed_interval_is_kept_while_it_can_be_claimed_again(broker, database_url):
+    from broker.maintenance import prune_messages
+
+    # Given a job whose interval changed to 25 days: its current period started 20 days
+    # ago, before the period the old interval claimed yesterday (its latest)
+    query(database_url, "INSERT INTO standmeet.periodic_schedules (job, actor, interval_s)"
+                        " VALUES ('interval-changed', 'test.tick', 25 * 86400)"
+                        " ON CONFLICT (job) DO UPDATE SET interval_s = EXCLUDED.interval_s, cron = NULL")
+    query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id)"
+                        " VALUES ('interval-changed', now() - interval '20 days', gen_random_uuid()),"
+                        "        ('interval-changed', now() - interval '1 day', gen_random_uuid())")
+    # When the retention job runs (history kept 14 days)
+    prune_messages()
+    # Then the current period's claim is kept (deleted, the next tick would claim it again)
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = 'interval-changed'"
+                                " AND period_start < now() - interval '19 days'") == 1
