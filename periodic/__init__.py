@@ -85,6 +85,12 @@ ON CONFLICT (job, period_start) DO NOTHING
 RETURNING message_id, period_start
 """
 DATABASE_NOW = "SELECT now()"
+#: A period whose message a unique key folded into a live one names that one (the claim
+#: is made before the send, in the same transaction).
+RECLAIM_FOR = """
+UPDATE standmeet.periodic_runs SET message_id = %(message_id)s::uuid
+WHERE job = %(job)s AND period_start = %(period_start)s
+"""
 
 #: A scheduler says which jobs it runs and on what schedule (the last one to start wins).
 PUBLISH_SCHEDULE = """
@@ -175,8 +181,9 @@ def reschedule_if_stepped(scheduler: BaseScheduler, jobs: list[PeriodicJob], clo
 def tick(job: PeriodicJob) -> str | None:
     """Enqueue ``job`` for the database's current period unless some scheduler already did.
 
-    Returns the message id when this call enqueued it, None when it was already done
-    (or, for cron, when no fire time is due). This process's clock plays no part.
+    Returns the message id when this call enqueued it (for a unique actor whose key a
+    live message holds, that message's: the period names it), None when it was already
+    done (or, for cron, when no fire time is due). This process's clock plays no part.
     """
     message = build_message(job.actor, kwargs=job.kwargs)
     with db.connection() as conn, conn.transaction():
@@ -195,8 +202,13 @@ def tick(job: PeriodicJob) -> str | None:
             ).fetchone()
         if row is None:
             return None
-        enqueue_message(conn, message)
-    period: datetime = row[1]
+        written = enqueue_message(conn, message)
+        period: datetime = row[1]
+        if written.message_id != message.message_id:  # a unique actor's key is held: the period is its
+            conn.execute(RECLAIM_FOR, {"job": job.name, "period_start": period, "message_id": written.message_id})
+            logger.info("periodic %s: %s not enqueued for the period starting %s: its unique key is held by "
+                        "message %s", job.name, job.actor, period.isoformat(), written.message_id)
+            return written.message_id
     logger.info("periodic %s: enqueued %s for the period starting %s", job.name, job.actor, period.isoformat())
     return message.message_id
 

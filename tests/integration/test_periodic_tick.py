@@ -175,3 +175,20 @@ def test_a_period_of_a_changed_interval_is_kept_while_it_can_be_claimed_again(br
     # Then the current period's claim is kept (deleted, the next tick would claim it again)
     assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_runs WHERE job = 'interval-changed'"
                                 " AND period_start < now() - interval '19 days'") == 1
+
+
+def test_a_period_a_unique_key_folded_into_a_live_message_names_that_message(broker, database_url):
+    from tests.support import unique_jobs  # noqa: F401  (declares test.unique)
+
+    # Given two periodic jobs of a unique actor with the same arguments (one key)
+    first = PeriodicJob("unique-first", "test.unique", interval_s=3600, kwargs={"label": "periodic-key"})
+    second = PeriodicJob("unique-second", "test.unique", interval_s=3600, kwargs={"label": "periodic-key"})
+    # When both tick: the second's message is folded into the first's
+    enqueued, folded = tick(first), tick(second)
+    # Then both periods name the one message that exists, and the tick says which
+    assert folded == enqueued
+    rows = query(database_url, "SELECT r.job, r.message_id::text, q.message_id IS NOT NULL FROM standmeet.periodic_runs r"
+                               " LEFT JOIN dramatiq.queue q ON q.message_id = r.message_id"
+                               " WHERE r.job IN ('unique-first', 'unique-second') ORDER BY r.job")
+    assert rows == [("unique-first", enqueued, True), ("unique-second", enqueued, True)]
+    broker.flush("index")
