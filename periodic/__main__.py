@@ -130,10 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     publish_at = time.monotonic() + PUBLISH_RETRY_S
     now = utcnow()
     for job in jobs:
-        try:  # the current period first; then on each period boundary
-            tick_or_say(job)
-        except Exception:
-            logger.exception("periodic %s: first tick failed; the next boundary will try again", job.name)
+        # the current period first (not once stopping, nor while the database does not
+        # answer: each try would wait out a connection's timeout before the scheduler, or
+        # its stop, could start; its own ticks claim the period once it is back)
+        if not stop.is_set() and not broker.outage.down:
+            try:
+                tick_or_say(job)
+            except Exception:
+                logger.exception("periodic %s: first tick failed; the next boundary will try again", job.name)
         scheduler.add_job(  # on its interval's boundaries, or every CRON_TICK_S for a cron job
             tick_or_say, trigger(job, now),
             args=[job], id=job.name, name=job.name, max_instances=1, coalesce=True,

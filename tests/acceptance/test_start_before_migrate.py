@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,28 @@ def test_a_scheduler_started_while_the_database_is_down_records_its_schedules_on
     text = log.read_text()
     assert text.count("could not record the periodic schedules") == 1, text  # said once
     assert "recorded the periodic schedules" in text, text
+
+
+def test_a_scheduler_started_while_the_database_is_down_stops_at_once_when_asked(
+        database_url, subprocess_env, tmp_path):
+    # Given the scheduler of the application's periodic jobs, started while its database
+    # does not answer (each first tick would wait out a connection's timeout)
+    from tests.support.proxy import PostgresProxy
+
+    proxy = PostgresProxy(database_url)
+    proxy.cut()
+    log = tmp_path / "scheduler.log"
+    try:
+        with running(SCHEDULER, {**subprocess_env, "DATABASE_URL": proxy.url}, log=log) as scheduler:
+            wait_for(lambda: says(log, "could not record the periodic schedules"), timeout_s=60,
+                     what="the scheduler to say it could not record its schedules")
+            # When it is asked to stop
+            asked = time.monotonic()
+            scheduler.send_signal(signal.SIGTERM)
+            code = exit_status(scheduler, log, timeout_s=60)
+            took = time.monotonic() - asked
+    finally:
+        proxy.close()
+    # Then it stops within a connection's timeout, not one for each of its jobs
+    assert code == 0, log.read_text()
+    assert took < 25, (took, log.read_text())
