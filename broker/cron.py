@@ -4,7 +4,8 @@ Five fields, as crontab(5) writes them: minute (0-59), hour (0-23), day of month
 month (1-12 or ``jan``-``dec``), day of week (0-7, 0 and 7 both Sunday, or ``sun``-``sat``).
 Each field is ``*``, a value, a range ``a-b``, a step ``*/n`` or ``a-b/n``, or a list of
 those separated by commas. When both day fields are restricted, a day matching either
-one is due (as cron has always done).
+one is due (as cron has always done); a day field that starts with ``*`` (``*``, ``*/2``)
+does not restrict in that sense: then a day must match both, as in Vixie cron.
 
 Times are wall-clock times in the job's zone (an IANA name: ``Europe/Berlin``), across
 daylight-saving changes:
@@ -122,7 +123,8 @@ def parse_cron(expression: str, zone: str = "UTC") -> Cron:
     minutes, hours, days, months, weekdays = sets
     weekdays = frozenset(d % 7 for d in weekdays)
     cron = Cron(expression=" ".join(parts), zone=zone, minutes=minutes, hours=hours, days=days, months=months,
-                weekdays=weekdays, days_restricted=parts[2] != "*", weekdays_restricted=parts[4] != "*")
+                weekdays=weekdays, days_restricted=not parts[2].startswith("*"),
+                weekdays_restricted=not parts[4].startswith("*"))
     if cron.next(datetime(2000, 1, 1, tzinfo=timezone.utc)) is None:
         raise ConfigError(f"cron {expression!r} is never due (no such day in any year)")
     return cron

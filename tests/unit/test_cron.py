@@ -85,6 +85,12 @@ def test_a_day_of_month_and_a_weekday_both_given_fire_on_either_as_cron_does():
     assert [t.strftime("%d %a") for t in times] == ["07 Sat", "13 Fri", "14 Sat"]
 
 
+def test_a_day_field_that_starts_with_a_star_and_a_step_narrows_the_other_as_vixie_cron_does():
+    # every other day of the month *and* a Monday: not every odd day or every Monday
+    times = fire_times("0 0 */2 * mon", "UTC", datetime(2024, 1, 1, tzinfo=UTC), 3)
+    assert [t.strftime("%d %a") for t in times] == ["15 Mon", "29 Mon", "05 Mon"]
+
+
 def test_29_february_is_found_years_ahead():
     assert fire_times("0 0 29 2 *", "UTC", datetime(2026, 12, 1, tzinfo=UTC), 1) == [datetime(2028, 2, 29, tzinfo=UTC)]
 
