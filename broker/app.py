@@ -30,6 +30,7 @@ Declaring the same name twice with different values is an error, not a silent wi
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -71,6 +72,13 @@ class PeriodicJob:
     def __post_init__(self) -> None:
         if (self.interval_s is None) == (self.cron is None):
             raise ConfigError(f"periodic job {self.name!r}: give interval_s or cron, one of them")
+        try:  # every tick sends them: refused now, not at each tick
+            if not isinstance(self.kwargs, dict) or not all(isinstance(key, str) for key in self.kwargs):
+                raise TypeError("not a dict with text keys")
+            json.dumps(self.kwargs, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ConfigError(f"periodic job {self.name!r}: its kwargs are not JSON a message can carry "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if self.interval_s is not None:
             if not 0 < self.interval_s <= INTERVAL_MOST_S:
                 raise ConfigError(f"periodic job {self.name!r}: interval_s must be > 0 and at most"

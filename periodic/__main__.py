@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         # The budget of the queues a worker of these modules serves: the one `run` checks.
         budget = check_budget(settings, served_queues())
         jobs = load_jobs(args.jobs) if args.jobs else periodic_jobs()
+        names = [job.name for job in jobs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:  # each name is one schedule, one claim per period: two would fight over it
+            raise ConfigError(f"periodic job name(s) given more than once: {', '.join(twice)}")
         unknown = [f"{job.name} ({job.actor})" for job in jobs if job.actor not in broker.actors]
         if unknown:  # it could never be enqueued: every tick would fail
             raise ConfigError(f"periodic job(s) for an actor no loaded module declares: {', '.join(unknown)}")

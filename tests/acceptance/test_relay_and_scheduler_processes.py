@@ -139,3 +139,12 @@ def test_a_scheduler_refuses_a_periodic_job_for_an_actor_no_module_declares(brok
     assert done.returncode == 78, done.stderr
     assert "Traceback" not in done.stderr
     assert "test-ghost (test.no_such_actor)" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_a_scheduler_refuses_a_table_that_names_a_job_twice(broker, subprocess_env, tmp_path):
+    cmd = [sys.executable, "-m", "periodic", "--jobs", "tests.support.periodic_jobs:TWICE"]
+    done = subprocess.run(cmd, env=subprocess_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # Then it refuses to start, in one line naming the job
+    assert done.returncode == 78, done.stderr
+    assert "periodic job name(s) given more than once: test-twice" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

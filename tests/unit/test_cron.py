@@ -144,3 +144,10 @@ def test_a_zone_that_names_a_folder_of_zones_is_refused_as_not_a_zone(zone):
 def test_an_interval_beyond_a_year_or_not_positive_is_refused_in_one_line(interval_s):
     with pytest.raises(ConfigError, match="interval_s must be > 0 and at most 31,622,400"):
         PeriodicJob("rare", "a.b", interval_s=interval_s)
+
+
+@pytest.mark.parametrize("kwargs", [{"label": object()}, {"n": float("nan")}, {1: "key not text"}, ["not", "a dict"]],
+                         ids=["an object", "nan", "a key not text", "a list"])
+def test_a_periodic_job_whose_kwargs_a_message_cannot_carry_is_refused_as_it_is_declared(kwargs):
+    with pytest.raises(ConfigError, match="^periodic job 'bad-kwargs': its kwargs are not JSON a message can carry"):
+        PeriodicJob("bad-kwargs", "test.tick", interval_s=60, kwargs=kwargs)
