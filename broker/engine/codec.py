@@ -226,6 +226,19 @@ def _storable_json(value: Any) -> bool:
     return True
 
 
+def numeric_option_wanted(name: str, value: Any) -> str | None:
+    """What the numeric option ``name`` must be (``a whole number from 0 to …``) when
+    ``value`` is not that, or None when its runs can use it: its kind and bounds are
+    :data:`NUMERIC_OPTIONS`' (and :data:`OPTION_MAXIMA`'). A message's options and an
+    actor's are judged by it alike."""
+    minimum, whole = NUMERIC_OPTIONS[name]
+    maximum = OPTION_MAXIMA.get(name, MAX_OPTION_VALUE)
+    if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
+            or not math.isfinite(value) or not minimum <= value <= maximum):
+        return f"{'a whole number' if whole else 'a number'} from {minimum} to {maximum}"
+    return None
+
+
 def check_options(message: Message | MessageProxy) -> None:
     """Refuse a message whose Dramatiq options hold a value its run could not use
     (``max_retries='3'``, a negative ``time_limit``…), naming the option and the value."""
@@ -234,13 +247,10 @@ def check_options(message: Message | MessageProxy) -> None:
         value = options[name]
         if name in ("max_retries", "priority", "delay") and value is None:
             continue  # no cap on retries; the actor's priority; no delay
-        minimum, whole = NUMERIC_OPTIONS[name]
-        maximum = OPTION_MAXIMA.get(name, MAX_OPTION_VALUE)
-        kind = "a whole number" if whole else "a number"
-        if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
-                or not math.isfinite(value) or not minimum <= value <= maximum):
+        wanted = numeric_option_wanted(name, value)
+        if wanted is not None:
             raise InvalidMessage(f"option {name}={_short.repr(value)} of a message to {message.actor_name!r} is not "
-                                 f"{kind} from {minimum} to {maximum}")
+                                 f"{wanted}")
     for name in options.keys() & BOOLEAN_OPTIONS:
         if not isinstance(options[name], bool):
             raise InvalidMessage(f"option {name}={options[name]!r} of a message to {message.actor_name!r} "
@@ -266,13 +276,9 @@ def check_actor_options(actor_name: str, options: dict[str, Any]) -> None:
         value = options[name]
         if name in ("max_retries", "result_ttl") and value is None:
             continue  # no cap on retries; a result kept until deleted
-        minimum, whole = NUMERIC_OPTIONS[name]
-        maximum = OPTION_MAXIMA.get(name, MAX_OPTION_VALUE)
-        kind = "a whole number" if whole else "a number"
-        if (isinstance(value, bool) or not isinstance(value, int | float) or (whole and not isinstance(value, int))
-                or not math.isfinite(value) or not minimum <= value <= maximum):
-            raise ConfigError(f"actor {actor_name!r}: option {name}={_short.repr(value)} is not {kind} "
-                              f"from {minimum} to {maximum}")
+        wanted = numeric_option_wanted(name, value)
+        if wanted is not None:
+            raise ConfigError(f"actor {actor_name!r}: option {name}={_short.repr(value)} is not {wanted}")
 
 
 def delay_seconds(delay: Any) -> float:
