@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,29 +88,37 @@ def test_a_worker_stopped_while_it_waits_for_the_schema_exits_cleanly(new_databa
     assert "worker stopped before it started" in text and "Traceback" not in text, text
 
 
-def test_a_scheduler_started_while_the_database_is_down_records_its_schedules_once_it_is_back(
-        database_url, subprocess_env, tmp_path):
-    # Given the scheduler started while its database does not answer
+@contextmanager
+def scheduler_cut_off(database_url: str, env: dict[str, str], log: Path) -> Iterator[tuple[Any, Any]]:
+    """The scheduler, started while its database does not answer (a relay in front of it,
+    cut), once it has said it could not record its schedules: (the process, the relay)."""
     from tests.support.proxy import PostgresProxy
 
     proxy = PostgresProxy(database_url)
-    scalar(database_url, "DELETE FROM standmeet.periodic_schedules")
     proxy.cut()
-    log = tmp_path / "scheduler.log"
     try:
-        with running(SCHEDULER, {**subprocess_env, "DATABASE_URL": proxy.url}, log=log) as scheduler:
+        with running(SCHEDULER, {**env, "DATABASE_URL": proxy.url}, log=log) as scheduler:
             wait_for(lambda: says(log, "could not record the periodic schedules"), timeout_s=60,
                      what="the scheduler to say it could not record its schedules")
-            assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_schedules") == 0
-            # When the database is back
-            proxy.restore()
-            # Then it records them, without a restart
-            wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.periodic_schedules"),
-                     timeout_s=60, what="the schedules recorded")
-            scheduler.send_signal(signal.SIGTERM)
-            assert scheduler.wait(timeout=60) == 0, log.read_text()
+            yield scheduler, proxy
     finally:
         proxy.close()
+
+
+def test_a_scheduler_started_while_the_database_is_down_records_its_schedules_once_it_is_back(
+        database_url, subprocess_env, tmp_path):
+    # Given the scheduler started while its database does not answer
+    scalar(database_url, "DELETE FROM standmeet.periodic_schedules")
+    log = tmp_path / "scheduler.log"
+    with scheduler_cut_off(database_url, subprocess_env, log) as (scheduler, proxy):
+        assert scalar(database_url, "SELECT count(*) FROM standmeet.periodic_schedules") == 0
+        # When the database is back
+        proxy.restore()
+        # Then it records them, without a restart
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.periodic_schedules"),
+                 timeout_s=60, what="the schedules recorded")
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(timeout=60) == 0, log.read_text()
     text = log.read_text()
     assert text.count("could not record the periodic schedules") == 1, text  # said once
     assert "recorded the periodic schedules" in text, text
@@ -118,22 +128,13 @@ def test_a_scheduler_started_while_the_database_is_down_stops_at_once_when_asked
         database_url, subprocess_env, tmp_path):
     # Given the scheduler of the application's periodic jobs, started while its database
     # does not answer (each first tick would wait out a connection's timeout)
-    from tests.support.proxy import PostgresProxy
-
-    proxy = PostgresProxy(database_url)
-    proxy.cut()
     log = tmp_path / "scheduler.log"
-    try:
-        with running(SCHEDULER, {**subprocess_env, "DATABASE_URL": proxy.url}, log=log) as scheduler:
-            wait_for(lambda: says(log, "could not record the periodic schedules"), timeout_s=60,
-                     what="the scheduler to say it could not record its schedules")
-            # When it is asked to stop
-            asked = time.monotonic()
-            scheduler.send_signal(signal.SIGTERM)
-            code = exit_status(scheduler, log, timeout_s=60)
-            took = time.monotonic() - asked
-    finally:
-        proxy.close()
+    with scheduler_cut_off(database_url, subprocess_env, log) as (scheduler, _):
+        # When it is asked to stop
+        asked = time.monotonic()
+        scheduler.send_signal(signal.SIGTERM)
+        code = exit_status(scheduler, log, timeout_s=60)
+        took = time.monotonic() - asked
     # Then it stops within a connection's timeout, not one for each of its jobs
     assert code == 0, log.read_text()
     assert took < 25, (took, log.read_text())

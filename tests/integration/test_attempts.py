@@ -7,6 +7,7 @@ import threading
 
 import dramatiq
 import psycopg
+import pytest
 
 from broker.ops import history
 from middleware import Snooze
@@ -193,31 +194,20 @@ def test_a_job_that_calls_another_actors_function_keeps_its_own_time_limit(broke
     assert scalar(database_url, "SELECT value FROM test_counters WHERE key = 'calls-a-step'") == 1
 
 
-def test_a_job_whose_lease_cannot_be_taken_waits_and_never_runs_without_it(broker, database_url, start_worker):
-    # Given a job of a keyed lease whose take fails
+@pytest.mark.parametrize("actor, key", [(leased, "unleased"), (keyless, "keyless")],
+                         ids=["its take fails", "its key raises, and its wait too"])
+def test_a_job_whose_lease_cannot_be_had_waits_and_never_runs_without_it(broker, database_url, start_worker,
+                                                                        actor, key):
+    # Given a job of a keyed lease that cannot be had
     start_worker(queues=["index"], threads=2)
-    message = leased.send("unleased")
+    message = actor.send(key)
     # When a worker picks it up
     wait_for(lambda: scalar(database_url, "SELECT (message->'options'->>'snoozes')::int FROM dramatiq.queue"
                                           " WHERE message_id = %s AND state = 'queued'", (message.message_id,)) == 1,
              timeout_s=10, what="the job snoozed")
     # Then it waits for a later try, due in the future, and its body never ran
     assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
-    assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'unleased'") == 0
-
-
-def test_a_job_whose_lease_key_cannot_be_found_waits_and_never_runs_without_its_lease(
-        broker, database_url, start_worker):
-    # Given a job of a keyed lease whose key raises (and whose wait raises too)
-    start_worker(queues=["index"], threads=2)
-    message = keyless.send("keyless")
-    # When a worker picks it up
-    wait_for(lambda: scalar(database_url, "SELECT (message->'options'->>'snoozes')::int FROM dramatiq.queue"
-                                          " WHERE message_id = %s AND state = 'queued'", (message.message_id,)) == 1,
-             timeout_s=10, what="the job snoozed")
-    # Then it waits for a later try, and its body never ran
-    assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
-    assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'keyless'") == 0
+    assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = %s", (key,)) == 0
     broker.flush("index")
 
 

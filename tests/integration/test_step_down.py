@@ -30,9 +30,11 @@ from tests.support.jobs import (
     CUED_RUNS,
     CUES,
     CUT_RUNS,
-    cooperative_sleep,
+    SECOND_RUNS,
     ended_on_cue,
     held_through_a_cut,
+    result_once_the_second_run_returns,
+    second_run_returns,
 )
 
 END_SESSIONS = """
@@ -145,43 +147,18 @@ def test_a_step_down_never_interrupts_a_run_that_has_already_ended(
                for r in caplog.records)
 
 
-#: Runs of ``test.stored_after_a_cut`` by key; the cue its second run of a key ends on.
-STORED_RUNS: list[str] = []
-SECOND_RUN_ENDS = threading.Event()
-
-
-@dramatiq.actor(actor_name="test.stored_after_a_cut", queue_name="index", max_retries=0, store_results=True)
-def stored_after_a_cut(key: str) -> str:
-    """Its result is kept. The first run of ``key`` sleeps a minute (cooperatively: an
-    interruption lands); the second ends on :data:`SECOND_RUN_ENDS`, with the result."""
-    first = key not in STORED_RUNS
-    STORED_RUNS.append(key)
-    if first:
-        cooperative_sleep(60)
-        return "the first run's"
-    SECOND_RUN_ENDS.wait(30)
-    return "the second run's"
-
-
 def test_a_run_a_step_down_interrupted_stores_no_result_a_waiter_gets_the_run_that_ends(
         broker, database_url, start_worker):
     # Given a job whose result is kept, running
-    from dramatiq.results import ResultMissing
-
     start_worker(queues=["index"], threads=2)
-    message = stored_after_a_cut.send("cut-result")
-    wait_for(lambda: STORED_RUNS.count("cut-result") == 1, timeout_s=10, what="the first run to start")
+    message = second_run_returns.send("cut-result", "sleeps")
+    wait_for(lambda: SECOND_RUNS.count("cut-result") == 1, timeout_s=10, what="the first run to start")
     # When the worker steps down, interrupting it, and it runs again
     broker.liveness.step_down(broker.settings.step_down_after_s)
-    wait_for(lambda: STORED_RUNS.count("cut-result") == 2, timeout_s=30, what="the second run to start")
-    # Then while the second run runs, no result is there (none was stored for the first)
-    try:
-        with pytest.raises(ResultMissing):
-            message.get_result(block=False)
-    finally:
-        SECOND_RUN_ENDS.set()
-    # And a waiter gets the result of the run that ended
-    assert message.get_result(block=True, timeout=20_000) == "the second run's"
+    wait_for(lambda: SECOND_RUNS.count("cut-result") == 2, timeout_s=30, what="the second run to start")
+    # Then while the second run runs, no result is there (none was stored for the first),
+    # and a waiter gets the result of the run that ended
+    assert result_once_the_second_run_returns(message, "cut-result") == "the second run's"
 
 
 def test_a_worker_back_from_a_cut_says_which_claims_it_lost_and_writes_no_stale_settle(

@@ -230,3 +230,38 @@ def woken_while_snoozing(key: str) -> None:
             conn.execute("UPDATE dramatiq.queue SET woken_at = now() WHERE message_id = %s::uuid", (_message_id(),))
         raise Snooze(60, reason=f"{key} waits for another job")
     record_finish(run)
+
+
+#: Runs of ``test.second_run_returns``, by key (in this process); the cue each key's
+#: second run ends on.
+SECOND_RUNS: list[str] = []
+SECOND_RUN_ENDS: dict[str, threading.Event] = {}
+
+
+@dramatiq.actor(actor_name="test.second_run_returns", queue_name="index", max_retries=0, store_results=True)
+def second_run_returns(key: str, first: str) -> str:
+    """Its result is kept. The first run of ``key`` fails (``first="fails"``) or sleeps a
+    minute, cooperatively, so an interruption lands (``"sleeps"``); the second returns once
+    :data:`SECOND_RUN_ENDS` ``[key]`` is set."""
+    SECOND_RUNS.append(key)
+    if SECOND_RUNS.count(key) == 1:
+        if first == "fails":
+            raise RuntimeError(f"the first run of {key} failed")
+        cooperative_sleep(60)
+        return "the first run's"
+    SECOND_RUN_ENDS.setdefault(key, threading.Event()).wait(30)
+    return "the second run's"
+
+
+def result_once_the_second_run_returns(message: dramatiq.Message, key: str) -> object:
+    """While the second run of ``key`` runs, no result is there (``ResultMissing``); once it
+    returns, what a waiter gets."""
+    import pytest
+    from dramatiq.results import ResultMissing
+
+    try:
+        with pytest.raises(ResultMissing):
+            message.get_result(block=False)
+    finally:
+        SECOND_RUN_ENDS.setdefault(key, threading.Event()).set()
+    return message.get_result(block=True, timeout=20_000)
