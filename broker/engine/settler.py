@@ -319,7 +319,6 @@ class Settler:
         whole worker's, nor runs again unseen). Returns those set aside. Anything else
         raises, as a batch's failure does: what is left is kept and written again (an
         outcome written already is not written twice: its claim has moved on)."""
-        conn = self._connection()
         if started:
             self.settle_once([], started)
         set_aside: list[Outcome] = []

@@ -43,8 +43,8 @@ _CANCELLED_IN_TIME = ("(q.cancelled_at IS NOT NULL"
 #: Whether an operator's cancel decides a settled run's outcome: always for a run that is
 #: to run again (a retry, no outcome: it is rejected, not retried), and for a run that
 #: returned only when the cancel was made in time (:data:`_CANCELLED_IN_TIME`).
-_CANCEL_APPLIES = ("(q.cancelled_at IS NOT NULL AND (o.outcome IN ('queued', 'rerun')"
-                   " OR q.cancelled_at < now() - make_interval(secs => coalesce(o.ended_ago, 0))))")
+_CANCEL_APPLIES = ("(" + _CANCELLED_IN_TIME
+                   + " OR (q.cancelled_at IS NOT NULL AND o.outcome IN ('queued', 'rerun')))")
 
 #: A cancelled message never takes its unique key back (the cancel freed it: the same call
 #: sent again may hold it now): recorded done, too late for the cancel, it drops the bit by
