@@ -106,7 +106,11 @@ class BatchedStreamHandler(logging.Handler):
         self.stream = stream if stream is not None else sys.stderr
         self.linger_s = linger_s
         self._pending: deque[str] = deque()
-        self._write_lock = threading.Lock()
+        # Reentrant: a signal handler that logs runs on the main thread between two of its
+        # bytecodes, possibly while that thread holds this lock (starting the writer, or
+        # writing a batch). A plain lock would wait for itself forever.
+        self._write_lock = threading.RLock()
+        self._writing = False
         self._wake = threading.Event()
         self._writer: Any = None
         self._writer_pid = 0
@@ -140,30 +144,47 @@ class BatchedStreamHandler(logging.Handler):
     def flush(self) -> None:
         """Write every pending line, in order, in one call."""
         with self._write_lock:
-            lines = []
-            try:
-                while True:
-                    lines.append(self._pending.popleft())
-            except IndexError:
-                pass
-            if not lines:
+            if self._writing:
+                # Re-entered by a signal handler in the middle of this thread's write: a
+                # second write into the same stream now could break it or reorder lines.
+                # The writer thread takes these lines once the write under way is done.
+                self._ensure_writer()
+                self._wake.set()
                 return
+            self._writing = True
             try:
-                self.stream.write("\n".join(lines) + "\n")
-                self.stream.flush()
-            except Exception:  # a closed or broken stream: logging never stops the process
-                pass
+                self._write_pending()
+            finally:
+                self._writing = False
+
+    def _write_pending(self) -> None:
+        lines = []
+        try:
+            while True:
+                lines.append(self._pending.popleft())
+        except IndexError:
+            pass
+        if not lines:
+            return
+        try:
+            self.stream.write("\n".join(lines) + "\n")
+            self.stream.flush()
+        except Exception:  # a closed or broken stream: logging never stops the process
+            pass
 
     def close(self) -> None:
         self.flush()
         super().close()
 
     def _ensure_writer(self) -> None:
-        if self._writer is not None and self._writer_pid == os.getpid():
+        pid = os.getpid()
+        if self._writer_pid == pid:
             return
         with self._write_lock:
-            if self._writer is None or self._writer_pid != os.getpid():
-                self._writer_pid = os.getpid()
+            if self._writer_pid != pid:
+                # Marked before the start, so a signal handler that logs while the thread
+                # starts finds a writer on its way instead of starting a second one.
+                self._writer_pid = pid
                 self._writer = detach.go("log-writer", self._run)
 
     def _run(self, stop: threading.Event) -> None:

@@ -204,3 +204,60 @@ def test_a_lines_time_is_the_date_part_and_the_milliseconds_a_record_counts(crea
     record = logging.makeLogRecord({"created": created, "msecs": int((created - int(created)) * 1000)})
 
     assert formatter.stamp(created) == formatter.formatTime(record)
+
+
+#: A process whose signal handler logs, as the worker's, the scheduler's and ``run``'s do;
+#: the signal arrives at the worst moment the argument names: while the main thread starts
+#: the writer thread for its first line, or while it writes a batch into the stream.
+SIGNAL_MID_LOG = '''
+import logging, os, signal, sys
+from broker import detach
+from broker.observability.logs import BatchedStreamHandler
+
+moment = sys.argv[1]
+
+class Stream:
+    def __init__(self): self.parts = []
+    def write(self, text):
+        if moment == "write" and not self.parts:
+            os.kill(os.getpid(), signal.SIGUSR2)  # handled on this thread before write returns
+        self.parts.append(text)
+    def flush(self): pass
+
+stream = Stream()
+handler = BatchedStreamHandler(stream, linger_s=0.01)
+handler.setFormatter(logging.Formatter("%(message)s"))
+log = logging.getLogger("signal-mid-log")
+log.addHandler(handler); log.setLevel(logging.INFO); log.propagate = False
+signal.signal(signal.SIGUSR2, lambda *_: log.warning("received SIGUSR2"))
+
+real_go = detach.go
+def go(name, fn):
+    if moment == "start":
+        os.kill(os.getpid(), signal.SIGUSR2)
+    return real_go(name, fn)
+detach.go = go
+
+if moment == "start":
+    log.info("first line")
+else:
+    log.warning("first warning")
+handler.close()
+sys.stdout.write("".join(stream.parts))
+'''
+
+
+@pytest.mark.parametrize("moment", ["start", "write"])
+def test_a_signal_handler_that_logs_while_this_thread_logs_neither_hangs_nor_loses_a_line(moment):
+    # Given a process whose signal handler logs, when the signal comes while the main
+    # thread itself is inside the handler (starting the writer, or writing a batch)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        done = subprocess.run([sys.executable, "-c", SIGNAL_MID_LOG, moment], capture_output=True, text=True,
+                              timeout=30, env={**os.environ, "PYTHONPATH": root})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the process hung when a signal handler logged while its main thread was at {moment!r}")
+    # Then it finishes, with both lines written, the interrupted one first
+    assert done.returncode == 0, done.stderr
+    first = "first line" if moment == "start" else "first warning"
+    assert done.stdout.splitlines() == [first, "received SIGUSR2"], done.stdout
