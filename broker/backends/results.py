@@ -7,6 +7,12 @@ What it guarantees:
   whether or not :func:`prune_expired_once` has deleted the row yet.
 * Storing is one statement: the row is written and the notification sent in the same
   transaction, so a waiter is never told about a result it cannot read yet.
+* A result being stored waits for a database that cannot be reached (a worker's run
+  ends during an outage): the write is tried again, at growing intervals up to
+  :data:`STORE_RETRY_MAX_S`, until it is written or ``store_wait_s`` has passed (None,
+  the default: until it is written). The run is settled only after its after-hooks, so a
+  job is never recorded done with its result lost; a worker stopped meanwhile gives the
+  run back and it runs again. Other database errors are raised at once.
 * ``get_result(block=True)`` does not poll. Each backend object keeps at most one
   LISTEN connection per process (opened by the first blocking wait, on a thread
   started through :mod:`broker.detach`); a waiter reads the table, then sleeps until
@@ -90,6 +96,11 @@ WHERE t.message_key = batch.message_key
 
 #: ``LISTEN <channel>``; the channel is one of the module constants, quoted as an identifier.
 LISTEN = sql.SQL("LISTEN {}")
+
+#: The first and the longest pause between two tries of a result store that found the
+#: database unavailable.
+STORE_RETRY_FIRST_S = 0.25
+STORE_RETRY_MAX_S = 5.0
 
 #: How many expired rows one prune statement deletes at most.
 DEFAULT_PRUNE_BATCH = 1000
@@ -334,7 +345,8 @@ class PostgresResultBackend(ResultBackend):
     Give either ``url`` (the backend opens its own small pool on first use) or
     ``pool`` (an existing psycopg pool, e.g. the application's; if its conninfo is not
     a plain string, give ``url`` as well for the LISTEN connection). Call
-    :meth:`close` when done.
+    :meth:`close` when done. ``store_wait_s`` bounds how long a store waits for an
+    unreachable database (None: until it is back).
     """
 
     def __init__(
@@ -349,10 +361,14 @@ class PostgresResultBackend(ResultBackend):
         checkout_timeout_ms: int = 10_000,
         reconnect_delay_ms: int = 1_000,
         application_name: str = "standmeet-results",
+        store_wait_s: float | None = None,
     ) -> None:
         super().__init__(
             namespace=namespace, encoder=encoder, use_namespace_prefix_keys=use_namespace_prefix_keys
         )
+        if store_wait_s is not None and not store_wait_s >= 0:
+            raise ConfigError(f"store_wait_s must be None or a number of seconds >= 0, not {store_wait_s!r}")
+        self.store_wait_s = store_wait_s
         self.database, self.listener = connect_backend(
             url=url, pool=pool, pool_max_size=pool_max_size, checkout_timeout_ms=checkout_timeout_ms,
             application_name=application_name, channel=RESULTS_CHANNEL, reconnect_delay_ms=reconnect_delay_ms,
@@ -395,15 +411,36 @@ class PostgresResultBackend(ResultBackend):
     def _store(self, message_key: str, result: Result, ttl: int | None) -> None:
         """Write the encoded result for ``ttl`` milliseconds (None: kept until deleted, as
         Dramatiq's Redis backend keeps a result stored with no TTL, e.g. a message's
-        ``result_ttl=None``) and notify waiters, atomically."""
+        ``result_ttl=None``) and notify waiters, atomically; while the database cannot be
+        reached, try again (``store_wait_s``). The write is an upsert of the same value: a
+        try whose commit was lost with its connection is harmless to repeat."""
         params = {
             "key": message_key,
             "value": self.encoder.encode(result),
             "ttl_ms": None if ttl is None else int(ttl),
             "channel": RESULTS_CHANNEL,
         }
-        with translated_errors("storing a result"), self.database.connection() as conn:
-            fetch_one(conn, STORE_RESULT, params)
+        waiting_since: float | None = None
+        pause_s = STORE_RETRY_FIRST_S
+        while True:
+            try:
+                with translated_errors("storing a result"), self.database.connection() as conn:
+                    fetch_one(conn, STORE_RESULT, params)
+            except DatabaseUnavailable as exc:
+                now = time.monotonic()
+                if waiting_since is None:
+                    waiting_since = now
+                    logger.warning("result %s: %s; trying again until it is written", message_key, exc)
+                waited_s = now - waiting_since
+                if self.store_wait_s is not None and waited_s >= self.store_wait_s:
+                    raise
+                time.sleep(pause_s if self.store_wait_s is None else min(pause_s, self.store_wait_s - waited_s))
+                pause_s = min(pause_s * 2, STORE_RETRY_MAX_S)
+                continue
+            if waiting_since is not None:
+                logger.info("result %s written after %.1f s without the database", message_key,
+                            time.monotonic() - waiting_since)
+            return
 
     def close(self, *, timeout_ms: int = 5000) -> None:
         """Stop the listener and close the backend's own pool (a given pool stays open)."""

@@ -55,7 +55,9 @@ def test_a_fifty_second_outage_loses_nothing_and_records_only_what_happened(
     proxy = PostgresProxy(database_url)
     path = str(tmp_path / "journal.txt")
     env = _journal_env(subprocess_env, proxy, path, STANDMEET_RESCUE_AFTER_S=str(RIDE_OUT_RESCUE_AFTER_S))
-    jobs = [journal.send(4_000, fail_first=(i % 2 == 0)) for i in range(8)]
+    # (each stores its result: the runs that end during the outage store theirs then)
+    jobs = [journal.send_with_options(args=(4_000,), kwargs={"fail_first": i % 2 == 0}, store_results=True)
+            for i in range(8)]
     ids = [m.message_id for m in jobs]
     log = tmp_path / "worker.log"
     cmd = worker_cmd("--queues", "index", module="tests.support.journal_jobs")
@@ -78,6 +80,9 @@ def test_a_fifty_second_outage_loses_nothing_and_records_only_what_happened(
             for message_id in ids:
                 events = [e[0] for e in entries if e[1] == message_id]
                 assert events[-1] == "returned", (message_id, events)
+            # with its result kept (a job is done only with its result written)
+            for message in jobs:
+                assert message.get_result(block=True, timeout=10_000) is None
             failed_first = {m.message_id for i, m in enumerate(jobs) if i % 2 == 0}
             for message_id in failed_first:  # retried after the outage, not marked done
                 assert [e[0] for e in entries if e[1] == message_id] == ["start", "raised", "start", "returned"]

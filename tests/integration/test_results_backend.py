@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import dramatiq
 import psycopg
@@ -33,6 +35,7 @@ from tests.integration.backends_support import (
 # (the support module prepares the ``broker`` package's import, so it comes first)
 from broker.backends.results import RESULTS_CHANNEL, PostgresResultBackend, prune_expired_once
 from broker.errors import DatabaseUnavailable
+from tests.support.proxy import PostgresProxy
 
 COUNT_ROWS = "SELECT count(*) FROM standmeet.results"
 COUNT_KEY = "SELECT count(*) FROM standmeet.results WHERE message_key = %s"
@@ -329,14 +332,54 @@ def test_a_given_pool_is_used_as_it_is_and_left_open(db_url: str) -> None:
 
 def test_an_unreachable_database_is_reported_as_database_unavailable() -> None:
     backend = PostgresResultBackend(
-        url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500
+        url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500, store_wait_s=0
     )
     try:
         with pytest.raises(DatabaseUnavailable) as raised:
-            backend.store_result(a_message(), "lost", 60_000)
+            backend.get_result(a_message())
+        assert isinstance(raised.value.__cause__, psycopg.Error)
+        with pytest.raises(DatabaseUnavailable) as raised:
+            backend.store_result(a_message(), "given up at once", 60_000)
         assert isinstance(raised.value.__cause__, psycopg.Error)
     finally:
         backend.close()
+
+
+def test_a_result_stored_during_an_outage_longer_than_the_checkout_timeout_is_written_once_it_ends(
+    db_url: str, backend: PostgresResultBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a backend reaching the database through a proxy that is cut, with a checkout
+    # timeout of a fifth of a second
+    proxy = PostgresProxy(db_url)
+    through_proxy = PostgresResultBackend(url=proxy.url, checkout_timeout_ms=200)
+    message = a_message("outage-store")
+    stored: list[BaseException | None] = []
+    try:
+        proxy.cut()
+        # When a run's result is stored meanwhile (as Dramatiq's Results middleware does)
+        with caplog.at_level(logging.WARNING, logger="standmeet.broker.backends.results"):
+            storing = threading.Thread(target=lambda: stored.append(
+                _raised(lambda: through_proxy.store_result(message, "kept through the outage", 60_000))))
+            storing.start()
+            eventually(lambda: proxy.refused >= 3 and "trying again until it is written" in caplog.text,
+                       what="the store to outlast several checkout timeouts")
+        assert storing.is_alive() and not stored
+        proxy.restore()
+        storing.join(timeout=30)
+    finally:
+        proxy.close()
+        through_proxy.close()
+    # Then the store returns once the database is back, and the result is there to read
+    assert stored == [None]
+    assert backend.get_result(message) == "kept through the outage"
+
+
+def _raised(fn: Callable[[], object]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # the test reads what the thread raised
+        return exc
+    return None
 
 
 def test_the_migration_can_be_applied_again_without_harm(db_url: str, backend: PostgresResultBackend) -> None:
