@@ -26,12 +26,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dramatiq.middleware import AgeLimit
 from dramatiq.rate_limits.backends.stub import StubBackend as StubRateLimiterBackend
-from dramatiq.results.backends.stub import StubBackend
 
 from broker import services
 from broker.errors import ConfigError
-from broker.memory import Clock, MemoryBroker, MemoryCancellations, MemoryLeases
+from broker.memory import (
+    Clock,
+    ClockedAgeLimit,
+    MemoryBroker,
+    MemoryCancellations,
+    MemoryLeases,
+    MemoryResults,
+)
 from broker.settings import Settings, replace
 from middleware import default_middleware
 
@@ -56,7 +63,8 @@ def memory_broker(settings: Settings | None = None, *, fail_fast: bool = True, *
     ``STANDMEET_QUEUE_<NAME>_MAX_WORKERS`` and the other queue variables hold), with
     ``overrides`` applied (``max_retries=3``, ``min_backoff_ms=10`` …). ``fail_fast``:
     whether ``join`` raises the error of a message rejected on its queue (Dramatiq's
-    StubBroker does). Its results are in ``broker.results`` (Dramatiq's ``StubBackend``).
+    StubBroker does). Its results are in ``broker.results``, kept for their ``result_ttl`` by the
+    broker's clock; ``max_age`` is measured on that clock too.
     """
     settings = settings or Settings.from_env(environ={k: v for k, v in os.environ.items()
                                                       if k not in DATABASE_VARIABLES})
@@ -64,13 +72,14 @@ def memory_broker(settings: Settings | None = None, *, fail_fast: bool = True, *
         settings = replace(settings, **overrides)
     clock = Clock()
     cancellations = MemoryCancellations()
-    results = StubBackend()
+    results = MemoryResults(clock)
     rate_limiter = StubRateLimiterBackend()
+    middleware = default_middleware(settings, results=results, rate_limiter=rate_limiter,
+                                    leases=MemoryLeases(clock), cancel_watcher=cancellations, postgres=False)
+    middleware = [ClockedAgeLimit(clock) if type(m) is AgeLimit else m for m in middleware]
     broker = MemoryBroker(
         settings=settings, clock=clock, cancellations=cancellations, backends=(results, rate_limiter),
-        fail_fast_default=fail_fast,
-        middleware=default_middleware(settings, results=results, rate_limiter=rate_limiter,
-                                      leases=MemoryLeases(clock), cancel_watcher=cancellations, postgres=False))
+        fail_fast_default=fail_fast, middleware=middleware)
     services.make_global(broker)  # actors declared before move over
     services.install(services.Services(settings=settings, url=MEMORY_URL, broker=broker,  # type: ignore[arg-type]
                                        open_app_pool=_no_database, open_waiters=_no_database,

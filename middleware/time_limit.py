@@ -56,7 +56,13 @@ class Timers:
         self.deadlines: dict[int, float] = {}
 
     def start(self) -> None:
-        detach.every("standmeet-time-limits", self.interval_s, self.fire_due)
+        self.thread = detach.every("standmeet-time-limits", self.interval_s, self.fire_due)
+
+    def stop(self) -> None:
+        """Stop the thread :meth:`start` started (its last look may still be under way)."""
+        thread = getattr(self, "thread", None)
+        if thread is not None:
+            thread.stop(timeout_s=self.interval_s * 10)
 
     def add_timeout(self, thread_id: int, ttl_ms: float) -> None:
         with self.mu:
@@ -85,6 +91,7 @@ class TimeLimit(DramatiqTimeLimit):
             self.manager = Timers(interval_ms)  # type: ignore[assignment]
         self._started = False
         self._start_lock = threading.Lock()
+        self._workers = 0
 
     def after_process_boot(self, broker: Any) -> None:
         # Dramatiq's CLI emits process_boot; an embedded Worker only emits worker_boot.
@@ -94,7 +101,19 @@ class TimeLimit(DramatiqTimeLimit):
                 super().after_process_boot(broker)
 
     def before_worker_boot(self, broker: Any, worker: Any) -> None:
+        with self._start_lock:
+            self._workers += 1
         self.after_process_boot(broker)
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        # The timers' thread ends with the last worker: a test suite that boots a worker (or
+        # drains a memory broker) for each test keeps none of them running.
+        with self._start_lock:
+            self._workers = max(0, self._workers - 1)
+            if self._workers or not self._started or type(self.manager) is not Timers:
+                return
+            self._started = False
+            self.manager.stop()
 
     def before_process_message(self, broker: Any, message: MessageProxy) -> None:
         limit_ms = resolve_time_limit_ms(broker, message)

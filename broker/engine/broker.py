@@ -60,16 +60,8 @@ from broker.engine.consumer import ClaimedMessage, StandmeetConsumer
 from broker.engine.hooks import HookTable, MiddlewareList
 from broker.engine.liveness import Liveness
 from broker.engine.queues import Claim, DeclaredQueues, QueueState, claim_of
-from broker.engine.runs import RunningJobs, as_run, disarm, in_a_run, run_signal
-from broker.engine.settler import (
-    Outcome,
-    SettleContext,
-    Settler,
-    attempt_error,
-    ran_as,
-    rejection_reason,
-    timed_out,
-)
+from broker.engine.runs import RunningJobs, as_run, disarm, in_a_run, rejection_reason, run_signal
+from broker.engine.settler import Outcome, SettleContext, Settler, attempt_error, ran_as, timed_out
 from broker.engine.wakeups import WakeListener
 from broker.errors import CutOff
 from broker.observability import tracing

@@ -29,6 +29,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.middleware import Interrupt
 from dramatiq.middleware.threading import raise_thread_exception
 
+from broker.engine.codec import storable_text
 from broker.errors import Deferred, ResultRefused
 
 logger = logging.getLogger("standmeet.broker")
@@ -252,3 +253,20 @@ def run_signal(broker: Any, signal: str, proxy: MessageProxy, kwargs: dict[str, 
         if refused is not None:
             return signal, {"exception": refused}, refused
     return signal, kwargs, exception
+
+
+#: Longest text of an error kept on a rejected message.
+MAX_ERROR_CHARS = 4000
+
+
+def rejection_reason(message: MessageProxy) -> str:
+    """Why a message is rejected, kept on its row: never the bare word 'failed'."""
+    reason = message.options.get("error")
+    if not reason:
+        exc = getattr(message, "_exception", None)
+        traceback_text = message.options.get("traceback")
+        if traceback_text:
+            reason = traceback_text
+        elif exc is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+    return storable_text(str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:])

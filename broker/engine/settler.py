@@ -48,8 +48,6 @@ logger = logging.getLogger("standmeet.broker")
 _SETTLE_DONE = LongStatement(sql.SETTLE_DONE)
 _SETTLE = LongStatement(sql.SETTLE)
 
-#: Longest text of an error kept on a rejected message.
-MAX_ERROR_CHARS = 4000
 #: How often an idle settler wakes to tell its batch listeners (seconds).
 IDLE_TICK_S = 0.5
 
@@ -368,19 +366,6 @@ def settle_params(outcomes: Sequence[Outcome], awaited: Sequence[str], *, now: f
         **followup_params([(o.message_id, *followup) for o in outcomes for followup in o.followups]),
         "awaited": list(awaited),
     }
-
-
-def rejection_reason(message: MessageProxy) -> str:
-    """Why a message is rejected, kept on its row: never the bare word 'failed'."""
-    reason = message.options.get("error")
-    if not reason:
-        exc = getattr(message, "_exception", None)
-        traceback_text = message.options.get("traceback")
-        if traceback_text:
-            reason = traceback_text
-        elif exc is not None:
-            reason = f"{type(exc).__name__}: {exc}"
-    return storable_text(str(reason or "rejected by a middleware, with no reason given")[-MAX_ERROR_CHARS:])
 
 
 def timed_out(exception: BaseException | None) -> bool:

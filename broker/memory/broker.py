@@ -29,6 +29,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,16 +39,17 @@ import dramatiq
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
+from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.results import ResultBackend
 from dramatiq.worker import WorkerThread
 
 from broker.engine.codec import check_distinct_ids, checked_json, delay_seconds, message_priority
 from broker.engine.queues import DeclaredQueues
-from broker.engine.runs import disarm, run_signal
+from broker.engine.runs import disarm, rejection_reason, run_signal
 from broker.engine.unique import unique_key_of
-from broker.errors import ConfigError
+from broker.errors import ConfigError, CutOff
 from broker.memory.queue import MemoryQueue, Waiting
-from broker.memory.stores import Clock, MemoryCancellations
+from broker.memory.stores import Clock, MemoryCancellations, MemoryResults
 from broker.settings import QueueSettings, Settings
 
 logger = logging.getLogger("standmeet.broker.memory")
@@ -57,6 +59,10 @@ DEFAULT_MAX_RUNS = 10_000
 #: How long a consumer or a join waits at most between two looks (seconds): a clock moved
 #: by another thread is noticed within it.
 LOOK_AGAIN_S = 0.05
+#: How long the last worker's shutdown waits for the jobs it cut off to leave their body
+#: (an async job's coroutine is cancelled within Dramatiq's one-second look, then given a
+#: second to clean up) before the event loop stops.
+CUT_OFF_WAIT_S = 3.0
 
 _local = threading.local()
 
@@ -122,6 +128,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         #: ids handed out to run at least once: a send with one of them is never run again
         self._ran_ids: set[str] = set()
         self._runs_without_outcome: defaultdict[str, int] = defaultdict(int)
+        #: the messages handed out and not settled yet, by claim number
+        self._handed: dict[int, MemoryMessage] = {}
         self._workers: list[Any] = []
         self._close_hooks: list[Callable[[], None]] = []
         super().__init__(middleware=middleware or [])
@@ -162,8 +170,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._check(as_message(message), delay)
             with self._cond:
                 live = self._keep(as_message(message), delay, send=True)
-            if live is not None:
-                return live
+            if live is not None:  # the engine's after-hooks see the live message, as the caller does
+                message = live
         self.emit_after("enqueue", message, delay)
         return message
 
@@ -184,7 +192,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._check(as_message(message), delay)
         with self._cond:
             written = [self._keep(as_message(m), delay, send=True) or m for m in batch]
-        for message in batch:
+        for message in written:
             self.emit_after("enqueue", message, delay)
         return written
 
@@ -199,15 +207,16 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
     def _keep(self, message: Message, delay: Any, *, send: bool = False, followup: bool = False) -> Message | None:
         """Add ``message`` (checked) to its queue (the lock held). A ``send`` whose unique
         key is taken returns the live message; one with the id of a waiting message
-        replaces it whole; one with the id of a message that ran is not run again (as the
-        engine's rows). A ``followup`` is never written over an existing id; it holds its unique
+        replaces it whole (one that waits for its retry or snooze too); one with the id of a
+        message that ran and waits no more is not run again (as the engine's rows). A ``followup`` is never written over an existing id; it holds its unique
         key when no live message does, and is written without it when one does."""
         data = message.encode()
         message_id = message.message_id
         key = self._unique_key(message) if send or followup else None
         if send or followup:
             waiting = next((w for q in self.queues.values() if (w := q.find(message_id)) is not None), None)
-            if message_id in self._ran_ids or (followup and waiting is not None):
+            # a message that ran and waits again (a retry, a snooze) is queued: replaced whole
+            if (message_id in self._ran_ids and waiting is None) or (followup and waiting is not None):
                 return None
             if waiting is not None:
                 if key is not None:
@@ -251,7 +260,9 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
     # -- signals: the settle path ---------------------------------------------------
 
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
-        if signal == "worker_boot" and args:
+        if signal == "process_message":
+            args[0].standmeet_thread = threading.get_ident()  # in its body until its after-hooks
+        elif signal == "worker_boot" and args:
             self._workers = [*self._workers, args[0]]
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
@@ -259,16 +270,24 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal not in ("process_message", "skip_message"):
+            if signal == "worker_shutdown" and not self._workers:
+                self._give_back_cut_off()  # before the event loop of async jobs stops
             super().emit_after(signal, *args, **kwargs)
             return
         proxy = args[0]
+        with self._cond:
+            proxy.standmeet_thread = None
+            self._cond.notify_all()
         disarm(hook for hook in (getattr(m, "disarm", None) for m in self.middleware) if callable(hook))
         hooks = [getattr(middleware, "refuse_result", None) for middleware in self.middleware]
-        signal, kwargs, exception = run_signal(  # a snooze is a skip; a refused result a failure
-            self, signal, proxy, kwargs, refuse_hooks=[hook for hook in hooks if callable(hook)])
+        signal, kwargs, exception = run_signal(  # a snooze or a cut-off is a skip; a refused result a failure
+            self, signal, proxy, kwargs, refuse_hooks=[hook for hook in hooks if callable(hook)],
+            not_at_fault=(CutOff,))
         context = getattr(proxy, "standmeet_settle", None)
         if context is None:
             context = proxy.standmeet_settle = SettleContext(proxy)
+        if isinstance(exception, CutOff):
+            context.requeue_delay_ms = 0  # it runs again (given back by the shutdown that cut it off)
         if signal == "process_message" and exception is None:
             context.returned = True
         if signal == "skip_message":
@@ -285,6 +304,10 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         proxy.standmeet_settle = None  # type: ignore[attr-defined]
         message = as_message(proxy)
         with self._cond:
+            if self._handed.pop(getattr(proxy, "standmeet_claim", 0), None) is None:
+                logger.info("message %s: its run ended after the shutdown gave it back; it runs again",
+                            proxy.message_id)
+                return
             queue = self._queue(proxy.queue_name)
             queue.handed_out -= 1
             again = context is not None and context.requeue_delay_ms is not None
@@ -316,6 +339,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         self._runs_without_outcome.pop(message.message_id, None)
 
     def _reject(self, proxy: MessageProxy) -> None:
+        proxy.options["error"] = rejection_reason(proxy)  # what the engine keeps on the row
         self.dead_letters_by_queue[proxy.queue_name].append(proxy)
         self._free_key(proxy.message_id, done=False)
         self._cancelled.discard(proxy.message_id)
@@ -359,7 +383,9 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                     queue.remove(first)
                     queue.handed_out += 1
                     self._ran_ids.add(first.message.message_id)
-                    return MemoryMessage(first.message, claim=next(self._claims))
+                    claim = next(self._claims)
+                    proxy = self._handed[claim] = MemoryMessage(first.message, claim=claim)
+                    return proxy
                 if now >= end:
                     return None
                 self._cond.wait(min(end - now, LOOK_AGAIN_S))
@@ -368,6 +394,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         """Give handed-out messages that never started back to their queue, due now."""
         with self._cond:
             for proxy in messages:
+                if self._handed.pop(getattr(proxy, "standmeet_claim", 0), None) is None:
+                    continue
                 self._queue(proxy.queue_name).handed_out -= 1
                 self._ran_ids.discard(proxy.message_id)  # given back unstarted: queued again, as the engine's row
                 self._keep(as_message(proxy), 0)
@@ -375,6 +403,31 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
     def stop_claiming(self) -> None:
         with self._cond:
             self.claiming = False
+
+    def _give_back_cut_off(self) -> None:
+        """The last worker stopped with jobs still running (past ``Worker.stop``'s timeout):
+        as the engine's shutdown does, they are cut off and given back, due now, no retry
+        counted; their runs' ends are ignored. A cut-off job stops at its next bytecode (an
+        async one's coroutine is cancelled), waited for up to :data:`CUT_OFF_WAIT_S`."""
+        with self._cond:
+            left = list(self._handed.values())
+            self._handed.clear()
+            for proxy in left:
+                self._queue(proxy.queue_name).handed_out -= 1
+                self._keep(as_message(proxy), 0)
+            self._cond.notify_all()
+        if not left:
+            return
+        logger.warning("shutdown: %d job(s) still running cut off and given back, to run again: %s", len(left),
+                       ", ".join(f"{p.actor_name} {p.message_id}" for p in left))
+        for proxy in left:
+            thread = getattr(proxy, "standmeet_thread", None)
+            if thread is not None:
+                raise_thread_exception(thread, CutOff)
+        end = time.monotonic() + CUT_OFF_WAIT_S
+        with self._cond:
+            while any(getattr(p, "standmeet_thread", None) for p in left) and (now := time.monotonic()) < end:
+                self._cond.wait(min(end - now, LOOK_AGAIN_S))
 
     # -- the test's controls ----------------------------------------------------------
 
@@ -474,8 +527,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._cond.notify_all()
 
     def flush_all(self) -> None:
-        """Drop the waiting messages of every queue, the dead letters and the done list
-        (and which ids ran: a message sent again after it runs again)."""
+        """Drop the waiting messages of every queue, the dead letters, the done list and
+        the stored results (and which ids ran: a message sent again after it runs again)."""
         for queue_name in list(self.queues):
             self.flush(queue_name)
         with self._cond:
@@ -484,23 +537,26 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._ran_ids.clear()  # what ran is forgotten with the done list: a test starts afresh
             self._unique.clear()
             self._key_of.clear()
+        if isinstance(self.results, MemoryResults):
+            self.results.clear()
 
     def join(self, queue_name: str, *, timeout: int | None = None, fail_fast: bool | None = None,
              advance: bool = False) -> None:
         """Wait until ``queue_name`` has nothing waiting (delayed included) or running.
 
-        ``timeout`` in milliseconds (:class:`QueueJoinTimeout` past it); ``fail_fast``
+        ``timeout`` in milliseconds of real time (:class:`QueueJoinTimeout` past it); ``fail_fast``
         (default: ``fail_fast_default``) raises the error of a message rejected on that
         queue; ``advance`` jumps the clock to a delayed message's due time whenever
         nothing else of the queue is left, instead of waiting for it.
         """
         queue = self._queue(queue_name)
-        end = None if timeout is None else self.clock.monotonic() + timeout / 1000
+        # real time: the broker's clock jumps ahead when ``advance`` moves it
+        end = None if timeout is None else time.monotonic() + timeout / 1000
         while True:
             with self._cond:
                 if not len(queue) and not queue.handed_out:
                     break
-                now = self.clock.monotonic()
+                now = time.monotonic()
                 if end is not None and now >= end:
                     raise QueueJoinTimeout(queue_name)
             if not (advance and self._advance_to_next_due([queue_name])):

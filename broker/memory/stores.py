@@ -1,4 +1,5 @@
-"""What the memory broker keeps instead of rows: its clock, keyed leases, cancellations.
+"""What the memory broker keeps instead of rows: its clock, keyed leases, cancellations,
+results.
 
 Each is the in-memory side of a seam whose Postgres side lives with its policy
 (``middleware.keyed_lease.PostgresLeases``, ``broker.engine.cancel_watch``).
@@ -11,7 +12,13 @@ import time
 import uuid
 from typing import Any
 
+from dramatiq.broker import MessageProxy
+from dramatiq.middleware import AgeLimit, SkipMessage
+from dramatiq.results import Missing, ResultBackend
+from dramatiq.results.backend import MResult, Result
+
 from broker import deadline
+from broker.backends import RESULTS_NAMESPACE
 
 
 class Clock:
@@ -88,3 +95,71 @@ class MemoryCancellations(deadline.WatchedRuns):
     def cancel(self, message_id: str) -> bool:
         """Mark ``message_id`` cancelled if it runs now; whether it does."""
         return bool(self.mark_cancelled([message_id]))
+
+
+class MemoryResults(ResultBackend):
+    """Results in a dict of this instance, kept as the Postgres backend keeps them: for
+    ``ttl`` milliseconds by the broker's clock (:meth:`Clock.advance` expires them), or
+    until the test ends when ``ttl`` is None (a message's ``result_ttl=None``)."""
+
+    def __init__(self, clock: Clock, *, namespace: str = RESULTS_NAMESPACE, **options: Any) -> None:
+        super().__init__(namespace=namespace, **options)
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._stored: dict[str, tuple[bytes, float]] = {}
+
+    def get_result(self, message: Any, *, block: bool = False, timeout: int | None = None) -> Result:
+        """As the Postgres backend: ``timeout`` in milliseconds (default 10 s, real time);
+        a blocking read wakes when the result is stored."""
+        if not block:
+            return super().get_result(message)
+        from dramatiq.results import ResultTimeout
+        from dramatiq.results.backend import DEFAULT_TIMEOUT
+
+        key = self.build_message_key(message)
+        end = time.monotonic() + (DEFAULT_TIMEOUT if timeout is None else timeout) / 1000
+        with self._lock:
+            while (result := self._get(key)) is Missing:
+                left_s = end - time.monotonic()
+                if left_s <= 0:
+                    raise ResultTimeout(message)
+                self._lock.wait(min(left_s, 0.05))  # a clock moved meanwhile is seen within it
+        return self.unwrap_result(result)
+
+    def _get(self, message_key: str) -> MResult:
+        with self._lock:
+            stored = self._stored.get(message_key)
+        if stored is None or stored[1] <= self._clock.monotonic():
+            return Missing
+        return self.encoder.decode(stored[0])
+
+    def _store(self, message_key: str, result: Result, ttl: int | None) -> None:
+        data = self.encoder.encode(result)
+        expires = float("inf") if ttl is None else self._clock.monotonic() + int(ttl) / 1000
+        with self._lock:
+            self._stored[message_key] = (data, expires)
+            self._lock.notify_all()
+
+    def clear(self) -> None:
+        """Forget every result (``MemoryBroker.flush_all``)."""
+        with self._lock:
+            self._stored.clear()
+
+
+class ClockedAgeLimit(AgeLimit):
+    """Dramatiq's ``AgeLimit`` measured on the memory broker's clock: a message delayed
+    past its ``max_age`` by :meth:`Clock.advance` is too old, as it would be in production."""
+
+    runs_only_with_options = frozenset({"max_age"})
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self._clock = clock
+
+    def before_process_message(self, broker: Any, message: MessageProxy) -> None:
+        actor = broker.get_actor(message.actor_name)
+        max_age = message.options.get("max_age") or actor.options.get("max_age", self.max_age)
+        if max_age and self._clock.wall() * 1000 - message.message_timestamp >= max_age:
+            self.logger.warning("Message %r has exceeded its age limit.", message.message_id)
+            message.fail()
+            raise SkipMessage("Message age limit exceeded")
