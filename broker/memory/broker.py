@@ -336,6 +336,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         self.done.append(message)
         self._free_key(message.message_id, done=True)
         self._cancelled.discard(message.message_id)
+        self.cancellations.pending.discard(message.message_id)
         self._runs_without_outcome.pop(message.message_id, None)
 
     def _reject(self, proxy: MessageProxy) -> None:
@@ -343,6 +344,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         self.dead_letters_by_queue[proxy.queue_name].append(proxy)
         self._free_key(proxy.message_id, done=False)
         self._cancelled.discard(proxy.message_id)
+        self.cancellations.pending.discard(proxy.message_id)
         self._runs_without_outcome.pop(proxy.message_id, None)
 
     def _rerun(self, proxy: MessageProxy) -> None:
@@ -489,8 +491,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
 
     def cancel(self, message_id: str) -> str:
         """Cancel a message, as an operator's ``jobs cancel`` does: a waiting one is dropped
-        (``"dropped"``), a running one stops at its next ``broker.deadline.check()`` and is
-        not retried (``"stopping"``); ``"unknown"`` when neither."""
+        (``"dropped"``), a running one (or one handed out to start) stops at its next
+        ``broker.deadline.check()`` and is rejected (``"stopping"``); ``"unknown"`` else."""
         with self._cond:
             for queue in self.queues.values():
                 waiting = queue.find(message_id)
@@ -500,7 +502,11 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                     self._cond.notify_all()
                     return "dropped"
             self._cancelled.add(message_id)
-        if self.cancellations.cancel(message_id):
+            # handed out, its run not watched yet: it starts cancelled, and is rejected as it ends
+            handed = any(p.message_id == message_id for p in self._handed.values())
+            if handed:
+                self.cancellations.pending.add(message_id)
+        if self.cancellations.cancel(message_id) or handed:
             with self._cond:  # ending, it no longer holds its unique key: the same call sent again runs
                 self._free_key(message_id, done=False)
             return "stopping"

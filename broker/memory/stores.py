@@ -89,6 +89,17 @@ class MemoryCancellations(deadline.WatchedRuns):
     """The cancellation watcher of a memory broker: :meth:`cancel` marks a running job
     at once (its next ``broker.deadline.check()`` raises ``JobCancelled``)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: cancelled once handed out, before their run was watched: marked as it starts
+        self.pending: set[str] = set()
+
+    def watch(self, message_id: str) -> deadline.Run:
+        run = super().watch(message_id)
+        if message_id in self.pending:
+            run.cancelled = True
+        return run
+
     def stop(self) -> None:
         """Nothing to stop: no thread asks anything."""
 

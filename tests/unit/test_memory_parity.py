@@ -226,3 +226,41 @@ def test_a_job_still_running_when_the_last_worker_stops_is_cut_off_and_runs_agai
     assert broker.dead_letters == [] and broker.done == []
     wait_for(lambda: not any(t.is_alive() for t in worker.workers), timeout_s=5, what="the worker threads to end")
     assert broker._queue("mem_fid").handed_out == 0  # the queue's count is free for the next worker
+
+
+def test_a_message_cancelled_once_handed_out_but_before_its_run_starts_is_stopped_and_rejected(make_broker):
+    # (the engine's settle rejects any run cancelled before it ended, and its claim never
+    # runs a message cancelled while it waited)
+    from broker import deadline
+    from middleware.queue_concurrency import QueueConcurrency
+
+    broker = make_broker()
+    handed_out, go_on = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    class HoldsTheStart(Middleware):
+        def before_process_message(self, broker: object, message: object) -> None:
+            handed_out.set()
+            go_on.wait(10)
+
+    broker.add_middleware(HoldsTheStart(), before=QueueConcurrency)
+
+    @dramatiq.actor(actor_name=_name("checks"), queue_name="mem_fid")
+    def checks() -> None:
+        ran.append("started")
+        deadline.check()
+        ran.append("went on")
+
+    worker = dramatiq.Worker(broker, worker_timeout=100)
+    worker.start()
+    broker.started_workers.append(worker)
+    message = checks.send()
+    assert handed_out.wait(10)
+    # When an operator cancels it between its hand-out and its start
+    assert broker.cancel(message.message_id) == "stopping"
+    go_on.set()
+    broker.join("mem_fid", fail_fast=False, timeout=10_000)
+    # Then it stopped at its first check and was rejected, saying so
+    assert ran == ["started"] and broker.done == []
+    (rejected,) = broker.dead_letters
+    assert rejected.options["error"].startswith("cancelled by an operator")
