@@ -26,6 +26,11 @@ What it guarantees:
   reconnecting, or the timeout. An event recorded before the wait started is seen at
   once, as with Dramatiq's Redis backend. Each backend object keeps at most one LISTEN
   connection per process, on a thread started through :mod:`broker.detach`.
+* A write (``add``, ``incr``, ``decr``, ``incr_and_sum``, ``wait_notify``) that finds
+  no connection to be had waits for the database, trying again at growing intervals
+  (``write_wait_s``; None, the default: until it is back): a group's completion or a
+  limiter's release made during an outage is not lost. An increment is repeated only
+  when it cannot have reached the server (no connection); reads are never repeated.
 * psycopg errors never escape: a connection problem is
   :class:`broker.errors.DatabaseUnavailable`, anything else
   :class:`broker.errors.DatabaseError`, each raised ``from`` the psycopg error.
@@ -47,8 +52,10 @@ from psycopg_pool import ConnectionPool
 from broker.backends.results import (
     connect_backend,
     fetch_one,
+    nothing_was_sent,
     prune_expired,
     translated_errors,
+    written_when_reachable,
 )
 
 #: The NOTIFY channel events are announced on; the payload is the event's key.
@@ -224,7 +231,9 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         checkout_timeout_ms: int = 10_000,
         reconnect_delay_ms: int = 1_000,
         application_name: str = "standmeet-rate-limits",
+        write_wait_s: float | None = None,
     ) -> None:
+        self.write_wait_s = write_wait_s
         self.database, self.listener = connect_backend(
             url=url, pool=pool, pool_max_size=pool_max_size, checkout_timeout_ms=checkout_timeout_ms,
             application_name=application_name, channel=RATE_LIMITS_CHANNEL, reconnect_delay_ms=reconnect_delay_ms,
@@ -233,17 +242,17 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
     def add(self, key: str, value: int, ttl: int) -> bool:
         """Create ``key`` with ``value`` for ``ttl`` ms unless it exists; True if created."""
         params = {"key": key, "value": int(value), "ttl_ms": int(ttl)}
-        return self._flag("adding a rate-limit key", ADD, params)
+        return self._write("adding a rate-limit key", ADD, params)
 
     def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
         """Add ``amount`` unless the value would exceed ``maximum``; True if it was added."""
         params = {"key": key, "delta": int(amount), "maximum": int(maximum), "ttl_ms": int(ttl)}
-        return self._flag("incrementing a rate-limit key", INCREMENT, params)
+        return self._write("incrementing a rate-limit key", INCREMENT, params)
 
     def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
         """Subtract ``amount`` unless the value would drop below ``minimum``; True if it was."""
         params = {"key": key, "delta": -int(amount), "minimum": int(minimum), "ttl_ms": int(ttl)}
-        return self._flag("decrementing a rate-limit key", DECREMENT, params)
+        return self._write("decrementing a rate-limit key", DECREMENT, params)
 
     def incr_and_sum(
         self,
@@ -266,13 +275,17 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
             "ttl_ms": int(ttl),
             "future": window[1] if window else [],
         }
-        with translated_errors("incrementing a rate-limit window"), self.database.connection() as conn:
-            with conn.transaction():
-                if window is not None:
-                    conn.execute(LOCK_WINDOW, {"lock_class": WINDOW_LOCK_CLASS, "window": window[0]})
-                conn.execute(LOCK_KEYS, {"keys": locked})
-                row = conn.execute(INCREMENT_IF_SUM_ALLOWS, params).fetchone()
-        return row is not None
+        def increment() -> bool:
+            with translated_errors("incrementing a rate-limit window"), self.database.connection() as conn:
+                with conn.transaction():
+                    if window is not None:
+                        conn.execute(LOCK_WINDOW, {"lock_class": WINDOW_LOCK_CLASS, "window": window[0]})
+                    conn.execute(LOCK_KEYS, {"keys": locked})
+                    row = conn.execute(INCREMENT_IF_SUM_ALLOWS, params).fetchone()
+            return row is not None
+
+        return written_when_reachable(f"rate-limit key {key}", increment, wait_s=self.write_wait_s,
+                                      repeatable=nothing_was_sent)
 
     def wait(self, key: str, timeout: int | None) -> bool:
         """Wait up to ``timeout`` ms (None: for ever) until the event ``key`` has occurred."""
@@ -294,8 +307,12 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
     def wait_notify(self, key: str, ttl: int) -> None:
         """Record that the event ``key`` occurred (for ``ttl`` ms) and wake its waiters."""
         params = {"key": key, "ttl_ms": int(ttl), "channel": RATE_LIMITS_CHANNEL}
-        with translated_errors("notifying a rate-limit event"), self.database.connection() as conn:
-            fetch_one(conn, NOTIFY_EVENT, params)
+
+        def notify() -> None:  # the same row and the same wake-up each time: harmless to repeat
+            with translated_errors("notifying a rate-limit event"), self.database.connection() as conn:
+                fetch_one(conn, NOTIFY_EVENT, params)
+
+        written_when_reachable(f"rate-limit event {key}", notify, wait_s=self.write_wait_s)
 
     def close(self, *, timeout_ms: int = 5000) -> None:
         """Stop the listener and close the backend's own pool (a given pool stays open)."""
@@ -304,6 +321,10 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
 
     def _occurred(self, key: str) -> bool:
         return self._flag("reading a rate-limit event", EVENT_OCCURRED, {"key": key})
+
+    def _write(self, what: str, query: str, params: dict[str, Any]) -> bool:
+        return written_when_reachable(f"rate-limit key {params['key']}", lambda: self._flag(what, query, params),
+                                      wait_s=self.write_wait_s, repeatable=nothing_was_sent)
 
     def _flag(self, what: str, query: str, params: dict[str, Any]) -> bool:
         with translated_errors(what), self.database.connection() as conn:

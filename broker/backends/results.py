@@ -37,9 +37,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from dramatiq.encoder import Encoder
@@ -130,6 +130,45 @@ def fetch_one(conn: psycopg.Connection[Any], query: str, params: dict[str, Any])
         return conn.execute(query, params).fetchone()
     with conn.transaction():
         return conn.execute(query, params).fetchone()
+
+
+T = TypeVar("T")
+
+
+def written_when_reachable(what: str, write: Callable[[], T], *, wait_s: float | None,
+                           repeatable: Callable[[DatabaseUnavailable], bool] = lambda exc: True) -> T:
+    """``write()``, tried again while it fails with :class:`DatabaseUnavailable` that
+    ``repeatable`` says is safe to try again, at growing intervals from
+    :data:`STORE_RETRY_FIRST_S` to :data:`STORE_RETRY_MAX_S`, for up to ``wait_s`` seconds
+    (None: until it is written). Each wait is logged once, as it starts and as it ends."""
+    waiting_since: float | None = None
+    pause_s = STORE_RETRY_FIRST_S
+    while True:
+        try:
+            written = write()
+        except DatabaseUnavailable as exc:
+            now = time.monotonic()
+            if not repeatable(exc):
+                raise
+            if waiting_since is None:
+                waiting_since = now
+                logger.warning("%s: %s; trying again until it is written", what, exc)
+            waited_s = now - waiting_since
+            if wait_s is not None and waited_s >= wait_s:
+                raise
+            time.sleep(pause_s if wait_s is None else min(pause_s, wait_s - waited_s))
+            pause_s = min(pause_s * 2, STORE_RETRY_MAX_S)
+            continue
+        if waiting_since is not None:
+            logger.info("%s written after %.1f s without the database", what, time.monotonic() - waiting_since)
+        return written
+
+
+def nothing_was_sent(exc: DatabaseUnavailable) -> bool:
+    """Whether the failed statement never reached the server: no connection could be had
+    (the pool checks each one before it lends it). A write that is not the same every
+    time (an increment) is repeated only then."""
+    return isinstance(exc.__cause__, PoolTimeout)
 
 
 def prune_expired(
@@ -420,27 +459,11 @@ class PostgresResultBackend(ResultBackend):
             "ttl_ms": None if ttl is None else int(ttl),
             "channel": RESULTS_CHANNEL,
         }
-        waiting_since: float | None = None
-        pause_s = STORE_RETRY_FIRST_S
-        while True:
-            try:
-                with translated_errors("storing a result"), self.database.connection() as conn:
-                    fetch_one(conn, STORE_RESULT, params)
-            except DatabaseUnavailable as exc:
-                now = time.monotonic()
-                if waiting_since is None:
-                    waiting_since = now
-                    logger.warning("result %s: %s; trying again until it is written", message_key, exc)
-                waited_s = now - waiting_since
-                if self.store_wait_s is not None and waited_s >= self.store_wait_s:
-                    raise
-                time.sleep(pause_s if self.store_wait_s is None else min(pause_s, self.store_wait_s - waited_s))
-                pause_s = min(pause_s * 2, STORE_RETRY_MAX_S)
-                continue
-            if waiting_since is not None:
-                logger.info("result %s written after %.1f s without the database", message_key,
-                            time.monotonic() - waiting_since)
-            return
+        def store() -> None:
+            with translated_errors("storing a result"), self.database.connection() as conn:
+                fetch_one(conn, STORE_RESULT, params)
+
+        written_when_reachable(f"result {message_key}", store, wait_s=self.store_wait_s)
 
     def close(self, *, timeout_ms: int = 5000) -> None:
         """Stop the listener and close the backend's own pool (a given pool stays open)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ from tests.integration.backends_support import (
 # (the support module prepares the ``broker`` package's import, so it comes first)
 from broker.backends.rate_limits import PostgresRateLimiterBackend, prune_expired_once
 from broker.errors import DatabaseUnavailable
+from tests.support.proxy import PostgresProxy
 
 LIVE_VALUE = "SELECT value FROM standmeet.rate_limits WHERE key = %s AND expires_at > now()"
 IS_LIVE = "SELECT count(*) FROM standmeet.rate_limits WHERE key = %s AND expires_at > now()"
@@ -325,7 +328,7 @@ def test_a_prune_deletes_no_more_than_its_batch_whatever_plan_the_statistics_lea
 
 def test_an_unreachable_database_is_reported_as_database_unavailable() -> None:
     backend = PostgresRateLimiterBackend(
-        url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500
+        url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500, write_wait_s=0
     )
     try:
         with pytest.raises(DatabaseUnavailable) as raised:
@@ -333,3 +336,35 @@ def test_an_unreachable_database_is_reported_as_database_unavailable() -> None:
         assert isinstance(raised.value.__cause__, psycopg.Error)
     finally:
         backend.close()
+
+
+def test_a_barrier_passed_during_an_outage_longer_than_the_checkout_timeout_counts_once_it_ends(
+    db_url: str, backend: PostgresRateLimiterBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a group of two (as GroupCallbacks makes it), one member done, and a backend
+    # that reaches the database through a proxy that is cut, with a fifth of a second to
+    # check a connection out
+    key = a_key("group")
+    assert Barrier(backend, key, ttl=60_000).create(2)
+    assert not Barrier(backend, key, ttl=60_000).wait(block=False)
+    proxy = PostgresProxy(db_url)
+    through_proxy = PostgresRateLimiterBackend(url=proxy.url, checkout_timeout_ms=200)
+    released: list[object] = []
+    try:
+        proxy.cut()
+        # When the last member passes the barrier meanwhile
+        with caplog.at_level(logging.WARNING, logger="standmeet.broker.backends.results"):
+            passing = threading.Thread(target=lambda: released.append(
+                Barrier(through_proxy, key, ttl=60_000).wait(block=False)))
+            passing.start()
+            eventually(lambda: proxy.refused >= 3 and "trying again until it is written" in caplog.text,
+                       what="the barrier's increment to outlast several checkout timeouts")
+        assert passing.is_alive() and not released
+        proxy.restore()
+        passing.join(timeout=30)
+    finally:
+        proxy.close()
+        through_proxy.close()
+    # Then the barrier is released once the database is back, counted once
+    assert released == [True]
+    assert Barrier(backend, key, ttl=60_000).wait(block=True, timeout=1_000)
