@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except StandmeetError as exc:
         print(f"relay: {exc}", file=sys.stderr)
         return CONFIG_REFUSED_EXIT
-    from broker.pg.preflight import wait_until_migrated
+    import psycopg
+
+    from broker.pg.preflight import first_line, wait_until_migrated
 
     stop = detach.StopEvent()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -54,9 +56,14 @@ def main(argv: list[str] | None = None) -> int:
                   heartbeat_s=broker.settings.heartbeat_s)
     logging.getLogger("standmeet.relay").info("relaying the topics %s", ", ".join(relay.topics) or "(none)")
     if args.exit_when_idle:
-        total = relay.drain_once()
-        relay.close()
-        print(f"relayed {total} event(s)")
+        try:
+            total = relay.drain_once(stop)
+        except (StandmeetError, psycopg.Error) as exc:  # one line, no traceback: the outbox keeps its events
+            print(f"relay: the outbox could not be relayed: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+            return 1
+        finally:
+            relay.close()
+        print(f"relayed {total} event(s)" + (" before it was stopped" if stop.is_set() else ""))
         return 0
     relay.run(stop)
     relay.close()

@@ -16,7 +16,7 @@ import math
 import re
 import reprlib
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import dramatiq
@@ -503,6 +503,24 @@ def _check_sizes(array: str, batch: Sequence[Message], max_bytes: int) -> None:
         end += len(marker)
         _check_size(end - start, m, max_bytes)
         start = end
+
+
+#: The most characters of message text one array statement carries (a jsonb value holds at
+#: most 256 MiB: a relay pass of big messages is written in several statements).
+WRITE_CHARS = 64 * MIB
+
+
+def within_chars(lengths: Sequence[int], most: int = WRITE_CHARS) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive slices whose ``lengths`` add up to at most ``most``
+    (a longer item is a slice of its own)."""
+    start = total = 0
+    for end, length in enumerate(lengths):
+        if end > start and total + length > most:
+            yield start, end
+            start, total = end, 0
+        total += length
+    if start < len(lengths):
+        yield start, len(lengths)
 
 
 def batch_params(texts: Sequence[str], priorities: Sequence[str], *, delay_s: float = 0.0) -> dict[str, Any]:

@@ -51,8 +51,8 @@ Every way a message is written goes through this module, with one hook policy:
   snooze of the run's own message is its settle's outcome, not a new row.
 * **The relay** (:func:`relay_write`, :func:`relay_written`): a routed event's messages
   take the hooks as above, the event's trace counting as the message's own; those that
-  need no hook are written as JSON text straight from the route. Written in the relay
-  pass's transaction; ``after_enqueue`` runs once the pass has committed.
+  need no hook are written as JSON text straight from the route, in the pass's transaction
+  (statements of at most ``codec.WRITE_CHARS``); ``after_enqueue`` runs once it commits.
 * :data:`FINISH_ONE_QUEUED` writes no message (it marks a queued one done): no hook runs.
 
 A message is checked before any statement of the caller's runs, as ``emit`` checks an
@@ -86,7 +86,7 @@ from dramatiq.errors import BrokerConnectionError, QueueNotFound
 from dramatiq.message import Message
 
 from broker import app
-from broker.engine import sql, sql_enqueue
+from broker.engine import codec, sql, sql_enqueue
 from broker.engine.codec import (
     as_message,
     batch_params,
@@ -487,11 +487,10 @@ def relay_hooks(broker: StandmeetBroker) -> tuple[bool, bool]:
 
 def relay_write(conn: psycopg.Connection[Any], broker: StandmeetBroker,
                 pending: Sequence[tuple[str, str] | Message | UniqueItem]) -> dict[tuple[str, str], int]:
-    """Write the messages of a relay pass on ``conn`` (in the pass's transaction), in event
-    order: each a (JSON text, priority) built by the route, a ``Message`` that goes
-    through the hooks (their ``before_enqueue`` runs here), or a message with its unique
-    key. Returns the sends skipped because their key was live, per (queue, actor): one live
-    message per key (a re-relayed one is its own)."""
+    """Write a relay pass's messages on ``conn`` (in its transaction), in event order: each
+    a (JSON text, priority) built by the route, a ``Message`` that goes through the hooks
+    (``before_enqueue`` runs here), or one with its unique key. Returns the sends skipped
+    because their key was live, per (queue, actor) (a re-relayed one is its own)."""
     for message in pending:  # a Message is one the policy sends through the hooks (relay_hooks)
         if isinstance(message, Message):
             if message.queue_name not in broker.queues:
@@ -514,11 +513,13 @@ def relay_write(conn: psycopg.Connection[Any], broker: StandmeetBroker,
         else:
             texts.append(m[0])
             priorities.append(m[1])
-    if texts:
-        conn.execute(sql_enqueue.ENQUEUE, batch_params(texts, priorities))
-    if keyed:
-        return run_steps(conn, unique_write(keyed)).skipped
-    return {}
+    for start, end in codec.within_chars([len(text) for text in texts]):
+        conn.execute(sql_enqueue.ENQUEUE, batch_params(texts[start:end], priorities[start:end]))
+    skipped: dict[tuple[str, str], int] = {}
+    for start, end in codec.within_chars([len(item.text) for item in keyed]):
+        for where, n in run_steps(conn, unique_write(keyed[start:end])).skipped.items():
+            skipped[where] = skipped.get(where, 0) + n
+    return skipped
 
 
 def relay_written(broker: StandmeetBroker, hooked: Sequence[Message], skipped: dict[tuple[str, str], int]) -> None:
@@ -637,9 +638,8 @@ async def enqueue_async(aconn: psycopg.AsyncConnection[Any], actor: dramatiq.Act
     return await enqueue_message_async(aconn, build_message(actor, args, kwargs, options), delay_ms=delay_ms)
 
 
-#: For a statement of the caller's that marks one queued message done as it records the
-#: work the message carried: its CTE and its receipt's SELECT (:data:`sql.FINISH_ONE_QUEUED`),
-#: with the parameters :func:`finish_one_params` gives.
+#: For a statement of the caller's that marks one queued message done as it records its work:
+#: its CTE and receipt's SELECT (:data:`sql.FINISH_ONE_QUEUED`), :func:`finish_one_params`'s parameters.
 FINISH_ONE_QUEUED, RECEIPT_OF_FINISHED = sql.FINISH_ONE_QUEUED, sql.RECEIPT_OF_FINISHED
 
 

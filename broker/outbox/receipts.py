@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import psycopg
 from broker import detach
 from broker.backoff import Backoff
 from broker.engine import sql
+from broker.errors import InvalidMessage
 from broker.observability import metrics
 from broker.pg.pool import Outage, close_quietly, connect, listen_url, poll_s
 
@@ -56,6 +58,14 @@ WHERE message_id = ANY(%(ids)s::uuid[]) AND "state"::text IN ('done', 'rejected'
 
 def channel_for(queue: str) -> str:
     return sql.RECEIPT_CHANNEL.format(queue=queue)
+
+
+def canonical_id(message_id: object) -> str:
+    """``message_id`` as Postgres writes a uuid (its receipts carry that text)."""
+    try:
+        return str(uuid.UUID(str(message_id)))
+    except ValueError:
+        raise InvalidMessage(f"a receipt is awaited for message ids: {str(message_id)[:100]!r} is not one") from None
 
 
 @dataclass
@@ -104,8 +114,11 @@ class Listener:
     def add(self, message_ids: Iterable[str], *, committed: bool = False) -> Waiter | None:
         """Register a waiter, or None when the channel already holds its maximum.
         ``committed``: its messages were written before it was registered, so some may
-        have finished unheard: the listener asks the database once, on its next turn."""
-        waiter = Waiter(pending=set(message_ids))
+        have finished unheard: the listener asks the database once, on its next turn.
+        An id that is not a message id is refused here (:class:`InvalidMessage`), before
+        it could reach the listener's look-up and break it for the channel's other waiters;
+        ids are compared as Postgres writes them (lower-case)."""
+        waiter = Waiter(pending={canonical_id(message_id) for message_id in message_ids})
         with self._lock:
             if len(self._waiters) >= self.max_waiters:
                 metrics.RECEIPT_WAITERS_REFUSED.labels(self.channel).inc()

@@ -228,12 +228,20 @@ def _relay_rows(conn: psycopg.Connection[Any], state: _Pass, rows: list[Any]) ->
                 conn.execute(RELAY_GIVE_BACK, {"id": event_id})
                 state.given_back += 1
                 continue
-        unknown = tuple(sorted(set(emitted_with or ()) - {r.actor for r, _ in pairs}))
-        if unknown:  # no live process routes them, for longer than STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S
-            state.without[(topic, unknown)] = state.without.get((topic, unknown), 0) + 1
         try:
+            if emitted_with is not None and not (isinstance(emitted_with, list)
+                                                 and all(isinstance(a, str) for a in emitted_with)):
+                raise ValueError(f"its routes are not a list of actor names: {str(emitted_with)[:200]}")
+            unknown = tuple(sorted(set(emitted_with or ()) - {r.actor for r, _ in pairs}))
+            if unknown:  # no live process routes them, for longer than STANDMEET_OUTBOX_UNROUTED_MAX_AGE_S
+                state.without[(topic, unknown)] = state.without.get((topic, unknown), 0) + 1
             built: list[tuple[str, str] | Message[Any] | UniqueItem] = []
-            carrier = payload.pop(tracing.OUTBOX_KEY, None) if isinstance(payload, dict) else None
+            # the trace emit carried (a mapping); anything else under the key is the payload's own
+            carrier = payload.get(tracing.OUTBOX_KEY) if isinstance(payload, dict) else None
+            if isinstance(carrier, dict):
+                del payload[tracing.OUTBOX_KEY]
+            else:
+                carrier = None
             options = {tracing.OPTION: carrier} if carrier else {}
             for index, (r, target) in enumerate(pairs):
                 args, kwargs = r.args(event_id, payload)
@@ -418,8 +426,9 @@ class Relay:
                 self._listen.execute(LISTEN_OUTBOX)
         return self._conn
 
-    def drain_once(self) -> int:
-        """Relay passes until nothing it routes is pending (or a pass is partial); rows taken.
+    def drain_once(self, stop: threading.Event | None = None) -> int:
+        """Relay passes until nothing it routes is pending (or a pass is partial, or ``stop``
+        is set: a relay stops between two passes, a backlog or not); rows taken.
         Between passes, it proves itself alive when its heartbeat is due: a relay draining a
         long backlog is not taken for gone (other releases' relays then wait for it before
         relaying its routes' events without them)."""
@@ -429,7 +438,7 @@ class Relay:
         while True:
             result = relay_once(conn, limit=self.batch, topics=topics, relay_id=self.id)
             total += result.claimed
-            if result.claimed < self.batch:
+            if result.claimed < self.batch or (stop is not None and stop.is_set()):
                 return total
             self._heartbeat_if_due()
 
@@ -476,7 +485,7 @@ class Relay:
     def _cycle(self, stop: threading.Event) -> None:
         """Heartbeat when due, relay what is pending, then wait for a NOTIFY or the next poll."""
         self._heartbeat_if_due()
-        self.drain_once()
+        self.drain_once(stop)
         self._recovered()
         poll_s = self.poll_s if self.listening else pgpool.poll_s(self.url)
         self._wait(stop, min(poll_s, self._next_heartbeat - time.monotonic()))

@@ -80,6 +80,9 @@ def check_payload(topic: str, payload: Any) -> None:
     messages get too, raising :class:`InvalidPayload`."""
     if not isinstance(payload, dict):
         raise InvalidPayload(f"the payload of {topic!r} must be a JSON object, not {type(payload).__name__}")
+    if tracing.OUTBOX_KEY in payload:
+        raise InvalidPayload(f"the payload of {topic!r} has the key {tracing.OUTBOX_KEY!r}, which the outbox "
+                             "keeps for the trace an event carries: name it otherwise")
     check_json_value(payload, what=f"the payload of {topic!r}", error=InvalidPayload)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from broker import emit, enqueue
 from broker.engine import sql
-from broker.errors import PayloadTooLarge, UnknownTopic
+from broker.errors import InvalidPayload, PayloadTooLarge, UnknownTopic
 from broker.outbox import MESSAGE_NAMESPACE, relay_once
 from tests.conftest import configured_broker, slow_polls
 from tests.support.db import query, scalar, wait_for
@@ -117,8 +117,9 @@ def test_an_event_relayed_twice_runs_its_job_once(broker, database_url, start_wo
         ("no.such.topic", {}, UnknownTopic, "no route for topic 'no.such.topic'"),
         ("document.written", {"document_id": 1, "blob": "x" * 70_000}, PayloadTooLarge, "over the cap of 65536"),
         ("document.written", {"title": "no id"}, UnknownTopic, "does not fit the route to corpus.index"),
+        ("document.written", {"document_id": 1, "_trace": "mine"}, InvalidPayload, "keeps for the trace"),
     ],
-    ids=["unknown-topic", "oversized", "payload-that-fits-no-route"],
+    ids=["unknown-topic", "oversized", "payload-that-fits-no-route", "the-outbox-trace-key"],
 )
 def test_a_refused_event_fails_at_emit_and_the_transaction_commits_its_other_work(
     broker, database_url, topic, payload, error, words
@@ -152,6 +153,27 @@ def test_a_relay_pass_turns_events_into_their_messages_and_keeps_a_bad_one_with_
                   "SELECT (message->'args'->>0)::int FROM dramatiq.queue WHERE message->>'actor_name' = 'corpus.index'"
                   " AND (message->'args'->>0)::int IN (101, 102)"))
     assert args == [101, 102]
+
+
+@pytest.mark.parametrize("routes", ["5", "true", '"corpus.index"', "[1]", "[null]", '{"a": 1}'])
+def test_an_event_whose_routes_are_not_a_list_of_actor_names_fails_alone_with_its_reason(
+        broker, database_url, routes):
+    # Given an old event whose routes column another writer than emit filled with something
+    # else than a list of actor names, and a good event after it
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM standmeet.outbox")
+        (bad,) = conn.execute("INSERT INTO standmeet.outbox (topic, payload, routes, created_at)"
+                              " VALUES ('document.written', '{\"document_id\": 7}', %s::jsonb,"
+                              " now() - interval '1 hour') RETURNING id", (routes,)).fetchone()
+        with conn.transaction():
+            good = emit(conn, "document.written", {"document_id": 8})
+        # When a relay pass takes both
+        result = relay_once(conn, limit=200)
+    # Then the bad one is kept with its reason, and the good one relayed
+    assert (result.claimed, result.messages, result.failed) == (2, 1, 1)
+    (error,) = query(database_url, "SELECT error FROM standmeet.outbox WHERE id = %s", (bad,))[0]
+    assert "routes are not a list of actor names" in error
+    assert query(database_url, "SELECT relayed_at IS NOT NULL FROM standmeet.outbox WHERE id = %s", (good,)) == [(True,)]
 
 
 def test_an_emitted_write_reaches_an_index_consumer_within_100_ms_at_idle(broker, database_url, start_worker):

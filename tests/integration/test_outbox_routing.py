@@ -124,6 +124,24 @@ def test_a_relay_records_its_topics_with_a_heartbeat_and_stops_promptly_recorded
     assert scalar(database_url, "SELECT stopped_at IS NOT NULL FROM standmeet.relays WHERE id = %s", (relay.id,))
 
 
+def test_a_relay_draining_a_backlog_stops_between_two_passes_recorded_as_stopped(
+        broker, database_url, clean, conn, relays):
+    # Given a backlog of 10,000 events and a relay taking one a pass (far more passes than
+    # its stop's wait could see through)
+    with conn.transaction():
+        for i in range(10_000):
+            emit(conn, "test.ping", {"label": f"backlog-{i}"})
+    relay = Relay(database_url, batch=1, poll_s=LONG_POLL_S, heartbeat_s=0.5).start()
+    relays.append(relay)
+    wait_for(lambda: scalar(database_url, "SELECT count(*) FROM standmeet.outbox WHERE relayed_at IS NOT NULL") > 10,
+             timeout_s=10, what="the relay to be draining")
+    # When it is stopped in the middle of it
+    assert relay.stop(timeout_s=5)
+    # Then it stopped, recorded as stopped, the rest of the backlog left pending
+    assert scalar(database_url, "SELECT stopped_at IS NOT NULL FROM standmeet.relays WHERE id = %s", (relay.id,))
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.outbox WHERE relayed_at IS NULL") > 0
+
+
 def test_an_event_no_live_relay_routes_is_shown_unrouted_until_one_that_routes_it_is_alive(
         broker, database_url, clean, conn, relays):
     # Given a live relay of this process, and events of a topic it does not route

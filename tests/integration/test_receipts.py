@@ -140,6 +140,21 @@ def test_a_wait_for_a_job_that_finished_before_it_was_called_answers_true(broker
     assert services.current().waiters.wait(INDEX, message.message_id, timeout_s=3) is True
 
 
+def test_a_wait_for_an_id_that_is_no_message_id_is_refused_and_the_channels_other_waiters_are_answered(
+        broker, database_url, start_worker):
+    from broker.errors import InvalidMessage
+    from tests.support.jobs import noop
+
+    start_worker(queues=["index"], threads=2)
+    waiters = services.current().waiters
+    # Given a request that waits for an id taken from its input, that is no message id
+    with pytest.raises(InvalidMessage, match="'not-a-uuid' is not one"):
+        waiters.wait(INDEX, ["not-a-uuid"], timeout_s=1)
+    # Then a waiter of the same channel is answered as ever, upper-case id and all
+    message = noop.send("after-a-bad-waiter")
+    assert waiters.wait(INDEX, message.message_id.upper(), timeout_s=5) is True
+
+
 @pytest.mark.parametrize("queue", ["Reports", "reports.v2-eu"])
 def test_the_receipts_of_a_queue_named_with_capitals_dots_or_dashes_are_heard(broker, database_url, queue):
     from broker.outbox.receipts import Listener
