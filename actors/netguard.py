@@ -108,6 +108,12 @@ class UrlRefused(StandmeetError):
     """The URL is malformed, or points where the system must not send requests."""
 
 
+class UrlUnresolved(UrlRefused):
+    """The URL's host name did not resolve, this time: DNS may answer later (a temporary
+    failure, a name not yet published). Refused where a URL is registered; a request
+    made on a schedule tries again, as after a failed connection."""
+
+
 @dataclass(frozen=True)
 class Target:
     """A checked URL: where to connect, and the names to present."""
@@ -226,7 +232,7 @@ def check_url(url: str, *, allowed_networks: tuple[str, ...] = ()) -> Target:
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError, OSError) as exc:
-            raise UrlRefused(f"{host!r} does not resolve: {exc}") from None
+            raise UrlUnresolved(f"{host!r} does not resolve: {exc}") from None
     for info in infos:
         try:
             address = _address(str(info[4][0]).split("%")[0])
@@ -235,7 +241,7 @@ def check_url(url: str, *, allowed_networks: tuple[str, ...] = ()) -> Target:
         if address not in addresses:
             addresses.append(address)
     if not addresses:
-        raise UrlRefused(f"{host!r} does not resolve to any address")
+        raise UrlUnresolved(f"{host!r} does not resolve to any address")
     allowed = tuple(allowed_networks)
     for address in addresses:  # every answer must pass: DNS may hand out any of them
         reason = _verdict(address, allowed)

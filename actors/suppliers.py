@@ -22,7 +22,7 @@ import psycopg
 
 from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
-from actors.netguard import UrlRefused, check_url
+from actors.netguard import UrlRefused, UrlUnresolved, check_url
 from actors.reasons import keeps_reason
 from broker.engine.enqueue import enqueue
 from broker.errors import StandmeetError
@@ -86,6 +86,9 @@ def invoke(call_id: int) -> None:
             "POST", url, allowed_networks=app_settings.current().allowed_networks,
             timeout_s=request_budget(SUPPLIER_TIMEOUT_S), max_bytes=RESPONSE_CAP,
             headers={"Content-Type": "application/json"}, content=json.dumps(payload).encode())
+    except UrlUnresolved as exc:  # DNS may answer next time: retried, as a failed connection is
+        _record(call_id, "pending", None, None, str(exc))
+        raise SupplierUnavailable(f"{supplier}: {exc}") from exc
     except UrlRefused as exc:  # the URL is forbidden: retrying cannot help
         _record(call_id, "failed", None, None, f"refused by the request-forgery guard: {exc}")
         raise SupplierRefused(f"{supplier}: call {call_id}: {exc}") from exc

@@ -40,7 +40,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from actors import secretbox
 from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
-from actors.netguard import UrlRefused, check_url
+from actors.netguard import UrlRefused, UrlUnresolved, check_url
 from actors.reasons import MAX_REASON
 from broker import app, deadline
 from broker.engine.enqueue import (
@@ -624,6 +624,8 @@ def post(url: str, secrets: list[str], msg_id: str, body: bytes, *, timeout_s: f
         response = guarded_request("POST", url, allowed_networks=app_settings.current().allowed_networks,
                                    timeout_s=timeout_s, max_bytes=BODY_CAP, headers=headers, content=body,
                                    propagate_trace=True)
+    except UrlUnresolved as exc:  # DNS may answer next time: retried on the schedule
+        return Outcome("dns", error=str(exc))
     except UrlRefused as exc:
         return Outcome("blocked", error=str(exc))
     except httpx.HTTPError as exc:

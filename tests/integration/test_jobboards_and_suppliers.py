@@ -109,3 +109,23 @@ def test_supplier_calls_record_their_outcome_and_retry_only_what_may_succeed(bro
     assert rows[ids["/bad"]] == ("failed", 422, 1)  # a 4xx is not retried
     assert rows[ids["/flaky"]] == ("succeeded", 200, 2)  # a 5xx is
     assert [r.json() for r in api.requests if r.path == "/ok"] == [{"sku": "/ok"}]
+
+
+def test_a_supplier_call_whose_host_name_stops_resolving_is_retried_not_refused(broker, database_url, start_worker,
+                                                                                loopback_allowed):
+    # Given a call recorded while its host resolved, whose name no longer does
+    with web_server() as api, psycopg.connect(database_url) as conn:
+        with conn.transaction():
+            call = suppliers.request_call(conn, "acme", api.base + "/renamed", {"sku": "dns"})
+        conn.execute("UPDATE standmeet.supplier_calls SET url = 'http://no-such-host.invalid/x' WHERE id = %s", (call,))
+        conn.commit()
+    # When its job runs
+    start_worker(queues=["notify"], threads=1)
+    wait_for(lambda: scalar(database_url, "SELECT attempts FROM standmeet.supplier_calls WHERE id = %s", (call,)) >= 1,
+             timeout_s=30, what="the call's first attempt")
+    # Then it is pending, with the reason, and its message waits for a retry (not rejected)
+    status, error = query(database_url, "SELECT status, error FROM standmeet.supplier_calls WHERE id = %s", (call,))[0]
+    assert status == "pending" and "does not resolve" in error
+    wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message->'args'->>0 = %s"
+                                          " AND message->>'actor_name' = 'supplier.invoke'", (str(call),)) == "queued",
+             timeout_s=10, what="the call's message to wait for its retry")

@@ -68,25 +68,31 @@ def test_each_failure_gives_its_recorded_outcome_and_the_other_endpoints_keep_re
         moved, _ = webhooks.add_endpoint(site.base + "/moved", ["t"])
         gone, _ = webhooks.add_endpoint(site.base + "/gone", ["t"])
         private, _ = webhooks.add_endpoint(site.base + "/never", ["t"])
+        unresolved, _ = webhooks.add_endpoint(site.base + "/renamed", ["t"])
         ok, _ = webhooks.add_endpoint(good_url, ["t"])
         # an endpoint whose URL now points at a private address: refused at attempt time too
         query(database_url, "UPDATE standmeet.webhook_endpoints SET url = 'http://10.0.0.1/hook' WHERE id = %s", (private,))
+        # and one whose host name no longer resolves (DNS may answer later: not blocked)
+        query(database_url, "UPDATE standmeet.webhook_endpoints SET url = 'http://no-such-host.invalid/hook'"
+                            " WHERE id = %s", (unresolved,))
         start_worker(queues=["webhook"], threads=8)
         event = emit(database_url, "t", {"n": 1})
         settled(database_url, event, ok, "succeeded")
         settled(database_url, event, gone, "failed")
         settled(database_url, event, private, "failed")
-        wait_for(lambda: delivery(database_url, event, error)[2] == 1 and delivery(database_url, event, moved)[2] == 1,
+        wait_for(lambda: all(delivery(database_url, event, e)[2] == 1 for e in (error, moved, unresolved)),
                  timeout_s=15, what="first attempts of the failing endpoints")
     outcomes = dict(query(database_url,
                           "SELECT d.endpoint_id, a.outcome || ':' || coalesce(a.status_code::text, '-')"
                           " FROM standmeet.webhook_attempts a JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
                           " WHERE d.event_id = %s", (event,)))
-    assert outcomes == {error: "http:500", moved: "redirect:302", gone: "gone:410", private: "blocked:-", ok: "ok:200"}
-    # a 500 is retried later (5 s ± jitter), not lost
-    state, next_at = query(database_url, "SELECT state, next_attempt_at IS NOT NULL FROM standmeet.webhook_deliveries"
-                                         " WHERE event_id = %s AND endpoint_id = %s", (event, error))[0]
-    assert (state, next_at) == ("pending", True)
+    assert outcomes == {error: "http:500", moved: "redirect:302", gone: "gone:410", private: "blocked:-",
+                        unresolved: "dns:-", ok: "ok:200"}
+    # a 500, or a name that did not resolve, is retried later (5 s ± jitter), not lost
+    for retried in (error, unresolved):
+        state, next_at = query(database_url, "SELECT state, next_attempt_at IS NOT NULL FROM standmeet.webhook_deliveries"
+                                             " WHERE event_id = %s AND endpoint_id = %s", (event, retried))[0]
+        assert (state, next_at) == ("pending", True)
     # 410 disabled its endpoint, with the reason; the failing one is marked as failing
     assert query(database_url, "SELECT enabled, disabled_reason FROM standmeet.webhook_endpoints WHERE id = %s",
                  (gone,)) == [(False, "the endpoint answered 410 Gone")]
