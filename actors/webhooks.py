@@ -505,6 +505,10 @@ RETURNING q.queue_name
 #: clock plays no part. A job that runs a delivery replayed before it started, and fails,
 #: leaves one more attempt to the replay's job.)
 _REPLAYED_MEANWHILE = """(%(state)s::text <> 'succeeded' AND message_id <> %(carrier)s::uuid)"""
+#: When a delivery that is retried is tried next: ``%(retry_in_s)s`` after now by the
+#: database's clock, the one every statement that reads ``next_attempt_at`` compares it
+#: with (a worker host's clock behind the database's retried at once, ahead, too late).
+_NEXT = "(now() + %(retry_in_s)s::float8 * interval '1 second')"
 _ATTEMPT_AND_DELIVERY = """
 WITH attempt AS (
     INSERT INTO standmeet.webhook_attempts
@@ -516,12 +520,12 @@ WITH attempt AS (
     SET attempts = %(attempt)s::int,
         state = CASE WHEN """ + _REPLAYED_MEANWHILE + """ THEN 'pending' ELSE %(state)s::text END,
         last_outcome = %(outcome)s::text,
-        next_attempt_at = CASE WHEN """ + _REPLAYED_MEANWHILE + """ THEN NULL ELSE %(next)s::timestamptz END,
+        next_attempt_at = CASE WHEN """ + _REPLAYED_MEANWHILE + """ THEN NULL ELSE """ + _NEXT + """ END,
         updated_at = now()
     WHERE id = %(made)s::bigint
 ), rescheduled AS (
     UPDATE dramatiq.queue q
-    SET eta = CASE WHEN q."state" = 'queued' THEN %(next)s::timestamptz ELSE q.eta END,
+    SET eta = CASE WHEN q."state" = 'queued' THEN """ + _NEXT + """ ELSE q.eta END,
         woken_at = CASE WHEN q."state" = 'consumed' THEN now() ELSE q.woken_at END, mtime = now()
     WHERE q.message_id = %(reschedule)s::uuid AND q.message_id IS DISTINCT FROM %(holder)s::uuid
       AND """ + _QUEUED_OR_RUNNING + """
@@ -902,14 +906,25 @@ def deliver(delivery_id: int) -> None:
     if own.retry_in_s is not None:
         raise Retry(f"delivery {delivery_id}: {own.outcome.outcome} {own.outcome.status_code or ''}".strip(),
                     delay=int(own.retry_in_s * 1000))
-    if own.state == "failed":
+    reason = _failed_for_good(own)
+    if reason is not None:
         # the job ends rejected, saying why (the message's error), not done
-        reason = own.outcome.error or f"the endpoint answered {own.outcome.status_code}"
-        failed = DeliveryFailed(f"delivery {delivery_id} {_FAILED_AS.get(own.outcome.outcome, 'failed')}: {reason}")
-        logger.warning("webhook %s", failed)
         if message is not None:
-            message.options["error"] = f"DeliveryFailed: {failed}"[:MAX_REASON]
-        raise failed
+            message.options["error"] = reason
+        raise DeliveryFailed(reason.removeprefix("DeliveryFailed: "))
+
+
+def _failed_for_good(made: _Attempt) -> str | None:
+    """Why a delivery failed for good, as its message's error (logged as a warning once,
+    here); None when it did not. A batch's delivery's queued message is rejected with it
+    (:func:`_settle`), as the job's own delivery rejects its job."""
+    if made.state != "failed":
+        return None
+    outcome = made.outcome
+    reason = outcome.error or f"the endpoint answered {outcome.status_code}"
+    failed = f"delivery {made.due.delivery_id} {_FAILED_AS.get(outcome.outcome, 'failed')}: {reason}"
+    logger.warning("webhook %s", failed)
+    return f"DeliveryFailed: {failed}"[:MAX_REASON]
 
 
 #: The endpoint's next never-attempted pending deliveries (not those this job made), oldest
@@ -998,14 +1013,14 @@ def _settle(message: Any, endpoint_id: int, token: str | None, made: _Attempt) -
         "code": outcome.status_code, "outcome": outcome.outcome, "error": _storable(outcome.error),
         "body": _storable(outcome.body),
         "truncated": outcome.truncated, "state": made.state,
-        "next": None if made.retry_in_s is None else datetime.fromtimestamp(time.time() + made.retry_in_s,
-                                                                             timezone.utc),
+        "retry_in_s": made.retry_in_s,
         "endpoint": endpoint_id, "healthy": outcome.ok, "token": token,
         "holder": message.message_id if message is not None else None,
         "carrier": made.due.message_id or (message.message_id if message is not None else None),
         "disabled_reason": "the endpoint answered 410 Gone" if outcome.outcome == "gone" else None,
         "reschedule": made.due.message_id if made.state == "pending" else None,
-        **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name)}
+        **finish_one_params(made.due.message_id if made.state != "pending" else None, deliver.queue_name,
+                            rejected_for=_failed_for_good(made) if made.due.message_id else None)}
     if token is None:  # (a NULL token gives nothing back)
         with db.connection() as conn:
             conn.execute(RECORD_ATTEMPT, params)

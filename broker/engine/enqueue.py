@@ -53,15 +53,14 @@ Every way a message is written goes through this module, with one hook policy:
   take the hooks as above, the event's trace counting as the message's own; those that
   need no hook are written as JSON text straight from the route, in the pass's transaction
   (statements of at most ``codec.WRITE_CHARS``); ``after_enqueue`` runs once it commits.
-* :data:`FINISH_ONE_QUEUED` writes no message (it marks a queued one done): no hook runs.
+* :data:`FINISH_ONE_QUEUED` writes no message (it marks a queued one done, or rejected): no hook runs.
 
-A message is checked before any statement of the caller's runs, as ``emit`` checks an
-event (a batch's, every one of them before its first statement; a batch in a pooled
-connection's transaction of its own, as its rows are copied, that transaction then
-rolled back), so a refused one leaves the caller's transaction usable and the batch
-unwritten: its arguments must be JSON Postgres
-stores (no NaN or infinity, ``\\u0000`` or lone surrogate: ``check_json_value``), its
-options values its run can use, and its encoded size at most STANDMEET_MESSAGE_MAX_BYTES
+A message is checked before any statement of the caller's runs, as ``emit`` checks an event (a
+batch's, every one of them before its first statement; a batch in a pooled connection's transaction
+of its own, as its rows are copied, that transaction then rolled back), so a refused one leaves the
+caller's transaction usable and the batch unwritten: its arguments must be JSON Postgres stores (no
+NaN or infinity, ``\\u0000`` or lone surrogate: ``check_json_value``), its options values its run
+can use, and its encoded size at most STANDMEET_MESSAGE_MAX_BYTES
 (:class:`broker.errors.InvalidMessage`, :class:`broker.errors.MessageTooLarge`).
 
 A message with a unique key (an actor's ``unique=``, a message's ``unique_key``) is
@@ -643,8 +642,9 @@ async def enqueue_async(aconn: psycopg.AsyncConnection[Any], actor: dramatiq.Act
 FINISH_ONE_QUEUED, RECEIPT_OF_FINISHED = sql.FINISH_ONE_QUEUED, sql.RECEIPT_OF_FINISHED
 
 
-def finish_one_params(message_id: str | None, queue_name: str) -> dict[str, Any]:
-    """The parameters of :data:`FINISH_ONE_QUEUED` for ``message_id`` (None: none) of
-    ``queue_name``. No hook runs for it: it writes no message, it marks one done."""
+def finish_one_params(message_id: str | None, queue_name: str, *,
+                      rejected_for: str | None = None) -> dict[str, Any]:
+    """The parameters of :data:`FINISH_ONE_QUEUED` for ``message_id`` (None: none) of ``queue_name``, done
+    (rejected, with ``rejected_for`` its error). No hook runs: it writes no message, it ends one."""
     spec = app.queue_spec(queue_name)
-    return {"finish": message_id, "finish_receipt": spec is not None and spec.awaited}
+    return {"finish": message_id, "finish_error": rejected_for, "finish_receipt": spec is not None and spec.awaited}

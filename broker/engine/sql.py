@@ -611,28 +611,30 @@ WHERE id IN (
 
 #: A message whose work another job did (a batch that did its too), inside a statement of
 #: the caller's own that records that work, so that it is done exactly when that work is
-#: recorded: a queued one is done without running; a running one (claimed a moment ago:
+#: recorded: a queued one is done without running (rejected, ``%(finish_error)s`` its error,
+#: when that work failed for good); a running one (claimed a moment ago:
 #: its run may be about to snooze, waiting for the job that did the work) is marked woken
 #: (``woken_at``), so that a snooze it settles makes it due at once and its next run finds
 #: its work made. Neither when cancelled. One UPDATE for both states: a row whose state
 #: changes while the statement waits for its lock (a running one's snooze settling) is
 #: judged again as it is then; with one update per state, each read it as the other's
 #: and left it, and it waited out its whole snooze. A CTE, ``finished``
-#: (``%(finish)s``: the message; NULL for none; ``done`` for one done), and the SELECT that
+#: (``%(finish)s``: the message; NULL for none; ``ended_as`` its state now), and the SELECT that
 #: sends its receipt when its queue is awaited (``%(finish_receipt)s``), for the
 #: statement's end. Scalar parameters: a one-element array costs the caller ~15 times a
 #: value's CPU.
 FINISH_ONE_QUEUED = """finished AS (
     UPDATE dramatiq.queue
-    SET "state" = CASE WHEN "state" = 'queued' THEN 'done' ELSE "state" END,
-        error = CASE WHEN "state" = 'queued' THEN NULL ELSE error END,
+    SET "state" = CASE WHEN "state" <> 'queued' THEN "state" WHEN %(finish_error)s::text IS NULL THEN 'done'
+                       ELSE 'rejected' END,
+        error = CASE WHEN "state" = 'queued' THEN %(finish_error)s::text ELSE error END,
         woken_at = CASE WHEN "state" = 'consumed' THEN now() ELSE woken_at END,
         mtime = now()
     WHERE message_id = %(finish)s::uuid AND "state" IN ('queued', 'consumed') AND cancelled_at IS NULL
-    RETURNING queue_name, message_id, "state" = 'done' AS done
+    RETURNING queue_name, message_id, "state"::text AS ended_as
 )"""
 RECEIPT_OF_FINISHED = """
-SELECT pg_notify(standmeet.receipt_channel(queue_name), message_id::text || ':done')
-FROM finished WHERE done AND %(finish_receipt)s::boolean
+SELECT pg_notify(standmeet.receipt_channel(queue_name), message_id::text || ':' || ended_as)
+FROM finished WHERE ended_as <> 'consumed' AND %(finish_receipt)s::boolean
 """
 

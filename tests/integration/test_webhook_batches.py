@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import psycopg
@@ -374,3 +375,35 @@ def test_a_batch_does_not_make_a_delivery_whose_job_an_operator_cancelled(
     # abandoned (or replayed)
     assert [r.headers["webhook-id"] for r in headers] == [f"msg_{events[0]}_{endpoint}", f"msg_{events[2]}_{endpoint}"]
     assert states(database_url, endpoint)[1] == (events[1], "pending", 0)
+
+
+def test_a_batch_delivery_that_fails_for_good_rejects_its_queued_job_with_the_reason_and_a_warning(
+    broker, database_url, start_worker, webhook_settings, caplog
+):
+    # Given three deliveries waiting for one endpoint, which accepts the first POST and
+    # answers every later one 410 Gone
+    answers = iter([200])
+    with web_server() as site:
+        site.on("POST", "/hook", lambda r: Reply(next(answers, 410), b"bye"))
+        endpoint, _ = webhooks.add_endpoint(site.base + "/hook", ["gone"])
+        fanned_out(database_url, "gone", 3)
+        # When one job makes them as a batch
+        with caplog.at_level(logging.WARNING, logger="standmeet.actors.webhooks"):
+            start_worker(queues=["webhook"], threads=1)
+            wait_for(lambda: query(database_url, "SELECT count(*) FROM dramatiq.queue q"
+                                                 " JOIN standmeet.webhook_deliveries d ON d.message_id = q.message_id"
+                                                 " WHERE d.endpoint_id = %s AND q.state IN ('queued', 'consumed')",
+                                   (endpoint,)) == [(0,)], timeout_s=20, what="every delivery's job to end")
+    # Then the delivery that failed for good has its job rejected with the reason, as its
+    # own job would have been, and says so once in the log
+    rows = query(database_url, "SELECT d.state, d.last_outcome, q.state::text, q.error"
+                               " FROM standmeet.webhook_deliveries d JOIN dramatiq.queue q ON q.message_id = d.message_id"
+                               " WHERE d.endpoint_id = %s ORDER BY d.id", (endpoint,))
+    # (the 410 disabled the endpoint: the delivery after it is skipped, its job done; which
+    # delivery's job ran first is the work queue's choice)
+    assert sorted(r[:3] for r in rows) == [("failed", "gone", "rejected"), ("skipped", "endpoint disabled", "done"),
+                                           ("succeeded", "ok", "done")]
+    (error,) = [r[3] for r in rows if r[0] == "failed"]
+    assert error.startswith("DeliveryFailed: delivery") and "gone (410)" in error
+    warned = [r.getMessage() for r in caplog.records if "gone (410)" in r.getMessage()]
+    assert len(warned) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import psycopg
 import pytest
@@ -99,6 +100,35 @@ def test_each_failure_gives_its_recorded_outcome_and_the_other_endpoints_keep_re
     assert scalar(database_url, "SELECT failing_since IS NOT NULL FROM standmeet.webhook_endpoints WHERE id = %s", (error,))
     assert scalar(database_url, "SELECT failing_since IS NULL FROM standmeet.webhook_endpoints WHERE id = %s", (ok,))
     assert len(good.received) == 1
+
+
+class _HourBehind:
+    """The ``time`` module of a worker host whose clock is an hour behind the database's."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+    @staticmethod
+    def time() -> float:
+        return time.time() - 3600
+
+
+def test_a_retry_is_scheduled_by_the_databases_clock_whatever_the_worker_hosts_clock_says(
+    broker, database_url, start_worker, webhook_settings, monkeypatch
+):
+    # Given a worker host whose clock is an hour behind the database's, and an endpoint answering 500
+    monkeypatch.setattr(webhooks, "time", _HourBehind())
+    with web_server() as site:
+        site.on("POST", "/error", lambda r: Reply(500, b"boom"))
+        endpoint, _ = webhooks.add_endpoint(site.base + "/error", ["t"])
+        start_worker(queues=["webhook"], threads=2)
+        event = emit(database_url, "t", {"n": 1})
+        # When its first attempt fails
+        wait_for(lambda: delivery(database_url, event, endpoint)[2] == 1, timeout_s=15, what="the first attempt")
+    # Then its next attempt is due its back-off (5 s, ± 10 %) after now by the database's clock
+    due_in = scalar(database_url, "SELECT extract(epoch FROM next_attempt_at - now()) FROM standmeet.webhook_deliveries"
+                                  " WHERE event_id = %s AND endpoint_id = %s", (event, endpoint))
+    assert 0 < due_in <= 5.5
 
 
 @pytest.mark.slow  # waits out a real timer of a second or more
