@@ -200,3 +200,23 @@ def test_an_emitted_write_reaches_an_index_consumer_within_100_ms_at_idle(broker
     assert median < 0.1, sorted(lateness)
     assert max(lateness) < MAX_LATENESS_S, sorted(lateness)
     print(f"emit->start: median {median * 1000:.1f} ms, max {max(lateness) * 1000:.1f} ms")
+
+
+@pytest.mark.slow  # writes 280 MB twice: what the limit takes
+def test_a_relay_pass_whose_messages_together_pass_jsonbs_limit_is_written_in_several_statements(
+        broker, database_url):
+    # Given 460 events of 600 kB each, every one within every cap (the operator raised the
+    # payload cap to 1 MiB), together 276 MB: more than one jsonb value may hold (256 MiB)
+    blob = "x" * 600_000
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DELETE FROM standmeet.outbox")
+        with conn.transaction():
+            ids = [emit(conn, "test.ping", {"label": blob}, max_payload_bytes=1 << 20) for _ in range(460)]
+        # When one relay pass takes them all
+        result = relay_once(conn, limit=500, topics=["test.ping"])
+    # Then every one is relayed, none failed
+    assert (result.claimed, result.messages, result.failed) == (460, 460, 0)
+    assert scalar(database_url, "SELECT count(*) FROM standmeet.outbox WHERE id = ANY(%s) AND relayed_at IS NOT NULL",
+                  (ids,)) == 460
+    query(database_url, "DELETE FROM dramatiq.queue WHERE message_id = ANY(%s::uuid[])",
+          ([str(uuid.uuid5(MESSAGE_NAMESPACE, f"{i}/0")) for i in ids],))
