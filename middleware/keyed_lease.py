@@ -6,7 +6,9 @@ and a database-clock expiry. Before the actor runs, this middleware takes the le
 one autocommit statement; no row back means the key is busy: the message **snoozes**
 (a few seconds plus jitter), which never counts a retry and never fires failure
 callbacks. A take that fails (the database unreachable, a statement timeout) snoozes
-the message the same way: a job never runs without its lease. After the actor —
+the message the same way: a job never runs without its lease. A message whose arguments
+cannot name a key (``key`` raises :data:`MESSAGES_FAULT`) is rejected at once, saying why:
+it would fail the same at every run. After the actor —
 returned, raised, cancelled or skipped — the lease is
 given back, only if the token is still ours. The lease outlives the job's time limit
 (it is taken for ``lease_s``, or for what is left of the run's limit and
@@ -44,9 +46,15 @@ from typing import Any, Protocol
 
 from dramatiq import Middleware
 from dramatiq.broker import MessageProxy
+from dramatiq.middleware import SkipMessage
 
 from broker import deadline
 from middleware.snooze import LEASE_BUSY, snooze_before_start
+
+#: What a lease's ``key`` raises when the message's own arguments cannot name a key (a
+#: missing or malformed argument): it would raise the same at every run, so the message is
+#: rejected with the reason at once. Anything else (a look-up that failed) makes it wait.
+MESSAGES_FAULT: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 logger = logging.getLogger("standmeet.middleware")
 
@@ -185,6 +193,13 @@ class KeyedLease(Middleware):
         # the job unleased: the message waits instead, a snooze (bounded by max_snoozes).
         try:
             key = lease.key(message)
+        except MESSAGES_FAULT as exc:  # the message's arguments cannot name a key: never will
+            reason = (f"{message.actor_name}: the lease key of message {message.message_id} cannot be made from "
+                      f"its arguments ({type(exc).__name__}: {exc})")[:1000]
+            logger.warning("%s; rejected", reason)
+            message.options["error"] = reason
+            message.fail()
+            raise SkipMessage(reason) from None
         except Exception as exc:
             wait = _busy_wait_s(lease)
             logger.warning("%s: the lease key of message %s could not be found (%s: %s); the message waits %.1f s",

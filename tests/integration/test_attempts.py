@@ -7,7 +7,6 @@ import threading
 
 import dramatiq
 import psycopg
-import pytest
 
 from broker.ops import history
 from middleware import Snooze
@@ -194,13 +193,11 @@ def test_a_job_that_calls_another_actors_function_keeps_its_own_time_limit(broke
     assert scalar(database_url, "SELECT value FROM test_counters WHERE key = 'calls-a-step'") == 1
 
 
-@pytest.mark.parametrize("actor, key", [(leased, "unleased"), (keyless, "keyless")],
-                         ids=["its take fails", "its key raises, and its wait too"])
-def test_a_job_whose_lease_cannot_be_had_waits_and_never_runs_without_it(broker, database_url, start_worker,
-                                                                        actor, key):
-    # Given a job of a keyed lease that cannot be had
+def test_a_job_whose_lease_cannot_be_taken_waits_and_never_runs_without_it(broker, database_url, start_worker):
+    # Given a job of a keyed lease whose take fails
+    key = "unleased"
     start_worker(queues=["index"], threads=2)
-    message = actor.send(key)
+    message = leased.send(key)
     # When a worker picks it up
     wait_for(lambda: scalar(database_url, "SELECT (message->'options'->>'snoozes')::int FROM dramatiq.queue"
                                           " WHERE message_id = %s AND state = 'queued'", (message.message_id,)) == 1,
@@ -209,6 +206,22 @@ def test_a_job_whose_lease_cannot_be_had_waits_and_never_runs_without_it(broker,
     assert scalar(database_url, "SELECT eta > now() FROM dramatiq.queue WHERE message_id = %s", (message.message_id,))
     assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = %s", (key,)) == 0
     broker.flush("index")
+
+
+def test_a_job_whose_arguments_cannot_name_its_lease_key_is_rejected_at_once_saying_why(
+        broker, database_url, start_worker):
+    # Given a job whose lease key cannot be made from its arguments (a message of an older
+    # shape), whose lease's own wait cannot be read either
+    start_worker(queues=["index"], threads=2)
+    message = keyless.send("keyless")
+    # When a worker picks it up
+    wait_for(lambda: scalar(database_url, "SELECT state::text FROM dramatiq.queue WHERE message_id = %s",
+                            (message.message_id,)) == "rejected", timeout_s=10, what="the job rejected")
+    # Then it is rejected at its first look, saying why, and its body never ran
+    error, snoozes = query(database_url, "SELECT error, message->'options'->>'snoozes' FROM dramatiq.queue"
+                                         " WHERE message_id = %s", (message.message_id,))[0]
+    assert "lease key" in error and "KeyError" in error and snoozes is None
+    assert scalar(database_url, "SELECT count(*) FROM test_counters WHERE key = 'keyless'") == 0
 
 
 def test_a_lease_shorter_than_its_jobs_time_limit_never_expires_under_a_holder_that_still_runs(
