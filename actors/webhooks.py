@@ -854,7 +854,7 @@ def deliver(delivery_id: int) -> None:
     if message is not None and held is None:
         raise Retry("the endpoint lease was not taken", delay=1000)  # never post without it
     todo = [_Due(delivery_id, int(attempts), int(event_id), event_type, payload, created_at), *batch]
-    signing = open_secrets(list(secrets))
+    signing: list[str] | None = None  # opened in the first attempt: a secret no key opens is its error
     own: _Attempt | None = None
     # 2. POST each holding no database connection, within the total deadline, ending early
     #    enough before the job's own limit that the attempts are always recorded, and
@@ -873,6 +873,8 @@ def deliver(delivery_id: int) -> None:
         body = json.dumps({"type": due.event_type, "timestamp": due.created_at.isoformat(),
                            "data": due.payload}).encode()
         try:
+            if signing is None:
+                signing = open_secrets(list(secrets))
             outcome = post(url, signing, f"msg_{due.event_id}_{endpoint_id}", body, timeout_s=timeout_s)
         except (TimeLimitExceeded, DeadlineExceeded) as exc:
             # the job's own limit fired during the request: still an attempt, a timeout

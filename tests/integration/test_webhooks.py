@@ -102,6 +102,29 @@ def test_each_failure_gives_its_recorded_outcome_and_the_other_endpoints_keep_re
     assert len(good.received) == 1
 
 
+def test_a_delivery_whose_secret_no_key_opens_records_the_attempt_with_the_reason(
+    broker, database_url, start_worker, webhook_settings
+):
+    # Given an endpoint whose stored secret was sealed with a key this process no longer has
+    from actors import secretbox
+
+    with http_server() as (url, server):
+        endpoint, _ = webhooks.add_endpoint(url, ["t"])
+        query(database_url, "UPDATE standmeet.webhook_endpoints SET secrets = ARRAY[%s] WHERE id = %s",
+              (secretbox.PREFIX + "sealed-with-a-key-long-gone", endpoint))
+        start_worker(queues=["webhook"], threads=2)
+        # When a delivery to it is attempted
+        event = emit(database_url, "t", {"n": 1})
+        wait_for(lambda: delivery(database_url, event, endpoint)[2] == 1, timeout_s=15, what="the first attempt")
+        received = list(server.received)
+    # Then the attempt is recorded, saying why, and nothing unsigned was posted
+    (outcome, error) = query(database_url, "SELECT a.outcome, a.error FROM standmeet.webhook_attempts a"
+                                           " JOIN standmeet.webhook_deliveries d ON d.id = a.delivery_id"
+                                           " WHERE d.event_id = %s AND d.endpoint_id = %s", (event, endpoint))[0]
+    assert outcome == "error" and "cannot be decrypted" in error
+    assert received == []
+
+
 class _HourBehind:
     """The ``time`` module of a worker host whose clock is an hour behind the database's."""
 
