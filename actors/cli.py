@@ -16,7 +16,7 @@ import time
 
 from actors import settings as app_settings
 from actors.secretbox import DEFAULT_RESEAL_BATCH
-from actors.webhook_views import MAX_ROW_ID
+from actors.webhook_views import MAX_ROW_ID, PING_MOST
 from broker import app, ops
 from broker.boot import bounded_int
 from broker.cli import output as cliout
@@ -425,7 +425,8 @@ def _setup_webhooks(p: argparse.ArgumentParser) -> None:
     q.set_defaults(func=cmd_webhooks_replay)
     q = wh.add_parser("ping", help="emit N webhook.ping events for an endpoint through the normal path")
     q.add_argument("id", type=int)
-    q.add_argument("--count", type=int, default=1)
+    q.add_argument("--count", type=ascii_number(bounded_int(low=1, high=PING_MOST)), default=1,
+                   help=f"how many (1 to {PING_MOST})")
     q.set_defaults(func=cmd_webhooks_ping)
     q = wh.add_parser("deliveries", help="deliveries with their event, state, attempts and last error")
     q.add_argument("endpoint", type=ascii_number(bounded_int(low=1, high=MAX_ROW_ID)), nargs="?",

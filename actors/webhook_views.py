@@ -19,6 +19,9 @@ from psycopg.rows import class_row
 
 from broker.ops import MAX_LIMIT, OpsError
 
+#: The most webhook.ping events one call emits (all in one transaction).
+PING_MOST = 10_000
+
 #: Largest id of an endpoint or a delivery (Postgres bigint).
 MAX_ROW_ID = 2 ** 63 - 1
 

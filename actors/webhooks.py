@@ -42,6 +42,7 @@ from actors import settings as app_settings
 from actors.http import guarded_request, request_budget
 from actors.netguard import UrlRefused, UrlUnresolved, check_url
 from actors.reasons import MAX_REASON
+from actors.webhook_views import PING_MOST
 from broker import app, deadline
 from broker.engine.enqueue import (
     FINISH_ONE_QUEUED,
@@ -201,6 +202,8 @@ def emit_event(conn: psycopg.Connection[Any], event_type: str, payload: dict[str
 
 def ping(endpoint_id: int, count: int = 1) -> list[int]:
     """Emit ``count`` webhook.ping events for one endpoint (outbox → fanout → deliver)."""
+    if not 1 <= count <= PING_MOST:
+        raise WebhookError(f"a ping is 1 to {PING_MOST} events, not {count}")
     with db.connection() as conn, conn.transaction():
         if conn.execute("SELECT 1 FROM standmeet.webhook_endpoints WHERE id = %s", (endpoint_id,)).fetchone() is None:
             raise WebhookError(f"no webhook endpoint {endpoint_id}")
@@ -238,14 +241,31 @@ def replay(delivery_id: int) -> str:
     return message_id
 
 
-def replay_failed(since: datetime) -> int:
-    """Deliver again every delivery that failed (or was skipped) since ``since``."""
-    with db.connection() as conn, conn.transaction():
-        ids = [r[0] for r in conn.execute(
-            "UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()"
-            " WHERE state IN ('failed', 'skipped') AND updated_at >= %s RETURNING id", (since,)).fetchall()]
-        enqueue_deliveries(conn, [int(delivery_id) for delivery_id in ids])
-    return len(ids)
+#: One batch of the deliveries that failed (or were skipped) since a time, back to pending.
+MAKE_FAILED_PENDING = """
+UPDATE standmeet.webhook_deliveries SET state = 'pending', next_attempt_at = NULL, updated_at = now()
+WHERE id IN (SELECT id FROM standmeet.webhook_deliveries
+             WHERE state IN ('failed', 'skipped') AND updated_at >= %(since)s
+             ORDER BY id LIMIT %(batch)s FOR UPDATE SKIP LOCKED)
+RETURNING id
+"""
+#: How many deliveries one transaction of :func:`replay_failed` replays.
+REPLAY_BATCH = 2_000
+
+
+def replay_failed(since: datetime, *, batch: int = REPLAY_BATCH) -> int:
+    """Deliver again every delivery that failed (or was skipped) since ``since``, ``batch``
+    at a time, each batch in a transaction of its own (made pending and given a new
+    message together): a million failures are never held in memory at once, and what a
+    failure midway leaves is still failed, to replay again."""
+    total = 0
+    while True:
+        with db.connection() as conn, conn.transaction():
+            ids = [int(r[0]) for r in conn.execute(MAKE_FAILED_PENDING, {"since": since, "batch": batch})]
+            enqueue_deliveries(conn, ids)
+        total += len(ids)
+        if len(ids) < batch:
+            return total
 
 
 #: Each delivery names the message that carries it: a job that makes the delivery as part

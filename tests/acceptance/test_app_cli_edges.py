@@ -132,3 +132,11 @@ def test_rotate_secrets_re_encrypts_with_the_first_key_once_and_names_what_no_ke
     # a malformed key: the variable and its position, one line, before the database is read
     bad = one_line(cli({**env, "STANDMEET_SECRET_KEY": f"{B},not-a-key"}, "webhooks", "rotate-secrets"))
     assert "STANDMEET_SECRET_KEY: key 2 of 2 is not a Fernet key" in bad and B not in bad
+
+
+@pytest.mark.parametrize("count", ["0", "-5", "100000000"])
+def test_webhooks_ping_refuses_a_count_out_of_its_range_in_one_line(subprocess_env, count):
+    refused = cli(subprocess_env, "webhooks", "ping", "1", "--count", count)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        f"standmeet-jobs webhooks ping: argument --count: {count} is out of range: give 1 to 10000"]

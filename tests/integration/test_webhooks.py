@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 
 import psycopg
 import pytest
@@ -299,3 +300,23 @@ def test_a_delivery_makes_two_round_trips_of_its_own_beside_the_ones_that_set_it
     # the endpoint's row that keeps a parked job from missing its wake (one round trip)
     assert [c for c in counted if c != "set_config"] == ["WITH", "BEGIN", "COMMIT", "SELECT", "WITH"], counted
     assert counted.count("set_config") <= 2, counted
+
+
+def test_replaying_every_failed_delivery_goes_batch_by_batch_and_gives_each_a_new_message(
+    broker, database_url, webhook_settings
+):
+    # Given five deliveries that failed, and one that succeeded
+    endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/replayed", ["t"])
+    ids = [scalar(database_url, "INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state)"
+                                " VALUES (%s, %s, %s) RETURNING id", (emit(database_url, "t", {"n": n}), endpoint, state))
+           for n, state in enumerate(["failed"] * 5 + ["succeeded"])]
+    # When they are replayed two at a time
+    replayed = webhooks.replay_failed(datetime(2000, 1, 1, tzinfo=timezone.utc), batch=2)
+    # Then the five failed ones are pending again, each with a new message of its own
+    assert replayed == 5
+    rows = query(database_url, "SELECT d.id, d.state, q.state::text FROM standmeet.webhook_deliveries d"
+                               " LEFT JOIN dramatiq.queue q ON q.message_id = d.message_id WHERE d.id = ANY(%s)"
+                               " ORDER BY d.id", (ids,))
+    assert [r[1:] for r in rows] == [("pending", "queued")] * 5 + [("succeeded", None)]
+    query(database_url, "DELETE FROM dramatiq.queue q USING standmeet.webhook_deliveries d"
+                        " WHERE q.message_id = d.message_id AND d.id = ANY(%s)", (ids,))
