@@ -41,14 +41,14 @@ from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
 from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.results import ResultBackend
-from dramatiq.worker import WorkerThread
 
 from broker.engine.codec import check_distinct_ids, checked_json, delay_seconds, message_priority
 from broker.engine.queues import DeclaredQueues
-from broker.engine.runs import disarm, rejection_reason, run_signal
+from broker.engine.runs import RunningJobs, as_run, disarm, in_a_run, rejection_reason, run_signal
 from broker.engine.unique import unique_key_of
 from broker.errors import ConfigError, CutOff
 from broker.memory.queue import MemoryQueue, Waiting
+from broker.memory.runner import DrainRunner
 from broker.memory.stores import Clock, MemoryCancellations, MemoryResults
 from broker.settings import QueueSettings, Settings
 
@@ -130,6 +130,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         self._runs_without_outcome: defaultdict[str, int] = defaultdict(int)
         #: the messages handed out and not settled yet, by claim number
         self._handed: dict[int, MemoryMessage] = {}
+        self._running = RunningJobs()  # the threads inside a job's body (broker.engine.runs)
         self._workers: list[Any] = []
         self._close_hooks: list[Callable[[], None]] = []
         super().__init__(middleware=middleware or [])
@@ -259,10 +260,25 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
 
     # -- signals: the settle path ---------------------------------------------------
 
+    def declare_actor(self, actor: Any) -> None:
+        actor.fn = as_run(actor.fn)  # a job's body, bracketed as the engine brackets it
+        super().declare_actor(actor)
+
+    def _disarms(self) -> list[Callable[[], None]]:
+        return [hook for hook in (getattr(m, "disarm", None) for m in self.middleware) if callable(hook)]
+
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None:
         if signal == "process_message":
             args[0].standmeet_thread = threading.get_ident()  # in its body until its after-hooks
-        elif signal == "worker_boot" and args:
+            disarms = self._disarms()
+            in_a_run(self._running, disarms)
+            try:
+                super().emit_before(signal, *args, **kwargs)
+            except BaseException:  # skipped: its time limit goes now, as the engine's does
+                disarm(disarms)
+                raise
+            return
+        if signal == "worker_boot" and args:
             self._workers = [*self._workers, args[0]]
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
@@ -278,7 +294,9 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         with self._cond:
             proxy.standmeet_thread = None
             self._cond.notify_all()
-        disarm(hook for hook in (getattr(m, "disarm", None) for m in self.middleware) if callable(hook))
+        left, _late = in_a_run(None)  # a time limit as the job returned is dropped, as the engine drops it
+        if not left:
+            disarm(self._disarms())
         hooks = [getattr(middleware, "refuse_result", None) for middleware in self.middleware]
         signal, kwargs, exception = run_signal(  # a snooze or a cut-off is a skip; a refused result a failure
             self, signal, proxy, kwargs, refuse_hooks=[hook for hook in hooks if callable(hook)],
@@ -469,7 +487,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         names = list(queue_names) or sorted(self.queues)
         for name in names:
             self._queue(name)
-        runner = _Runner(self)
+        runner = DrainRunner(self)
         self.emit_before("worker_boot", runner)  # the time limit's timer, the event loop of async actors
         self.emit_after("worker_boot", runner)
         runs = 0
@@ -609,41 +627,3 @@ class MemoryConsumer(Consumer):
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-class _Runner:
-    """The worker :meth:`MemoryBroker.drain` boots: one thread (the caller's), Dramatiq's
-    own ``WorkerThread.process_message`` run on it, settled as a consumer thread would."""
-
-    consumer_whitelist = None
-    worker_threads = 1
-    worker_timeout = 100
-
-    def __init__(self, broker: MemoryBroker) -> None:
-        self.broker = broker
-        self.consumers = _Settles(broker)
-        self.thread = WorkerThread(broker=broker, consumers=self.consumers,  # type: ignore[arg-type]
-                                   work_queue=_Done(), worker_timeout=self.worker_timeout)  # type: ignore[arg-type]
-
-
-class _Settles:
-    """Every queue's post-processing, as Dramatiq's consumer thread does it."""
-
-    def __init__(self, broker: MemoryBroker) -> None:
-        self.broker = broker
-
-    def __getitem__(self, queue_name: str) -> _Settles:
-        return self
-
-    def post_process_message(self, message: MessageProxy) -> None:
-        signal = "nack" if message.failed else "ack"
-        self.broker.emit_before(signal, message)
-        self.broker.settle(message, rejected=message.failed)
-        self.broker.emit_after(signal, message)
-
-
-class _Done:
-    """The work queue a drained message never was on."""
-
-    def task_done(self) -> None:
-        """Nothing was taken from it."""
