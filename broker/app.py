@@ -54,6 +54,9 @@ class QueueSpec:
 
 #: The longest interval of a periodic job (366 days): a rarer job is a cron one.
 INTERVAL_MOST_S = 366 * 86400.0
+#: The shortest interval of a periodic job: each period is a claimed row, and a scheduler
+#: ticks four times a period; a job wanted more often is a loop inside one job.
+INTERVAL_LEAST_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,9 @@ class PeriodicJob:
             raise ConfigError(f"periodic job {self.name!r}: its kwargs are not JSON a message can carry "
                               f"({type(exc).__name__}: {str(exc)[:200]})") from None
         if self.interval_s is not None:
-            if not 0 < self.interval_s <= INTERVAL_MOST_S:
-                raise ConfigError(f"periodic job {self.name!r}: interval_s must be > 0 and at most"
-                                  f" {INTERVAL_MOST_S:,.0f} (366 days; a rarer job is a cron one), not {self.interval_s!r}")
+            if not INTERVAL_LEAST_S <= self.interval_s <= INTERVAL_MOST_S:
+                raise ConfigError(f"periodic job {self.name!r}: interval_s must be at least {INTERVAL_LEAST_S:g} and at"
+                                  f" most {INTERVAL_MOST_S:,.0f} (366 days; a rarer job is a cron one), not {self.interval_s!r}")
             if self.timezone != "UTC":
                 raise ConfigError(f"periodic job {self.name!r}: a time zone applies to cron, not to interval_s")
             return
