@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -212,7 +212,10 @@ def _periodic_status(name: str, job: PeriodicJob | None, now: datetime, last_run
         return PeriodicStatus(name, last_run, None, None, message_id, state)
     next_due: datetime | None
     if job.interval_s is not None:
-        next_due = last_run + timedelta(seconds=job.interval_s) if last_run else job.period_start(now)
+        # the current period when it has not run (overdue, after a downtime: a scheduler's
+        # next tick claims it), else the next one; never the period after a run long past
+        current = job.period_start(now)
+        next_due = current if last_run is None or last_run < current else job.next_run(now)
     else:
         next_due = job.next_run(now)
     return PeriodicStatus(name, last_run, next_due, job.interval_s, message_id, state, job.every)

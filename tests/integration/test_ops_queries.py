@@ -207,11 +207,25 @@ def test_periodic_jobs_show_their_last_run_and_next_due_time(broker, database_ur
     jobs = {p.job: p for p in ops.periodic_overview(conn, declared)}
     report = jobs["ops-report"]
     assert report.last_run.isoformat() == "2026-01-01T11:00:00+00:00"
-    assert report.next_due - report.last_run == timedelta(hours=1)
+    # its last run long past (its schedulers were down): due in its current period, not
+    # an hour after that run
+    now = scalar(database_url, "SELECT now()")
+    assert now - timedelta(hours=1) < report.next_due <= now
     assert jobs["ops-never"].last_run is None and jobs["ops-never"].next_due is not None
     assert report.schedule == "every 3600 s"
     unknown = {p.job: p for p in ops.periodic_overview(conn)}["ops-report"]
     assert unknown.next_due is None and unknown.schedule is None
+
+
+def test_a_periodic_job_that_ran_in_its_current_period_is_next_due_at_the_next_one(broker, database_url, conn):
+    from periodic import PeriodicJob
+
+    job = PeriodicJob("ops-current", "a.b", interval_s=3600)
+    current = job.period_start(scalar(database_url, "SELECT now()"))
+    query(database_url, "INSERT INTO standmeet.periodic_runs (job, period_start, message_id)"
+                        " VALUES ('ops-current', %s, gen_random_uuid())", (current,))
+    (status,) = [p for p in ops.periodic_overview(conn, [job]) if p.job == "ops-current"]
+    assert status.last_run == current and status.next_due == current + timedelta(hours=1)
 
 
 def test_a_schedule_a_scheduler_recorded_shows_in_a_process_that_does_not_declare_it(broker, database_url, conn):
