@@ -6,7 +6,9 @@ Dramatiq's policy, with our defaults (``STANDMEET_MAX_RETRIES``, ``…_MIN_BACKO
 message (``options["traceback"]``), so a failure is recorded where the job lives.
 
 A run already failed for good before this policy looks (its result was refused: see
-``middleware.results``) is not retried.
+``middleware.results``) is not retried; nor is a run an operator cancelled that ended
+with an exception (its ``JobCancelled``, or whatever it raised instead): it fails for good,
+so every after-hook (the metrics, the job's log line) sees the rejection it is, not a retry.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 from dramatiq.broker import MessageProxy
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 
+from broker import deadline
+
 
 class Retries(DramatiqRetries):
     def __init__(self, *, max_retries: int, min_backoff_ms: int, max_backoff_ms: int) -> None:
@@ -24,5 +28,8 @@ class Retries(DramatiqRetries):
     def after_process_message(self, broker: Any, message: MessageProxy, *, result: Any = None,
                               exception: BaseException | None = None) -> None:
         if exception is not None and message.failed:
+            return
+        if exception is not None and deadline.cancelled():
+            message.fail()
             return
         super().after_process_message(broker, message, result=result, exception=exception)

@@ -4,6 +4,7 @@ as cancelled, never done nor queued."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -85,6 +86,45 @@ def test_a_cancelled_running_job_that_returns_is_settled_as_cancelled_not_done(b
     wait_for(lambda: _row(database_url, message.message_id)[0] != "consumed", timeout_s=15,
              what="the run to be settled")
     _assert_cancelled(database_url, message.message_id, "its run returned after the cancellation")
+
+
+@dramatiq.actor(actor_name="test.cancel_holds.checks", queue_name="index", max_retries=5)
+def checks(key: str) -> None:
+    """Runs until it is cancelled (its check raises), or for HOLD_LIMIT_S."""
+    from broker import deadline as job_deadline
+
+    record_start("test.cancel_holds.checks", "index", key)
+    end = time.monotonic() + HOLD_LIMIT_S
+    while time.monotonic() < end:
+        job_deadline.check()
+        time.sleep(0.01)
+
+
+def test_a_cancelled_running_job_is_counted_and_logged_as_rejected_never_as_a_retry(
+        broker, database_url, start_worker, caplog):
+    from prometheus_client import REGISTRY
+
+    def count(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"queue_name": "index", "actor_name": "test.cancel_holds.checks"}) or 0.0
+
+    # Given a running job that looks for a cancel, on an actor that retries
+    start_worker(queues=["index"], threads=2)
+    before = {n: count(n) for n in ("dramatiq_message_retries_total", "dramatiq_message_rejects_total")}
+    with caplog.at_level(logging.INFO, logger="standmeet.jobs"):
+        message = checks.send("cancelled-while-running")
+        wait_for(lambda: scalar(database_url, "SELECT count(*) FROM test_runs WHERE label = 'cancelled-while-running'"),
+                 timeout_s=15, what="the job to start")
+        # When an operator cancels it
+        _cancel(database_url, message.message_id)
+        wait_for(lambda: _row(database_url, message.message_id)[0] != "consumed", timeout_s=15,
+                 what="the run to be settled")
+        wait_for(lambda: count("dramatiq_message_rejects_total") > before["dramatiq_message_rejects_total"],
+                 timeout_s=5, what="the reject counted")
+    # Then it is rejected as cancelled, counted as a reject and no retry, and logged so
+    _assert_cancelled(database_url, message.message_id, "its run was stopped")
+    assert count("dramatiq_message_retries_total") == before["dramatiq_message_retries_total"]
+    outcomes = [r.outcome for r in caplog.records if getattr(r, "message_id", None) == message.message_id]
+    assert outcomes == ["rejected"], outcomes
 
 
 def test_a_run_that_returned_before_the_cancel_was_made_is_recorded_done(broker, database_url, start_worker):

@@ -329,7 +329,7 @@ def test_a_cancelled_message_is_dropped_waiting_and_stopped_running_without_a_re
     broker.join("mem_cancel", timeout=5_000, fail_fast=False)
     (rejected,) = broker.dead_letters
     assert rejected.message_id == running.message_id and isinstance(rejected._exception, JobCancelled)
-    assert rejected.options["error"] == "cancelled by an operator: not retried"  # its retry was refused
+    assert rejected.options["error"] == "cancelled by an operator: its run was stopped"  # failed for good, not retried
     assert broker.waiting("mem_cancel") == []
     assert broker.cancel("no-such-message") == "unknown"
 
