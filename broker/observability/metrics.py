@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -95,6 +97,12 @@ def count_rescues(result: dict[str, tuple[int, int]]) -> None:
             RESCUES.labels(queue_name, "rejected").inc(rejected)
 
 
+#: Held while a :class:`DatabaseCollector` reads the database (one reading at a time).
+_READING = threading.Lock()
+#: The last reading of each (url, rescue window): when it started, and its families.
+_LAST_READ: dict[tuple[str, float], tuple[float, list[Any]]] = {}
+
+
 class DatabaseCollector(Collector):
     """Gauges read from the database at each scrape (export them from one process only)."""
 
@@ -105,6 +113,23 @@ class DatabaseCollector(Collector):
         self.timeout_s = timeout_s
 
     def collect(self) -> Iterator[Any]:
+        """The gauges, read once for every scrape that asks while a reading is under way:
+        one reading of a database at a time in this process (scrapes never pile up
+        connections), and a scrape that waited for one started after it asked takes
+        that one's figures, as fresh as its own would be."""
+        key = (self.url, self.rescue_after_s)
+        asked = time.monotonic()
+        with _READING:
+            last = _LAST_READ.get(key)
+            if last is not None and last[0] >= asked:
+                families = last[1]
+            else:
+                started = time.monotonic()
+                families = list(self._read())
+                _LAST_READ[key] = (started, families)
+        yield from families
+
+    def _read(self) -> Iterator[Any]:
         depth = GaugeMetricFamily("standmeet_queue_depth", "Jobs in a queue by state.",
                                   labels=["queue_name", "state"])
         prefetched = GaugeMetricFamily("standmeet_queue_prefetched",
@@ -215,8 +240,40 @@ def registry_for(url: str, *, multiprocess_dir: str | None, rescue_after_s: floa
 
 
 class _QuietHandler(WSGIRequestHandler):
+    #: a client that sends nothing for this long is hung up on (socket timeout)
+    timeout = 10
+
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("metrics: " + format, *args)
+
+
+#: Requests /metrics serves at once; a connection beyond them is closed at once.
+MOST_REQUESTS = 8
+
+
+class _Server(WSGIServer):
+    """wsgiref's server, each request on a thread of its own (:mod:`broker.detach`), at
+    most :data:`MOST_REQUESTS` at once: a client that idles holds one of them for at
+    most its handler's timeout, never the scrapes of the others."""
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(MOST_REQUESTS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        detach.go("metrics-request", lambda stop: self._serve(request, client_address))
+
+    def _serve(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # a client gone mid-answer: nothing to tell anyone
+            logger.debug("metrics: a request failed", exc_info=True)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
 
 
 class MetricsServer:
@@ -224,7 +281,7 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         app = make_wsgi_app(registry)
-        self.server: WSGIServer = make_server(host, port, app, handler_class=_QuietHandler)
+        self.server: WSGIServer = make_server(host, port, app, server_class=_Server, handler_class=_QuietHandler)
         self.port = int(self.server.server_port)
         self._thread = detach.go(f"metrics-http-{self.port}", lambda stop: self.server.serve_forever(0.2))
 
