@@ -63,6 +63,8 @@ class Timers:
         thread = getattr(self, "thread", None)
         if thread is not None:
             thread.stop(timeout_s=self.interval_s * 10)
+        with self.mu:  # a job still running now is past its workers: no later timer fires for it
+            self.deadlines.clear()
 
     def add_timeout(self, thread_id: int, ttl_ms: float) -> None:
         with self.mu:
@@ -127,7 +129,7 @@ class TimeLimit(DramatiqTimeLimit):
         timers delete a fired deadline before they raise its interruption, both under
         that lock, so only taking it makes sure an interruption on its way has been set,
         and is delivered (and dropped) by the broker's disarm, not in the after-hooks."""
-        if self._started:
+        if self._started or type(self.manager) is Timers:  # (a deadline outlives a stopped timer)
             self.manager.remove_timeout(threading.get_ident())
         deadline.clear()
 

@@ -39,7 +39,6 @@ import dramatiq
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import QueueJoinTimeout, QueueNotFound
 from dramatiq.message import Message
-from dramatiq.middleware.threading import raise_thread_exception
 from dramatiq.results import ResultBackend
 
 from broker.engine.codec import check_distinct_ids, checked_json, delay_seconds, message_priority
@@ -209,8 +208,12 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
         """Add ``message`` (checked) to its queue (the lock held). A ``send`` whose unique
         key is taken returns the live message; one with the id of a waiting message
         replaces it whole (one that waits for its retry or snooze too); one with the id of a
-        message that ran and waits no more is not run again (as the engine's rows). A ``followup`` is never written over an existing id; it holds its unique
-        key when no live message does, and is written without it when one does."""
+        message that ran and waits no more is not run again (as the engine's rows). A
+        ``followup`` is never written over an existing id; it holds its unique key when no
+        live message does, and is written without it when one does. A message sent is
+        stamped on the broker's clock (``max_age`` counts from there)."""
+        if (send or followup) and self.clock.advanced_s:
+            message = message.copy(message_timestamp=message.message_timestamp + int(self.clock.advanced_s * 1000))
         data = message.encode()
         message_id = message.message_id
         key = self._unique_key(message) if send or followup else None
@@ -279,6 +282,7 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                 raise
             return
         if signal == "worker_boot" and args:
+            self._running.resume()  # jobs start again (after a shutdown cut the last ones off)
             self._workers = [*self._workers, args[0]]
         elif signal == "worker_shutdown" and args:
             self._workers = [w for w in self._workers if w is not args[0]]
@@ -418,11 +422,20 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
                     continue
                 self._queue(proxy.queue_name).handed_out -= 1
                 self._ran_ids.discard(proxy.message_id)  # given back unstarted: queued again, as the engine's row
-                self._keep(as_message(proxy), 0)
+                self._give_back(proxy)
 
     def stop_claiming(self) -> None:
         with self._cond:
             self.claiming = False
+
+    def _give_back(self, proxy: MessageProxy) -> None:
+        """Put a handed-out message back, due now; one cancelled meanwhile is rejected
+        instead, never to run (the engine's give-back rejects it)."""
+        if proxy.message_id in self._cancelled:
+            proxy.options["error"] = "cancelled by an operator: not run"
+            self._reject(proxy)
+        else:
+            self._keep(as_message(proxy), 0)
 
     def _give_back_cut_off(self) -> None:
         """The last worker stopped with jobs still running (past ``Worker.stop``'s timeout):
@@ -434,16 +447,13 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._handed.clear()
             for proxy in left:
                 self._queue(proxy.queue_name).handed_out -= 1
-                self._keep(as_message(proxy), 0)
+                self._give_back(proxy)
             self._cond.notify_all()
         if not left:
             return
         logger.warning("shutdown: %d job(s) still running cut off and given back, to run again: %s", len(left),
                        ", ".join(f"{p.actor_name} {p.message_id}" for p in left))
-        for proxy in left:
-            thread = getattr(proxy, "standmeet_thread", None)
-            if thread is not None:
-                raise_thread_exception(thread, CutOff)
+        self._running.interrupt_all(CutOff)  # only threads inside a job's body, as the engine's step-down
         end = time.monotonic() + CUT_OFF_WAIT_S
         with self._cond:
             while any(getattr(p, "standmeet_thread", None) for p in left) and (now := time.monotonic()) < end:
@@ -561,6 +571,8 @@ class MemoryBroker(DeclaredQueues, dramatiq.Broker):
             self._ran_ids.clear()  # what ran is forgotten with the done list: a test starts afresh
             self._unique.clear()
             self._key_of.clear()
+            self._cancelled.clear()
+            self.cancellations.pending.clear()
         if isinstance(self.results, MemoryResults):
             self.results.clear()
 

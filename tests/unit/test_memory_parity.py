@@ -264,3 +264,34 @@ def test_a_message_cancelled_once_handed_out_but_before_its_run_starts_is_stoppe
     assert ran == ["started"] and broker.done == []
     (rejected,) = broker.dead_letters
     assert rejected.options["error"].startswith("cancelled by an operator")
+
+
+def test_max_age_counts_from_a_send_on_the_brokers_clock_after_it_was_advanced(make_broker):
+    broker = make_broker()
+    ran: list[int] = []
+
+    @dramatiq.actor(actor_name=_name("fresh"), queue_name="mem_fid", max_age=60_000)
+    def fresh(x: int) -> None:
+        ran.append(x)
+
+    broker.advance(3_600)  # an hour on the broker's clock, before the send
+    fresh.send(1)
+    assert broker.drain() == 1 and ran == [1] and broker.dead_letters == []
+
+
+def test_a_message_cancelled_while_handed_out_and_given_back_unstarted_is_rejected_never_run(make_broker):
+    # (the engine's give-back rejects a cancelled claim: it never runs)
+    broker = make_broker()
+    ran: list[int] = []
+
+    @dramatiq.actor(actor_name=_name("given_back"), queue_name="mem_fid")
+    def given_back() -> None:
+        ran.append(1)
+
+    message = given_back.send()
+    handed = broker.take(["mem_fid"])  # a consumer thread's prefetch
+    assert handed is not None and broker.cancel(message.message_id) == "stopping"
+    broker.requeue([handed])  # a stopping worker gives its unstarted prefetch back
+    assert broker.waiting("mem_fid") == [] and broker.drain() == 0 and ran == []
+    (rejected,) = broker.dead_letters
+    assert rejected.options["error"] == "cancelled by an operator: not run"

@@ -125,3 +125,20 @@ def test_limits_fired_into_two_blocked_jobs_at_once_land_in_their_jobs_and_never
     # Then each interruption landed in its own job (or at its disarm), never after it
     assert seen.get("after") == "nothing", seen
     assert seen["first"] == "interrupted", seen
+
+
+def test_a_deadline_left_when_the_timer_stopped_never_fires_into_the_thread_that_reuses_its_id():
+    # Given a job still running when the last worker stopped (its timer with it), whose
+    # own disarm then comes
+
+    limit = TimeLimit()
+    assert isinstance(limit.manager, Timers)
+    limit.manager.add_timeout(threading.get_ident(), 60_000)
+    limit.manager.start()
+    limit.manager.stop()
+    # Then nothing of it is left for the next timer to fire
+    assert limit.manager.deadlines == {}
+    limit.manager.add_timeout(threading.get_ident(), 60_000)
+    limit.disarm()  # a timer that is not running: the deadline goes all the same
+    assert limit.manager.deadlines == {}
+
