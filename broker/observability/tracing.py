@@ -137,12 +137,24 @@ def produced(name: str, attributes: Mapping[str, Any]) -> dict[str, str] | None:
         span.end()
 
 
+def carried(value: Any) -> dict[str, str] | None:
+    """The trace context a message's option holds, when it is one (a mapping of text to
+    text, as :func:`produced` makes it); anything else (a string, a number, a mapping of
+    other things, written around the runtime) is no context: the run is traced as one
+    that carries none, rather than failing its hook at every run."""
+    if not isinstance(value, Mapping) or not value:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return None
+    return dict(value)
+
+
 class Consumed:
     """A consumer span for one run, current (attached) until :meth:`end`: the child of the
     context the message carries, with a link to it (the producer's span)."""
 
-    def __init__(self, name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> None:
-        parent = propagate.extract(dict(carrier or {}))
+    def __init__(self, name: str, carrier: Any, attributes: Mapping[str, Any]) -> None:
+        parent = propagate.extract(carried(carrier) or {})
         producer = trace.get_current_span(parent).get_span_context()
         links = [Link(producer)] if producer.is_valid else []
         self.span = tracer().start_span(name, context=parent, kind=SpanKind.CONSUMER,
@@ -152,14 +164,19 @@ class Consumed:
     def end(self, exception: BaseException | None = None, *, outcome: str | None = None) -> None:
         """End the span: an error (``error.type``, the exception recorded, status ERROR) when
         ``exception`` is given."""
-        if outcome is not None:
-            self.span.set_attribute("standmeet.outcome", outcome)
-        if exception is not None:
-            self.span.set_attribute("error.type", error_type(exception))
-            self.span.record_exception(exception)
-            self.span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {exception}"))
-        self.span.end()
-        otel_context.detach(self.token)
+        try:
+            if outcome is not None:
+                self.span.set_attribute("standmeet.outcome", outcome)
+            if exception is not None:
+                self.span.set_attribute("error.type", error_type(exception))
+                self.span.set_status(Status(StatusCode.ERROR, f"{type(exception).__name__}: {_text(exception)}"))
+                try:
+                    self.span.record_exception(exception)
+                except Exception:  # its text cannot be read: its type and status are recorded
+                    pass
+        finally:  # whatever the exception's text does, the span ends and the run's context goes
+            self.span.end()
+            otel_context.detach(self.token)
 
 
 #: How long "no provider is named by the environment" is taken as still true before the
@@ -191,13 +208,21 @@ def recording() -> bool:
     return _global_seen
 
 
-def worth_a_span(carrier: Mapping[str, str] | None) -> bool:
+def _text(exception: BaseException) -> str:
+    """``str(exception)``, or what can be said when that raises."""
+    try:
+        return str(exception)
+    except Exception:
+        return f"(its text could not be read: {type(exception).__name__}.__str__ raised)"
+
+
+def worth_a_span(carrier: Any) -> bool:
     """Whether a run whose message carries ``carrier`` needs a consumer span: something
     records it, or it has a context to pass on to what it sends."""
-    return trace is not None and (bool(carrier) or recording())
+    return trace is not None and (carried(carrier) is not None or recording())
 
 
-def consumed(name: str, carrier: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> Consumed | None:
+def consumed(name: str, carrier: Any, attributes: Mapping[str, Any]) -> Consumed | None:
     """The run's consumer span; None when it is not :func:`worth_a_span` (no SDK, and a
     message that carries no trace context): a run then costs no span."""
     return Consumed(name, carrier, attributes) if worth_a_span(carrier) else None

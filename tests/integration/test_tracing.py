@@ -36,12 +36,15 @@ def traced(broker) -> Iterator[InMemorySpanExporter]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracing.set_tracer_provider(provider)
-    middleware = Tracing()
-    broker.add_middleware(middleware, before=Retries)
+    # the broker's own Tracing when it has one (a second would take over the first's spans)
+    middleware = None if any(isinstance(m, Tracing) for m in broker.middleware) else Tracing()
+    if middleware is not None:
+        broker.add_middleware(middleware, before=Retries)
     try:
         yield exporter
     finally:
-        broker.middleware.remove(middleware)
+        if middleware is not None:
+            broker.middleware.remove(middleware)
         tracing.set_tracer_provider(None)
         provider.shutdown()
 
@@ -173,6 +176,43 @@ def test_a_failed_run_has_the_qualified_error_type_and_an_error_status():
     assert ended.attributes["error.type"] == f"{__name__}.test_a_failed_run_has_the_qualified_error_type_and_an_error_status.<locals>.Refused"
     assert ended.status.status_code.name == "ERROR" and "Refused: no" in ended.status.description
     assert [event.name for event in ended.events] == ["exception"]
+
+
+@pytest.mark.parametrize("garbage", ["garbage", 5, ["x"], {"traceparent": 123}, {"traceparent": {"a": 1}}, {}],
+                         ids=["text", "a number", "a list", "a number inside", "a mapping inside", "empty"])
+def test_a_trace_context_that_is_no_mapping_of_text_is_taken_for_none(garbage):
+    # Given a message whose trace_context option was written around the runtime
+    # When its run's span is made and ended
+    run = tracing.Consumed("process index", garbage, tracing.messaging_attributes("process", "index"))
+    run.end()
+    # Then nothing raised, and the carrier was read as none
+    assert tracing.carried(garbage) is None
+
+
+def test_a_run_whose_exception_cannot_be_turned_into_text_still_ends_its_span_and_its_context():
+    from opentelemetry import context as otel_context
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text for you")
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_tracer_provider(provider)
+    before = otel_context.get_current()
+    try:
+        carrier = tracing.produced("send index", tracing.messaging_attributes("send", "index"))
+        run = tracing.Consumed("process index", carrier, tracing.messaging_attributes("process", "index"))
+        # When it ends with an exception whose text raises
+        run.end(Unprintable())
+    finally:
+        tracing.set_tracer_provider(None)
+        provider.shutdown()
+    # Then its span ended, as an error, and the thread's context is what it was before the run
+    (ended,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CONSUMER]
+    assert ended.status.status_code.name == "ERROR" and "Unprintable" in ended.status.description
+    assert otel_context.get_current() == before
 
 
 def test_without_a_tracer_provider_nothing_is_carried_but_a_current_remote_context_is():
