@@ -26,11 +26,13 @@ What it guarantees:
   reconnecting, or the timeout. An event recorded before the wait started is seen at
   once, as with Dramatiq's Redis backend. Each backend object keeps at most one LISTEN
   connection per process, on a thread started through :mod:`broker.detach`.
-* A write (``add``, ``incr``, ``decr``, ``incr_and_sum``, ``wait_notify``) that finds
-  no connection to be had waits for the database, trying again at growing intervals
-  (``write_wait_s``; None, the default: until it is back): a group's completion or a
-  limiter's release made during an outage is not lost. An increment is repeated only
-  when it cannot have reached the server (no connection); reads are never repeated.
+* The writes a job's end makes (``decr``: a limiter's release, a group member's arrival
+  at its barrier; ``wait_notify``: the barrier's release) wait for a database that
+  cannot be reached, trying again at growing intervals (``write_wait_s``; None, the
+  default: until it is back, or the backend is closed): they are not lost in an outage.
+  A decrement is repeated only when it cannot have reached the server (no connection).
+  What a caller waits on (``add``, ``incr``, ``incr_and_sum``: an acquisition, a group's
+  creation in a request) fails at once, as reads do.
 * psycopg errors never escape: a connection problem is
   :class:`broker.errors.DatabaseUnavailable`, anything else
   :class:`broker.errors.DatabaseError`, each raised ``from`` the psycopg error.
@@ -54,6 +56,7 @@ from broker.backends.results import (
     fetch_one,
     nothing_was_sent,
     prune_expired,
+    reachable_later,
     translated_errors,
     written_when_reachable,
 )
@@ -242,12 +245,12 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
     def add(self, key: str, value: int, ttl: int) -> bool:
         """Create ``key`` with ``value`` for ``ttl`` ms unless it exists; True if created."""
         params = {"key": key, "value": int(value), "ttl_ms": int(ttl)}
-        return self._write("adding a rate-limit key", ADD, params)
+        return self._flag("adding a rate-limit key", ADD, params)
 
     def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
         """Add ``amount`` unless the value would exceed ``maximum``; True if it was added."""
         params = {"key": key, "delta": int(amount), "maximum": int(maximum), "ttl_ms": int(ttl)}
-        return self._write("incrementing a rate-limit key", INCREMENT, params)
+        return self._flag("incrementing a rate-limit key", INCREMENT, params)
 
     def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
         """Subtract ``amount`` unless the value would drop below ``minimum``; True if it was."""
@@ -275,17 +278,13 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
             "ttl_ms": int(ttl),
             "future": window[1] if window else [],
         }
-        def increment() -> bool:
-            with translated_errors("incrementing a rate-limit window"), self.database.connection() as conn:
-                with conn.transaction():
-                    if window is not None:
-                        conn.execute(LOCK_WINDOW, {"lock_class": WINDOW_LOCK_CLASS, "window": window[0]})
-                    conn.execute(LOCK_KEYS, {"keys": locked})
-                    row = conn.execute(INCREMENT_IF_SUM_ALLOWS, params).fetchone()
-            return row is not None
-
-        return written_when_reachable(f"rate-limit key {key}", increment, wait_s=self.write_wait_s,
-                                      repeatable=nothing_was_sent)
+        with translated_errors("incrementing a rate-limit window"), self.database.connection() as conn:
+            with conn.transaction():
+                if window is not None:
+                    conn.execute(LOCK_WINDOW, {"lock_class": WINDOW_LOCK_CLASS, "window": window[0]})
+                conn.execute(LOCK_KEYS, {"keys": locked})
+                row = conn.execute(INCREMENT_IF_SUM_ALLOWS, params).fetchone()
+        return row is not None
 
     def wait(self, key: str, timeout: int | None) -> bool:
         """Wait up to ``timeout`` ms (None: for ever) until the event ``key`` has occurred."""
@@ -312,7 +311,8 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
             with translated_errors("notifying a rate-limit event"), self.database.connection() as conn:
                 fetch_one(conn, NOTIFY_EVENT, params)
 
-        written_when_reachable(f"rate-limit event {key}", notify, wait_s=self.write_wait_s)
+        written_when_reachable(f"rate-limit event {key}", notify, wait_s=self.write_wait_s,
+                               repeatable=lambda exc: reachable_later(exc) and not self.database.closed)
 
     def close(self, *, timeout_ms: int = 5000) -> None:
         """Stop the listener and close the backend's own pool (a given pool stays open)."""
@@ -324,7 +324,8 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
 
     def _write(self, what: str, query: str, params: dict[str, Any]) -> bool:
         return written_when_reachable(f"rate-limit key {params['key']}", lambda: self._flag(what, query, params),
-                                      wait_s=self.write_wait_s, repeatable=nothing_was_sent)
+                                      wait_s=self.write_wait_s,
+                                      repeatable=lambda exc: nothing_was_sent(exc) and not self.database.closed)
 
     def _flag(self, what: str, query: str, params: dict[str, Any]) -> bool:
         with translated_errors(what), self.database.connection() as conn:

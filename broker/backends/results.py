@@ -47,7 +47,7 @@ from dramatiq.message import Message
 from dramatiq.results import Missing, ResultBackend, ResultMissing, ResultTimeout
 from dramatiq.results.backend import DEFAULT_TIMEOUT, MResult, Result
 from psycopg import sql
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from broker import detach
 from broker.backends import RESULTS_NAMESPACE
@@ -135,8 +135,14 @@ def fetch_one(conn: psycopg.Connection[Any], query: str, params: dict[str, Any])
 T = TypeVar("T")
 
 
+def reachable_later(exc: DatabaseUnavailable) -> bool:
+    """Whether the database may be reached later: not when the pool itself was closed (the
+    application is shutting it down: no try will ever get a connection from it)."""
+    return not isinstance(exc.__cause__, PoolClosed)
+
+
 def written_when_reachable(what: str, write: Callable[[], T], *, wait_s: float | None,
-                           repeatable: Callable[[DatabaseUnavailable], bool] = lambda exc: True) -> T:
+                           repeatable: Callable[[DatabaseUnavailable], bool] = reachable_later) -> T:
     """``write()``, tried again while it fails with :class:`DatabaseUnavailable` that
     ``repeatable`` says is safe to try again, at growing intervals from
     :data:`STORE_RETRY_FIRST_S` to :data:`STORE_RETRY_MAX_S`, for up to ``wait_s`` seconds
@@ -226,6 +232,8 @@ class Database:
         self._pool_max_size = pool_max_size
         self._checkout_timeout_s = checkout_timeout_ms / 1000
         self._lock = threading.Lock()
+        #: set by :meth:`close`: a write waiting for the database gives up
+        self.closed = False
 
     def _pool(self) -> ConnectionPool[Any]:
         if self._given_pool is not None:
@@ -244,6 +252,7 @@ class Database:
 
     def close(self) -> None:
         """Close the backend's own pool, if it opened one; a given pool is left alone."""
+        self.closed = True
         with self._lock:
             pool, self._own_pool = self._own_pool, None
         if pool is not None:
@@ -463,7 +472,8 @@ class PostgresResultBackend(ResultBackend):
             with translated_errors("storing a result"), self.database.connection() as conn:
                 fetch_one(conn, STORE_RESULT, params)
 
-        written_when_reachable(f"result {message_key}", store, wait_s=self.store_wait_s)
+        written_when_reachable(f"result {message_key}", store, wait_s=self.store_wait_s,
+                               repeatable=lambda exc: reachable_later(exc) and not self.database.closed)
 
     def close(self, *, timeout_ms: int = 5000) -> None:
         """Stop the listener and close the backend's own pool (a given pool stays open)."""

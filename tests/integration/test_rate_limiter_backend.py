@@ -328,12 +328,14 @@ def test_a_prune_deletes_no_more_than_its_batch_whatever_plan_the_statistics_lea
 
 def test_an_unreachable_database_is_reported_as_database_unavailable() -> None:
     backend = PostgresRateLimiterBackend(
-        url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500, write_wait_s=0
+        url="postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1", checkout_timeout_ms=500
     )
-    try:
+    try:  # (what a caller waits on fails at once, whatever write_wait_s: an acquisition, a group's creation)
         with pytest.raises(DatabaseUnavailable) as raised:
             ConcurrentRateLimiter(backend, a_key("unreachable"), limit=1)._acquire()
         assert isinstance(raised.value.__cause__, psycopg.Error)
+        with pytest.raises(DatabaseUnavailable):
+            Barrier(backend, a_key("unreachable-group"), ttl=60_000).create(2)
     finally:
         backend.close()
 

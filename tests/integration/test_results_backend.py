@@ -374,6 +374,19 @@ def test_a_result_stored_during_an_outage_longer_than_the_checkout_timeout_is_wr
     assert backend.get_result(message) == "kept through the outage"
 
 
+def test_a_store_on_a_given_pool_the_application_closed_fails_at_once(db_url: str) -> None:
+    # Given a backend on the application's pool, which the application has closed (shutting down)
+    pool = ConnectionPool(db_url, min_size=1, max_size=1, open=True)
+    backend = PostgresResultBackend(pool=pool, checkout_timeout_ms=200)
+    pool.close()
+    # When a result is stored: it is not waited for (no try will ever get a connection)
+    started = time.monotonic()
+    with pytest.raises(DatabaseUnavailable):
+        backend.store_result(a_message("closed-pool"), "never written", 60_000)
+    assert time.monotonic() - started < 5
+    backend.close()
+
+
 def _raised(fn: Callable[[], object]) -> BaseException | None:
     try:
         fn()

@@ -320,3 +320,11 @@ def test_replaying_every_failed_delivery_goes_batch_by_batch_and_gives_each_a_ne
     assert [r[1:] for r in rows] == [("pending", "queued")] * 5 + [("succeeded", None)]
     query(database_url, "DELETE FROM dramatiq.queue q USING standmeet.webhook_deliveries d"
                         " WHERE q.message_id = d.message_id AND d.id = ANY(%s)", (ids,))
+
+
+def test_a_webhook_event_may_carry_a_trace_key_of_its_own(broker, database_url, webhook_settings):
+    # (the outbox keeps "_trace" in its own events' payloads; a webhook event's payload is
+    # stored beside them, and only its id goes through the outbox)
+    event = emit(database_url, "t", {"_trace": "the customer's own", "n": 1})
+    assert scalar(database_url, "SELECT payload->>'_trace' FROM standmeet.webhook_events WHERE id = %s",
+                  (event,)) == "the customer's own"
