@@ -185,7 +185,11 @@ class BatchedStreamHandler(logging.Handler):
                 # Marked before the start, so a signal handler that logs while the thread
                 # starts finds a writer on its way instead of starting a second one.
                 self._writer_pid = pid
-                self._writer = detach.go("log-writer", self._run)
+                try:
+                    self._writer = detach.go("log-writer", self._run)
+                except BaseException:  # (no thread could be started: the next line tries again)
+                    self._writer_pid = 0
+                    raise
 
     def _run(self, stop: threading.Event) -> None:
         while not stop.is_set():
