@@ -38,9 +38,8 @@ from broker.ops.redact import hidden_options
 #: in the arguments; ``error``: text in the error or the last traceback; ``since``: an
 #: ISO time or an age like 15m).
 FILTER_PARAMS = ("state", "queue", "actor", "id", "q", "error", "since")
-#: States a bulk action applies to: retry takes rejected (and cancelled) jobs, cancel
-#: takes jobs not finished.
-RETRYABLE = ("rejected", "cancelled")
+#: States a bulk cancel applies to: jobs not finished (a bulk retry takes rejected jobs,
+#: never cancelled ones: cancel is final).
 CANCELLABLE = ("queued", "delayed", "running")
 
 
@@ -105,7 +104,7 @@ async def jobs_list(request: Request) -> Response:
         **data, "filters": filters, "states": JOB_STATES, "page": page, "pages": pages,
         "page_url": lambda n: "/jobs?" + urlencode({**filters, "page": n}),
         "bulk_url": lambda action: "/jobs/bulk?" + urlencode({**filters, "action": action}),
-        "can_retry": filters.get("state") in (None, *RETRYABLE),
+        "can_retry": filters.get("state") in (None, "rejected"),
         "can_cancel": filters.get("state") in (None, *CANCELLABLE),
     })
 
@@ -114,16 +113,16 @@ def _bulk_plan(conn: psycopg.Connection[Any], action: str, kwargs: dict[str, Any
     """How many jobs the bulk action would change, and the ops calls that count them."""
     state = kwargs.get("state")
     if action == "retry":
-        states = [state] if state in RETRYABLE else (["rejected"] if state is None else [])
+        if state == "cancelled":
+            raise Refused(400, "cancel is final: a bulk retry leaves cancelled jobs alone; retry one from its page")
+        states = ["rejected"] if state in (None, "rejected") else []
     elif action == "cancel":
         states = [state] if state in CANCELLABLE else (list(CANCELLABLE) if state is None else [])
     else:
         raise Refused(404, f"no bulk action {action!r}: retry or cancel")
-    plans = [{**kwargs, "state": s} for s in states]
-    count = sum(ops.count_jobs(conn, **p) for p in plans)
-    if action == "retry" and "rejected" in states:  # cancel is final: a bulk retry leaves them
-        count -= ops.count_jobs(conn, **{**kwargs, "state": "cancelled"})
-    return count, plans
+    # never a cancelled job: a retry leaves them (cancel is final), a cancel has nothing to do
+    plans = [{**kwargs, "state": s, "cancelled": False} for s in states]
+    return sum(ops.count_jobs(conn, **p) for p in plans), plans
 
 
 @guarded
@@ -237,7 +236,7 @@ def _apply(conn: psycopg.Connection[Any], action: str, *, state: str, message_id
     many cancelled ones a retry left alone (cancel is final for a bulk action), and how many
     it left because a live job holds their unique key."""
     if action == "retry":
-        outcome = ops.retry_jobs_outcome(conn, message_ids=message_ids, state=state, by=by)
+        outcome = ops.retry_jobs_outcome(conn, message_ids=message_ids, state=state, include_cancelled=False, by=by)
         return outcome.retried, outcome.skipped_cancelled, outcome.skipped_unique
     return ops.cancel_jobs(conn, message_ids=message_ids, state=state, by=by), 0, 0
 

@@ -103,6 +103,7 @@ JOB_FILTERS = """
      OR (%(state)s = 'done' AND q."state" = 'done')
      OR (%(state)s = 'rejected' AND q."state" = 'rejected')
      OR (%(state)s = 'cancelled' AND q.cancelled_at IS NOT NULL))
+AND (%(cancelled)s::boolean IS NULL OR (q.cancelled_at IS NOT NULL) = %(cancelled)s)
 AND (%(queue)s::text IS NULL OR q.queue_name = %(queue)s)
 AND (%(actor)s::text IS NULL OR q.message->>'actor_name' = %(actor)s)
 AND (%(since)s::timestamptz IS NULL OR q.enqueued_at >= %(since)s)
@@ -124,7 +125,7 @@ nullif(substring(rtrim(coalesce(q.error, q.message->'options'->>'traceback'), E'
 
 LIST_JOBS = (
     "SELECT q.message_id::text, q.queue_name, q.message->>'actor_name', " + JOB_STATE_EXPR + ",\n"
-    "       coalesce((q.message->'options'->>'retries')::int, 0), q.enqueued_at, " + JOB_ERROR_EXPR + ",\n"
+    "       coalesce((q.message->'options'->>'retries')::numeric::bigint, 0), q.enqueued_at, " + JOB_ERROR_EXPR + ",\n"
     "       q.cancelled_at\n"
     "FROM dramatiq.queue q\nWHERE " + JOB_FILTERS +
     "ORDER BY q.enqueued_at DESC, q.message_id\nLIMIT %(limit)s OFFSET %(offset)s\n"
@@ -136,12 +137,12 @@ COUNT_JOBS = "SELECT count(*) FROM dramatiq.queue q\nWHERE " + JOB_FILTERS
 #: without that column (the broker records it where it can).
 SHOW_JOB = (
     "SELECT q.message_id::text, q.queue_name, q.message->>'actor_name', " + JOB_STATE_EXPR + ",\n"
-    "       coalesce((q.message->'options'->>'retries')::int, 0), q.enqueued_at,\n"
+    "       coalesce((q.message->'options'->>'retries')::numeric::bigint, 0), q.enqueued_at,\n"
     "       coalesce(q.error, q.message->'options'->>'error'),\n"
     "       coalesce(q.message->'args', '[]'::jsonb), coalesce(q.message->'kwargs', '{}'::jsonb),\n"
     "       coalesce(q.message->'options', '{}'::jsonb) - 'traceback',\n"
     "       q.message->'options'->>'traceback',\n"
-    "       q.claims, q.crashes, coalesce((q.message->'options'->>'snoozes')::int, 0),\n"
+    "       q.claims, q.crashes, coalesce((q.message->'options'->>'snoozes')::numeric::bigint, 0),\n"
     "       q.worker_id::text, w.hostname, w.pid, q.eta,\n"
     "       (to_jsonb(q)->>'started_at')::timestamptz,\n"
     "       CASE WHEN q.\"state\" IN ('done', 'rejected') THEN q.mtime END, q.mtime,\n"
@@ -156,7 +157,7 @@ SHOW_JOB = (
 def list_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue: str | None = None,
               actor: str | None = None, since: datetime | str | None = None, search: str | None = None,
               message_id: str | None = None, error: str | None = None, limit: int = 50,
-              offset: int = 0) -> list[JobSummary]:
+              offset: int = 0, cancelled: bool | None = None) -> list[JobSummary]:
     """Jobs matching every given filter, newest first (enqueued_at DESC, then id: stable).
 
     ``since``: enqueued at or after (a datetime, an ISO time, or an age like ``15m``,
@@ -169,17 +170,17 @@ def list_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue:
     if not 0 <= offset <= MAX_OFFSET:
         raise OpsError(f"offset must be between 0 and {MAX_OFFSET}, not {offset}")
     params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id,
-                         error=error)
+                         error=error, cancelled=cancelled)
     rows = conn.execute(LIST_JOBS, {**params, "limit": limit, "offset": offset}).fetchall()
     return [JobSummary(r[0], r[1], r[2] or "", r[3], int(r[4]), r[5], r[6], r[7]) for r in rows]
 
 
 def count_jobs(conn: psycopg.Connection[Any], *, state: str | None = None, queue: str | None = None,
                actor: str | None = None, since: datetime | str | None = None, search: str | None = None,
-               message_id: str | None = None, error: str | None = None) -> int:
+               message_id: str | None = None, error: str | None = None, cancelled: bool | None = None) -> int:
     """How many jobs :func:`list_jobs` would page through with the same filters."""
     params = job_filters(state=state, queue=queue, actor=actor, since=since, search=search, message_id=message_id,
-                         error=error)
+                         error=error, cancelled=cancelled)
     row = conn.execute(COUNT_JOBS, params).fetchone()
     return int(row[0]) if row else 0
 
@@ -407,9 +408,10 @@ def resolve_job_ids(conn: psycopg.Connection[Any], values: Iterable[str]) -> lis
 def job_filters(*, state: str | None = None, queue: str | None = None, actor: str | None = None,
                 since: datetime | str | None = None, search: str | None = None,
                 message_id: str | None = None, message_ids: Iterable[str] | None = None,
-                error: str | None = None) -> dict[str, Any]:
+                error: str | None = None, cancelled: bool | None = None) -> dict[str, Any]:
     """The parameters of :data:`JOB_FILTERS`, checked (``error``: at most
-    :data:`MAX_ERROR_SEARCH_CHARS`, no control characters)."""
+    :data:`MAX_ERROR_SEARCH_CHARS`, no control characters; ``cancelled``: only jobs an
+    operator cancelled, or only the others; None: both)."""
     if state is not None and state not in JOB_STATES:
         raise OpsError(f"unknown job state {state!r}; one of {', '.join(JOB_STATES)}")
     id_low = id_high = None
@@ -425,5 +427,5 @@ def job_filters(*, state: str | None = None, queue: str | None = None, actor: st
     return {
         "state": state, "queue": queue or None, "actor": actor or None, "since": parse_since(since),
         "id_low": id_low, "id_high": id_high, "message_ids": ids, "search": _contains(search),
-        "error": _contains(error),
+        "error": _contains(error), "cancelled": cancelled,
     }

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from broker import ops
 from broker.dashboard import DashboardConfig, create_app
 from broker.dashboard.security import CSRF_COOKIE, CSRF_FIELD
 from broker.engine.enqueue import enqueue_message
@@ -290,6 +291,35 @@ def test_bulk_cancel_of_every_job_matching_a_search_cancels_only_those(broker, d
     assert affected == 2 and sorted(target["message_ids"]) == sorted(m.message_id for m in doomed)
 
 
+def test_a_bulk_retry_never_brings_back_a_cancelled_job_and_counts_exactly_what_it_retries(
+        broker, database_url, dashboard, start_worker):
+    # Given two failed jobs, and a delayed one an operator cancelled, all matching one search,
+    # and a running job cancelled while it ran (still running)
+    start_worker(queues=[QUEUE], threads=2)
+    failed = [FAIL_ONCE.send(f"final-{i}") for i in range(2)]
+    for message in failed:
+        assert settled(database_url, message.message_id) == "rejected"
+    cancelled = OK.send_with_options(args=("final-cancelled",), delay=600_000)
+    with psycopg.connect(database_url) as conn:
+        assert ops.cancel_jobs(conn, message_ids=[cancelled.message_id], by="ops@host") == 1
+    with dashboard() as client:
+        # When an operator asks for a bulk retry of the cancelled ones
+        refused = client.get("/jobs/bulk", params={"state": "cancelled", "action": "retry"})
+        assert refused.status_code == 400 and "cancel is final" in refused.text
+        assert 'id="bulk-retry"' not in client.get("/jobs", params={"state": "cancelled"}).text
+        # and of every rejected job matching the search
+        confirm = client.get("/jobs/bulk", params={"q": "final-", "action": "retry"})
+        assert 'id="bulk-count">2<' in confirm.text
+        hidden = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', confirm.text))
+        assert client.post("/jobs/bulk", data=hidden, follow_redirects=False).status_code == 303
+        # Then the two failed ones ran again, and the cancelled one stayed cancelled
+    for message in failed:
+        assert settled(database_url, message.message_id) == "done"
+    assert state_of(database_url, cancelled.message_id) == "rejected"
+    (target, affected, _, _) = actions(database_url, "jobs.retry")[-1]
+    assert affected == 2 and sorted(target["message_ids"]) == sorted(m.message_id for m in failed)
+
+
 def test_bulk_cancel_of_nothing_says_so_and_changes_nothing(broker, database_url, dashboard):
     with dashboard() as client:
         confirm = client.get("/jobs/bulk", params={"actor": "no.such.actor", "action": "cancel"})
@@ -343,7 +373,9 @@ def test_the_periodic_page_shows_each_jobs_schedule_last_and_next_run(broker, da
         page = client.get("/periodic").text
     report = re.search(r"<td>dash-report</td>(.*?)</tr>", page, re.S).group(1)
     assert "every 3600 s" in report
-    assert "2026-01-01 10:00:00 UTC" in report and "2026-01-01 11:00:00 UTC" in report
+    # its last run long past: next due in its current period (overdue), not an hour after that run
+    current = declared[0].period_start(scalar(database_url, "SELECT now()"))
+    assert "2026-01-01 10:00:00 UTC" in report and current.strftime("%Y-%m-%d %H:%M:%S UTC") in report
     never = re.search(r"<td>dash-never</td>(.*?)</tr>", page, re.S).group(1)
     assert "never ran" in never and "every 60 s" in never
     # Then the recorded cron job shows its expression, its zone and its next run there

@@ -285,6 +285,24 @@ def test_the_outbox_lag_is_the_age_of_the_oldest_unrelayed_event(broker, databas
     assert ops.outbox_lag_s(conn) is None
 
 
+def test_a_job_with_more_retries_and_snoozes_than_an_int_holds_is_listed_and_shown(broker, database_url, conn):
+    # Given a message whose retries and snoozes options pass a send's checks and not int4
+    from dramatiq.message import Message
+
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
+
+    message = Message(queue_name="default", actor_name="a.b", args=("huge-counts",), kwargs={},
+                      options={"retries": 3_000_000_000, "snoozes": 3_000_000_000})
+    conn.execute(sql_enqueue.ENQUEUE, enqueue_params([message]))
+    conn.commit()
+    # Then the list and the job's page read them as they are
+    (listed,) = ops.list_jobs(conn, search="huge-counts")
+    assert listed.retries == 3_000_000_000
+    shown = ops.show_job(conn, message.message_id)
+    assert shown is not None and shown.snoozes == 3_000_000_000
+
+
 def test_jobs_are_listed_by_state_queue_actor_text_and_id_newest_first(broker, database_url, conn, start_worker):
     a = LISTING
     start_worker(queues=[a.queue], threads=4)
