@@ -65,7 +65,8 @@ def ops_filters(filters: dict[str, str], *, hide_args: bool) -> dict[str, Any]:
     since = filters.get("since")
     return {
         "state": filters.get("state"), "queue": filters.get("queue"), "actor": filters.get("actor"),
-        "message_id": filters.get("id"), "since": since_filter(since) if since else None,
+        # checked here; an age is judged by the database's clock (ops.job_filters)
+        "message_id": filters.get("id"), "since": since if since and since_filter(since) else None,
         "search": None if hide_args else filters.get("q"), "error": filters.get("error"),
     }
 

@@ -49,6 +49,22 @@ _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+def age_seconds(value: datetime | str | None) -> float | None:
+    """How long ago an age (``90s``, ``15m``, ``2h``, ``7d``) is, in seconds; None when
+    ``value`` is not one. A filter takes it from the database's clock (``now()``), never
+    this machine's, as its docs say."""
+    if not isinstance(value, str):
+        return None
+    match = _AGE.match(value)
+    if not match:
+        return None
+    seconds = float(match.group(1)) * _AGE_UNITS[match.group(2)]
+    if not seconds <= MAX_SINCE_AGE_S:  # also refuses an age too long to be a number
+        raise OpsError(f"since {value.strip()!r} is too long ago: give an age from 0s to "
+                       f"{MAX_SINCE_AGE_S / 86_400:.0f}d, or an ISO time")
+    return seconds
+
+
 def parse_since(value: datetime | str | None, *, now: datetime | None = None) -> datetime | None:
     """A point in time from a datetime, an ISO time (UTC when it has no zone) or an age
     (``90s``, ``15m``, ``2h``, ``7d``: that long ago)."""
@@ -56,12 +72,8 @@ def parse_since(value: datetime | str | None, *, now: datetime | None = None) ->
         if isinstance(value, datetime) and value.tzinfo is None:
             return value.replace(tzinfo=timezone.utc)
         return value
-    match = _AGE.match(value)
-    if match:
-        seconds = float(match.group(1)) * _AGE_UNITS[match.group(2)]
-        if not seconds <= MAX_SINCE_AGE_S:  # also refuses an age too long to be a number
-            raise OpsError(f"since {value.strip()!r} is too long ago: give an age from 0s to "
-                           f"{MAX_SINCE_AGE_S / 86_400:.0f}d, or an ISO time")
+    seconds = age_seconds(value)
+    if seconds is not None:
         return (now or datetime.now(timezone.utc)) - timedelta(seconds=seconds)
     try:
         parsed = datetime.fromisoformat(value.strip())

@@ -23,6 +23,7 @@ from broker.ops.common import (
     _contains,
     _one_line,
     _Row,
+    age_seconds,
     id_range,
     parse_message_id,
     parse_since,
@@ -107,6 +108,7 @@ AND (%(cancelled)s::boolean IS NULL OR (q.cancelled_at IS NOT NULL) = %(cancelle
 AND (%(queue)s::text IS NULL OR q.queue_name = %(queue)s)
 AND (%(actor)s::text IS NULL OR q.message->>'actor_name' = %(actor)s)
 AND (%(since)s::timestamptz IS NULL OR q.enqueued_at >= %(since)s)
+AND (%(since_age_s)s::float8 IS NULL OR q.enqueued_at >= now() - make_interval(secs => %(since_age_s)s::float8))
 AND (%(id_low)s::uuid IS NULL OR q.message_id BETWEEN %(id_low)s::uuid AND %(id_high)s::uuid)
 AND (%(message_ids)s::uuid[] IS NULL OR q.message_id = ANY(%(message_ids)s::uuid[]))
 AND (%(search)s::text IS NULL
@@ -418,6 +420,7 @@ def job_filters(*, state: str | None = None, queue: str | None = None, actor: st
     if message_id:
         id_low, id_high = id_range(message_id)
     ids = None if message_ids is None else [parse_message_id(m) for m in message_ids]
+    age = age_seconds(since)
     if error:
         if len(error) > MAX_ERROR_SEARCH_CHARS:
             raise OpsError(f"error: the text to search errors for must be at most {MAX_ERROR_SEARCH_CHARS} "
@@ -425,7 +428,9 @@ def job_filters(*, state: str | None = None, queue: str | None = None, actor: st
         if any(ord(c) < 32 or ord(c) == 127 for c in error):
             raise OpsError(f"error: the text to search errors for must not contain control characters: {error!r}")
     return {
-        "state": state, "queue": queue or None, "actor": actor or None, "since": parse_since(since),
+        "state": state, "queue": queue or None, "actor": actor or None,
+        # an age by the database's clock; a time as given
+        "since": None if age is not None else parse_since(since), "since_age_s": age,
         "id_low": id_low, "id_high": id_high, "message_ids": ids, "search": _contains(search),
         "error": _contains(error), "cancelled": cancelled,
     }

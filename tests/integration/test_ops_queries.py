@@ -303,6 +303,38 @@ def test_a_job_with_more_retries_and_snoozes_than_an_int_holds_is_listed_and_sho
     assert shown is not None and shown.snoozes == 3_000_000_000
 
 
+def test_an_age_filter_is_judged_by_the_databases_clock_not_this_machines(broker, database_url, conn, monkeypatch):
+    from datetime import datetime as real_datetime
+
+    from dramatiq.message import Message
+
+    from broker.engine import sql_enqueue
+    from broker.engine.codec import enqueue_params
+    from broker.ops import common
+
+    class HourAhead(real_datetime):
+        """This machine's clock, an hour ahead of the database's."""
+
+        @classmethod
+        def now(cls, tz=None):  # type: ignore[override]
+            return real_datetime.now(tz) + timedelta(hours=1)
+
+    # Given a job enqueued ten minutes ago and one twenty minutes ago, by the database's clock
+    made = [Message(queue_name="default", actor_name="a.b", args=(f"aged-{m}",), kwargs={}, options={})
+            for m in (10, 20)]
+    conn.execute(sql_enqueue.ENQUEUE, enqueue_params(made))
+    for message, minutes in zip(made, (10, 20), strict=True):
+        conn.execute("UPDATE dramatiq.queue SET enqueued_at = now() - make_interval(mins => %s)"
+                     " WHERE message_id = %s", (minutes, message.message_id))
+    conn.commit()
+    # When jobs of the last 15 minutes are asked for on a machine whose clock is an hour ahead
+    monkeypatch.setattr(common, "datetime", HourAhead)
+    found = [j.id for j in ops.list_jobs(conn, search="aged-", since="15m")]
+    # Then the one of ten minutes ago is found, as the database's clock says
+    assert found == [made[0].message_id]
+    assert ops.count_jobs(conn, search="aged-", since="15m") == 1
+
+
 def test_jobs_are_listed_by_state_queue_actor_text_and_id_newest_first(broker, database_url, conn, start_worker):
     a = LISTING
     start_worker(queues=[a.queue], threads=4)
