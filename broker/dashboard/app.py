@@ -251,6 +251,12 @@ def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         except psycopg.errors.UndefinedTable as exc:
             return PlainTextResponse(f"the schema is not up to date (run standmeet-jobs migrate): {exc}\n",
                                      status_code=503)
+        except psycopg.errors.QueryCanceled:  # the page's statement timeout: the database is there
+            return PlainTextResponse("the query took too long and was stopped: narrow the filter "
+                                     "(a queue, a state, an actor, a time)\n", status_code=504)
+        except psycopg.errors.DataError as exc:  # a value the query could not read, said in one line
+            return PlainTextResponse(f"the database could not read a value for this page: "
+                                     f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}\n", status_code=500)
         except (psycopg.OperationalError, PoolTimeout) as exc:
             return PlainTextResponse(f"the database is unavailable: {str(exc).strip()}\n", status_code=503)
 

@@ -31,6 +31,7 @@ import psycopg
 from broker import app
 from broker.errors import DatabaseUnavailable, MigrationError
 from broker.pg import pool as pgpool
+from broker.pg.preflight import first_line
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -162,7 +163,7 @@ def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) 
     try:
         conn = psycopg.connect(url, **pgpool.connect_kwargs(url))
     except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(f"cannot connect to migrate: {exc}") from exc
+        raise DatabaseUnavailable(f"cannot connect to migrate: {first_line(exc)}") from exc
     applied: list[Migration] = []
     with conn:
         try:
@@ -184,7 +185,7 @@ def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) 
                 if adopted:
                     logger.info("adopted %d delayed message(s) written by dramatiq-pg", adopted)
         except psycopg.Error as exc:
-            raise MigrationError(f"migration failed and was rolled back: {exc}") from exc
+            raise MigrationError(f"migration failed and was rolled back: {first_line(exc)}") from exc
     return applied
 
 

@@ -239,3 +239,12 @@ def test_the_scheduler_refuses_a_bad_argument_in_one_line(subprocess_env):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "python -m periodic: argument --supervised-by: invalid int value: 'me'"], result.stderr
+
+
+def test_migrate_says_an_unreachable_database_in_one_line(subprocess_env):
+    port = _closed_port()
+    result = cli({**subprocess_env, "DATABASE_URL": f"postgresql://postgres@127.0.0.1:{port}/app"}, "migrate")
+    line = refused(result, "cannot connect to migrate", f"{port}")
+    # every other line is a log line of its own (a time first), none the rest of that message
+    others = [ln for ln in result.stderr.splitlines() if ln and ln != line]
+    assert all(ln[:4].isdigit() for ln in others), result.stderr

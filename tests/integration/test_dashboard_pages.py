@@ -320,6 +320,22 @@ def test_a_bulk_retry_never_brings_back_a_cancelled_job_and_counts_exactly_what_
     assert affected == 2 and sorted(target["message_ids"]) == sorted(m.message_id for m in failed)
 
 
+def test_a_page_whose_query_runs_past_its_timeout_says_so_not_that_the_database_is_down(
+        broker, database_url, dashboard, monkeypatch):
+    from broker.dashboard import server
+
+    # Given a dashboard whose statements may take half a second, and the job table locked
+    monkeypatch.setattr(server, "STATEMENT_TIMEOUT_MS", 500)
+    with dashboard() as client, psycopg.connect(database_url) as locker:
+        locker.execute("LOCK TABLE dramatiq.queue IN ACCESS EXCLUSIVE MODE")
+        # When the job list is asked for
+        answer = client.get("/jobs")
+        locker.rollback()
+    # Then it says the query took too long, in one line, not that the database is unavailable
+    assert answer.status_code == 504 and answer.text.startswith("the query took too long"), answer.text
+    assert len(answer.text.strip().splitlines()) == 1
+
+
 def test_bulk_cancel_of_nothing_says_so_and_changes_nothing(broker, database_url, dashboard):
     with dashboard() as client:
         confirm = client.get("/jobs/bulk", params={"actor": "no.such.actor", "action": "cancel"})
