@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
@@ -70,12 +70,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         doc = self.document(record.created, record.levelname, record.name, record.getMessage(), record.process)
-        for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
-                doc[key] = value
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+        if record.stack_info:
+            doc["stack"] = self.formatStack(record.stack_info)
+        return json_line(doc, {key: value for key, value in vars(record).items()
+                               if key not in _STANDARD and not key.startswith("_")})
 
     @staticmethod
     def document(created: float, level: str, name: str, message: str, pid: int | None) -> dict[str, Any]:
@@ -223,6 +223,28 @@ def _batched_handler_of(logger: logging.Logger) -> BatchedStreamHandler | None:
     return found
 
 
+def json_line(doc: dict[str, Any], extra: Mapping[str, Any]) -> str:
+    """One line of strict JSON: the standard fields of ``doc``, then the fields given with
+    ``extra=`` (one named as a standard field is written as ``extra.<name>``: it never
+    replaces the level, the time or the pid). A value JSON cannot hold as it is (NaN, a
+    mapping with keys that are not text, a cycle) is written as its ``repr``: the line is
+    never lost."""
+    for key, value in extra.items():
+        doc[f"extra.{key}" if key in doc else key] = value
+    try:
+        return json.dumps(doc, default=str, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return json.dumps({key: _storable(value) for key, value in doc.items()}, default=str, allow_nan=False)
+
+
+def _storable(value: Any) -> Any:
+    try:
+        json.dumps(value, default=str, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)[:1000]
+    return value
+
+
 def info_line(logger: logging.Logger, message: str,
               extra: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
     """``logger.info(message, extra=extra)``, the same line for every handler and format,
@@ -240,7 +262,7 @@ def info_line(logger: logging.Logger, message: str,
         line = f"{formatter.stamp(now)} [{_pid[0]}] INFO {logger.name}: {message}"
     else:
         doc = JsonFormatter.document(now, "INFO", logger.name, message, _pid[0])
-        line = json.dumps({**doc, **(extra() if callable(extra) else extra)}, default=str)
+        line = json_line(doc, extra() if callable(extra) else extra)
     handler.emit_line(line)
 
 

@@ -261,3 +261,24 @@ def test_a_signal_handler_that_logs_while_this_thread_logs_neither_hangs_nor_los
     assert done.returncode == 0, done.stderr
     first = "first line" if moment == "start" else "first warning"
     assert done.stdout.splitlines() == [first, "received SIGUSR2"], done.stdout
+
+
+def test_every_json_line_is_strict_json_and_keeps_its_standard_fields_whatever_the_extras():
+    import json
+
+    from broker.observability.logs import JsonFormatter
+
+    formatter = JsonFormatter()
+    cycle: list[object] = []
+    cycle.append(cycle)
+    cases = [{"ratio": float("nan")}, {"ratio": float("inf")}, {"counts": {1: "key not text"}}, {"loop": cycle},
+             {"level": "DEBUG", "pid": 0, "ts": "then"}]
+    for extra in cases:
+        record = logging.LogRecord("standmeet.test", logging.WARNING, __file__, 1, "odd extras", None, None)
+        for key, value in extra.items():
+            setattr(record, key, value)
+        doc = json.loads(formatter.format(record), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+        assert doc["level"] == "WARNING" and doc["message"] == "odd extras" and doc["pid"] == record.process
+    assert doc["extra.level"] == "DEBUG"  # (the last case: named as standard fields, kept aside)
+    record = logging.LogRecord("standmeet.test", logging.INFO, __file__, 1, "where", None, None, sinfo="Stack (most recent call last):\n  here")
+    assert "here" in json.loads(formatter.format(record))["stack"]
