@@ -213,7 +213,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     with _connect(settings) as conn:
         doc = status_document(conn, settings)
-    problems = health_problems(doc, max_age_s=args.max_age_s, required=args.queues or list(settings.queues),
+        declared = sorted(set(settings.queues) | set(ops.declared_queues(conn)))  # (recorded by migrate)
+    problems = health_problems(doc, max_age_s=args.max_age_s, required=args.queues or declared,
                                unserved_max_age_s=settings.queue_unserved_max_age_s,
                                unrouted_max_age_s=settings.outbox_unrouted_max_age_s) if args.check else []
     if args.json:
@@ -486,9 +487,11 @@ def cmd_queues_resume(args: argparse.Namespace) -> int:
 
 
 def _known_queue(conn: psycopg.Connection[Any], settings: Settings, name: str) -> None:
-    """Refuse, naming the queues it knows (and the nearest), a queue that no declaration,
-    job (of any age), pause or live worker process names."""
-    known = set(settings.queues) | {q.name for q in ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)}
+    """Refuse, naming the queues it knows (and the nearest), a queue that no declaration
+    (the runtime's, or the application's as ``migrate`` recorded them), job (of any age),
+    pause or live worker process names."""
+    known = (set(settings.queues) | set(ops.declared_queues(conn))
+             | {q.name for q in ops.queue_overview(conn, rescue_after_s=settings.rescue_after_s)})
     if name in known or ops.queue_has_jobs(conn, name):
         return
     near = difflib.get_close_matches(name, sorted(known), n=1)

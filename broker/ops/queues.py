@@ -48,6 +48,15 @@ def resume_queue(conn: psycopg.Connection[Any], name: str) -> bool:
     return bool(row and row[0])
 
 
+#: The queues ``migrate`` recorded as the application's (the 0027 migration).
+DECLARED_QUEUES = "SELECT name FROM standmeet.declared_queues ORDER BY name"
+
+
+def declared_queues(conn: psycopg.Connection[Any]) -> list[str]:
+    """The queues the application declares, as ``migrate`` last recorded them."""
+    return [str(row[0]) for row in conn.execute(DECLARED_QUEUES)]
+
+
 def queue_has_jobs(conn: psycopg.Connection[Any], name: str) -> bool:
     """Whether any job, finished long ago included, is of queue ``name``."""
     row = conn.execute(QUEUE_HAS_JOBS, {"queue": _queue_name(name)}).fetchone()

@@ -153,6 +153,14 @@ def package_migrations(source: app.MigrationFolder) -> list[Migration]:
     return read_migrations(source, package=source.package)
 
 
+#: The queues the loaded modules declare, recorded for the operator's commands (which load
+#: no application module): see the 0027 migration.
+RECORD_DECLARED_QUEUES = """
+INSERT INTO standmeet.declared_queues (name) SELECT unnest(%s::text[])
+ON CONFLICT (name) DO UPDATE SET declared_at = now()
+"""
+
+
 def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) -> list[Migration]:
     """Apply the runtime's pending migrations, then those of each package (by default the
     ones the loaded modules declared), in order; return what this call applied, or
@@ -181,6 +189,7 @@ def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) 
                 recorded = {f"{version:04d}_{name}" for version, name in conn.execute(RUNTIME_RECORDED_SQL)}
                 for package, migrations in declared:
                     applied += apply_package(conn, package, migrations, runtime_recorded=recorded)
+                conn.execute(RECORD_DECLARED_QUEUES, (sorted(app.REGISTRY.queues),))
                 adopted = conn.execute(ADOPT_DRAMATIQ_PG).rowcount
                 if adopted:
                     logger.info("adopted %d delayed message(s) written by dramatiq-pg", adopted)

@@ -193,6 +193,8 @@ WHERE n.nspname IN ('standmeet', 'dramatiq') AND c.relkind IN ('r', 'i', 'S') OR
 #: What the application's migrations written after the split create (they replace none of
 #: the runtime's, and run on a database migrated before it).
 WRITTEN_AFTER_THE_SPLIT = {"webhook_deliveries_retry_due_idx", "webhook_deliveries_pending_message_idx"}
+#: What the runtime's migrations written after the split create.
+RUNTIME_AFTER_THE_SPLIT = {"declared_queues", "declared_queues_pkey"}
 
 
 def test_a_database_migrated_before_the_split_records_the_applications_history_and_loses_nothing(
@@ -222,7 +224,7 @@ def test_a_database_migrated_before_the_split_records_the_applications_history_a
     ids_after = dict(testdb.query(url, TABLE_IDS))
     assert {name: ids_after.get(name) for name, _ in ids_before} == dict(ids_before)
     assert set(ids_after) - dict(ids_before).keys() == {"package_migrations", "package_migrations_pkey",
-                                                        *WRITTEN_AFTER_THE_SPLIT}
+                                                        *WRITTEN_AFTER_THE_SPLIT, *RUNTIME_AFTER_THE_SPLIT}
     assert testdb.query(url, KEPT_ROWS) == [("kept", "https://example.org/feed", "https://example.org/hook", 1, 1)]
     assert_same_schema(url, fresh_schema)
     again = subprocess.run(MIGRATE, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -467,3 +467,25 @@ def test_status_gives_each_queues_last_hour_and_jobs_show_every_attempt(broker, 
     # and jobs show lists the failed job's attempt with its own error
     assert [(a["attempt"], a["outcome"]) for a in shown["attempts"]] == [(1, "rejected")]
     assert "order 0 has no lines" in shown["attempts"][0]["error"]
+
+
+def test_the_operators_commands_know_the_applications_queues_before_any_worker_ran(subprocess_env, admin_url):
+    from tests.support import db as testdb
+
+    # Given a database just migrated: no job, no worker, no pause anywhere
+    name = testdb.unique_name("smt_declared")
+    with testdb.psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(testdb.sql.SQL("CREATE DATABASE {}").format(testdb.sql.Identifier(name)))
+    try:
+        env = {**subprocess_env, "DATABASE_URL": testdb.with_dbname(admin_url, name)}
+        ok(cli(env, "migrate"))
+        # When an operator pauses a queue the application declares, and checks the health
+        paused = cli(env, "queues", "pause", "notify")
+        check = cli(env, "status", "--check")
+        # Then the queue is paused, and every declared queue is reported as served by nobody
+        assert paused.returncode == 0 and "queue notify paused" in paused.stdout, paused.stderr
+        assert check.returncode == 1
+        for queue in ("index", "notify", "webhook", "fetch"):
+            assert f"queue {queue}: no live worker process serves it" in check.stderr, check.stderr
+    finally:
+        testdb.drop_database(admin_url, name)
