@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
 
 import psycopg
 import pytest
@@ -305,13 +304,15 @@ def test_a_delivery_makes_two_round_trips_of_its_own_beside_the_ones_that_set_it
 def test_replaying_every_failed_delivery_goes_batch_by_batch_and_gives_each_a_new_message(
     broker, database_url, webhook_settings
 ):
-    # Given five deliveries that failed, and one that succeeded
+    # Given five deliveries that failed, and one that succeeded, since a moment (the other
+    # tests' failures are older)
+    since = scalar(database_url, "SELECT clock_timestamp()")
     endpoint, _ = webhooks.add_endpoint("http://127.0.0.1:9/replayed", ["t"])
     ids = [scalar(database_url, "INSERT INTO standmeet.webhook_deliveries (event_id, endpoint_id, state)"
                                 " VALUES (%s, %s, %s) RETURNING id", (emit(database_url, "t", {"n": n}), endpoint, state))
            for n, state in enumerate(["failed"] * 5 + ["succeeded"])]
     # When they are replayed two at a time
-    replayed = webhooks.replay_failed(datetime(2000, 1, 1, tzinfo=timezone.utc), batch=2)
+    replayed = webhooks.replay_failed(since, batch=2)
     # Then the five failed ones are pending again, each with a new message of its own
     assert replayed == 5
     rows = query(database_url, "SELECT d.id, d.state, q.state::text FROM standmeet.webhook_deliveries d"
