@@ -313,9 +313,15 @@ def cmd_webhooks_deliveries(args: argparse.Namespace) -> int:
 
 def cmd_webhooks_toggle(args: argparse.Namespace) -> int:
     _actors()
-    from actors.webhooks import set_enabled
+    from actors.webhooks import WebhookError, set_enabled_in
+    from broker.pg import db
 
-    set_enabled(args.id, args.enabled)
+    by = cliout.operator_name()
+    with db.connection() as conn, conn.transaction():  # recorded as the dashboard's button records it
+        if not set_enabled_in(conn, args.id, args.enabled, reason=f"disabled by {by} (cli)"):
+            raise WebhookError(f"no webhook endpoint {args.id}")
+        ops.record_action(conn, action="webhooks.enable" if args.enabled else "webhooks.disable",
+                          target={"endpoint_id": args.id}, by=by, source="cli", affected=1)
     print(f"endpoint {args.id} {'enabled' if args.enabled else 'disabled'}")
     return 0
 
@@ -324,10 +330,18 @@ def cmd_webhooks_replay(args: argparse.Namespace) -> int:
     from datetime import datetime
 
     _actors()
-    from actors.webhooks import replay, replay_failed
+    from actors.webhooks import WebhookError, replay_failed, replay_in
+    from broker.pg import db
 
+    by = cliout.operator_name()
     if args.delivery is not None:
-        replay(args.delivery)  # a new delivery message (see actors.webhooks.replay_in)
+        with db.connection() as conn, conn.transaction():  # a new delivery message, recorded as the dashboard's
+            message_id = replay_in(conn, args.delivery)
+            if message_id is None:
+                raise WebhookError(f"no webhook delivery {args.delivery}")
+            ops.record_action(conn, action="webhooks.replay",
+                              target={"delivery_id": args.delivery, "message_ids": [message_id]},
+                              by=by, source="cli", affected=1)
         print(f"delivery {args.delivery} queued again")
     elif args.failed_since:
         try:
@@ -335,7 +349,11 @@ def cmd_webhooks_replay(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"standmeet-jobs: --failed-since {args.failed_since!r} is not an ISO time", file=sys.stderr)
             return 2
-        print(f"{replay_failed(since)} delivery(ies) queued again")
+        replayed = replay_failed(since)
+        with db.connection() as conn, conn.transaction():
+            ops.record_action(conn, action="webhooks.replay", target={"failed_since": since.isoformat()},
+                              by=by, source="cli", affected=replayed)
+        print(f"{replayed} delivery(ies) queued again")
     else:
         print("standmeet-jobs: give a delivery id or --failed-since TIME", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ def test_add_list_ping_disable_enable_and_replay(broker, database_url, subproces
             event = webhooks.emit_event(conn, "order.paid", {"order": 9})
         wait_for(lambda: query(database_url, "SELECT state FROM standmeet.webhook_deliveries WHERE event_id = %s",
                                (event,)) == [("skipped",)], timeout_s=15, what="a skipped delivery")
-        assert "disabled (disabled by an operator)" in cli(env, "list").stdout
+        assert "disabled (disabled by " in cli(env, "list").stdout and "(cli))" in cli(env, "list").stdout
         # enabled again, a replay of everything failed or skipped since then delivers it
         assert cli(env, "enable", str(endpoint)).returncode == 0
         replayed = cli(env, "replay", "--failed-since", "2000-01-01T00:00:00+00:00")
@@ -52,6 +52,12 @@ def test_add_list_ping_disable_enable_and_replay(broker, database_url, subproces
         delivery = scalar(database_url, "SELECT id FROM standmeet.webhook_deliveries WHERE event_id = %s", (event,))
         assert cli(env, "replay", str(delivery)).stdout.strip() == f"delivery {delivery} queued again"
         wait_for(lambda: len(server.received) == 4, timeout_s=15, what="one delivery replayed by id")
+    # and each action is recorded, who and from where, as the dashboard's buttons record theirs
+    recorded = query(database_url, "SELECT action, target, source, affected FROM standmeet.operator_actions"
+                                   " WHERE action LIKE 'webhooks.%%' ORDER BY id")
+    assert [(a, s, n) for a, _, s, n in recorded] == [("webhooks.disable", "cli", 1), ("webhooks.enable", "cli", 1),
+                                                      ("webhooks.replay", "cli", 1), ("webhooks.replay", "cli", 1)]
+    assert recorded[0][1] == {"endpoint_id": endpoint} and recorded[3][1]["delivery_id"] == delivery
 
 
 def test_the_health_job_disables_an_endpoint_failing_for_five_days(broker, database_url, start_worker):
