@@ -199,25 +199,35 @@ class Attempt:
     truncated: bool
 
 
+#: Each endpoint with its deliveries counted by state and its last attempt: each count a
+#: look-up of the endpoint's own deliveries, and the last attempt that of its most recently
+#: attempted delivery (as ``WEBHOOK_ENDPOINTS``), each through the (endpoint_id, updated_at)
+#: index: never a pass over every delivery and attempt (a join of them all took 1.6 s at
+#: 400,000 deliveries, and the page refreshes every 3 s).
 ENDPOINTS = """
 SELECT e.id, e.url, e.event_types, e.enabled, e.failing_since, e.disabled_reason, e.busy_until,
-       count(d.id) FILTER (WHERE d.state = 'pending')::int AS pending,
-       count(d.id) FILTER (WHERE d.state = 'failed')::int AS failed,
-       count(d.id) FILTER (WHERE d.state = 'succeeded')::int AS succeeded,
-       count(d.id) FILTER (WHERE d.state = 'skipped')::int AS skipped,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'pending')::int
+           AS pending,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')::int
+           AS failed,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'succeeded')::int
+           AS succeeded,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'skipped')::int
+           AS skipped,
        last.started_at AS last_attempt_at, last.outcome AS last_outcome,
        last.status_code AS last_status, last.error AS last_error
 FROM standmeet.webhook_endpoints e
-LEFT JOIN standmeet.webhook_deliveries d ON d.endpoint_id = e.id
 LEFT JOIN LATERAL (
     SELECT a.started_at, a.outcome, a.status_code, a.error
-    FROM standmeet.webhook_attempts a
-    JOIN standmeet.webhook_deliveries ad ON ad.id = a.delivery_id
-    WHERE ad.endpoint_id = e.id
-    ORDER BY a.started_at DESC, a.id DESC
+    FROM standmeet.webhook_deliveries d
+    CROSS JOIN LATERAL (
+        SELECT started_at, outcome, status_code, error FROM standmeet.webhook_attempts
+        WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
+    ) a
+    WHERE d.endpoint_id = e.id AND d.attempts > 0
+    ORDER BY d.updated_at DESC, d.id DESC
     LIMIT 1
 ) last ON true
-GROUP BY e.id, last.started_at, last.outcome, last.status_code, last.error
 ORDER BY e.id
 """
 
