@@ -331,5 +331,19 @@ def format_ts(value: datetime | None) -> str:
     return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+#: How many job ids a recorded action's target shows on the overview (a bulk action may
+#: record 10,000: the page, refreshed every 3 s, would carry every one).
+TARGET_IDS_SHOWN = 5
+
+
+def brief_target(target: Any) -> Any:
+    """A recorded action's target, its list of job ids cut to the first few and a count."""
+    if isinstance(target, dict) and isinstance(target.get("message_ids"), list):
+        ids = target["message_ids"]
+        if len(ids) > TARGET_IDS_SHOWN:
+            return {**target, "message_ids": [*ids[:TARGET_IDS_SHOWN], f"… {len(ids) - TARGET_IDS_SHOWN} more"]}
+    return target
+
+
 def pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)

@@ -19,6 +19,7 @@ from broker.dashboard.app import (
     NAV,
     STATEMENT_TIMEOUT_MS,
     DashboardConfig,
+    brief_target,
     format_age,
     format_ts,
     pretty_json,
@@ -57,7 +58,7 @@ def create_app(config: DashboardConfig) -> Starlette:
         autoescape=True,  # every template, whatever its name
         undefined=jinja2.StrictUndefined,
     )
-    env.filters.update(age=format_age, ts=format_ts, pretty=pretty_json)
+    env.filters.update(age=format_age, ts=format_ts, pretty=pretty_json, brief=brief_target)
     templates = Jinja2Templates(env=env)
 
     # Outermost first: every answer gets the headers; a foreign Host is refused before

@@ -69,9 +69,10 @@ ORDER BY grid.bucket
 """
 
 #: The history of each queue since ``since`` (to ``until``, default now), every shard and
-#: actor added together; the seconds the window spans come first.
+#: actor added together; the seconds the window spans come first (from the start of the
+#: minute ``since`` falls in: the first minute counted is counted whole).
 SUMMARY = """
-SELECT EXTRACT(EPOCH FROM coalesce(%(until)s::timestamptz, now()) - %(since)s::timestamptz)::float8,
+SELECT EXTRACT(EPOCH FROM coalesce(%(until)s::timestamptz, now()) - date_trunc('minute', %(since)s::timestamptz))::float8,
        h.queue_name, """ + _AGGREGATES + """
 FROM standmeet.queue_history h
 WHERE h.minute >= date_trunc('minute', %(since)s::timestamptz)""" + _FILTER + """

@@ -193,3 +193,19 @@ def test_percentiles_are_estimated_inside_the_bucket_that_holds_them(hist, q, lo
     value = history.percentile_ms(hist, q)
     assert value is not None and low <= value <= high
     assert history.percentile_ms([0] * 19, q) is None
+
+
+def test_a_stretch_counts_its_first_minute_whole_and_divides_by_the_seconds_it_counted(broker, database_url):
+    # Given 600 runs done in the minute a stretch starting 30 s into it falls in
+    query(database_url, "INSERT INTO standmeet.queue_history (minute, queue_name, actor_name, shard, done,"
+                        " wait_hist, run_hist) VALUES (date_trunc('minute', now() - interval '59 minutes 30 seconds'),"
+                        " 'history-span', 'a.b', 0, 600, array_fill(0::bigint, ARRAY[%s]), array_fill(0::bigint, ARRAY[%s]))",
+          (len(HISTORY_BOUNDS_MS), len(HISTORY_BOUNDS_MS)))
+    with psycopg.connect(database_url) as conn:
+        since = conn.execute("SELECT now() - interval '59 minutes 30 seconds'").fetchone()[0]
+        (span,) = [s for s in history.summary(conn, since=since) if s.queue == "history-span"]
+    # Then the stretch's seconds run from the start of that minute: the rate is the runs it
+    # counted over the time they were counted in, not over a shorter hour
+    assert span.figures.done == 600
+    into_its_minute = (since - since.replace(second=0, microsecond=0)).total_seconds()
+    assert span.figures.seconds >= 59 * 60 + 30 + into_its_minute
