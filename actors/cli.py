@@ -327,7 +327,6 @@ def cmd_webhooks_toggle(args: argparse.Namespace) -> int:
 
 
 def cmd_webhooks_replay(args: argparse.Namespace) -> int:
-    from datetime import datetime
 
     _actors()
     from actors.webhooks import WebhookError, replay_failed, replay_in
@@ -344,11 +343,13 @@ def cmd_webhooks_replay(args: argparse.Namespace) -> int:
                               by=by, source="cli", affected=1)
         print(f"delivery {args.delivery} queued again")
     elif args.failed_since:
-        try:
-            since = datetime.fromisoformat(args.failed_since)
-        except ValueError:
-            print(f"standmeet-jobs: --failed-since {args.failed_since!r} is not an ISO time", file=sys.stderr)
+        try:  # an ISO time (UTC when it names no zone, as every time the CLI takes) or an age: 2h, 1d
+            since = ops.parse_since(args.failed_since)
+        except (ops.OpsError, OverflowError):
+            print(f"standmeet-jobs: --failed-since {args.failed_since!r} is neither an ISO time nor an age like "
+                  "15m, 2h or 1d", file=sys.stderr)
             return 2
+        assert since is not None
         replayed = replay_failed(since)
         with db.connection() as conn, conn.transaction():
             ops.record_action(conn, action="webhooks.replay", target={"failed_since": since.isoformat()},
@@ -439,7 +440,8 @@ def _setup_webhooks(p: argparse.ArgumentParser) -> None:
         q.set_defaults(func=cmd_webhooks_toggle, enabled=action == "enable")
     q = wh.add_parser("replay", help="deliver again: one delivery, or every failed one since a time")
     q.add_argument("delivery", type=int, nargs="?", help="a delivery id")
-    q.add_argument("--failed-since", help="an ISO time, e.g. 2026-11-29T10:00:00+00:00")
+    q.add_argument("--failed-since", help="an ISO time (UTC unless it names a zone), e.g. 2026-11-29T10:00:00, "
+                                          "or an age: 15m, 2h, 1d")
     q.set_defaults(func=cmd_webhooks_replay)
     q = wh.add_parser("ping", help="emit N webhook.ping events for an endpoint through the normal path")
     q.add_argument("id", type=int)

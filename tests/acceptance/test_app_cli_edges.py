@@ -140,3 +140,12 @@ def test_webhooks_ping_refuses_a_count_out_of_its_range_in_one_line(subprocess_e
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert refused.stderr.strip().splitlines() == [
         f"standmeet-jobs webhooks ping: argument --count: {count} is out of range: give 1 to 10000"]
+
+
+def test_webhooks_replay_takes_an_age_or_a_time_and_refuses_anything_else_in_one_line(subprocess_env):
+    for since in ("2h", "2026-01-01T00:00:00"):  # (a time with no zone is UTC, as everywhere in the CLI)
+        replayed = cli(subprocess_env, "webhooks", "replay", "--failed-since", since)
+        assert replayed.returncode == 0 and replayed.stdout.endswith("delivery(ies) queued again\n"), replayed.stderr
+    refused = cli(subprocess_env, "webhooks", "replay", "--failed-since", "last tuesday")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "standmeet-jobs: --failed-since 'last tuesday' is neither an ISO time nor an age like 15m, 2h or 1d"]
