@@ -417,8 +417,9 @@ def _bulk(args: argparse.Namespace, action: str) -> int:
     if skipped:
         print(f"skipped {skipped} cancelled job(s): cancel is final (--include-cancelled retries them too, "
               "or name each by its id)")
-    if held:
-        print(f"skipped {held} unique job(s): a live message holds each one's key (it runs instead)")
+    if held:  # a job named by its id and left alone: what was asked was not done (exit 1)
+        print(f"skipped {held} unique job(s): a live message holds each one's key (it runs instead)",
+              file=sys.stderr if ids else sys.stdout)
     if action == "cancel" and ids:
         with _connect(settings) as conn:
             for message_id in ids:
@@ -428,7 +429,7 @@ def _bulk(args: argparse.Namespace, action: str) -> int:
                           "deadline check")
     for line in unchanged:
         print(line, file=sys.stderr)
-    return 1 if unchanged else 0
+    return 1 if unchanged or (ids and held) else 0
 
 
 def _why_unchanged(conn: psycopg.Connection[Any], ids: list[str], action: str) -> list[str]:

@@ -489,3 +489,23 @@ def test_the_operators_commands_know_the_applications_queues_before_any_worker_r
             assert f"queue {queue}: no live worker process serves it" in check.stderr, check.stderr
     finally:
         testdb.drop_database(admin_url, name)
+
+
+def test_retrying_a_named_unique_job_whose_key_a_live_message_holds_says_so_and_exits_1(
+        broker, database_url, subprocess_env):
+    import psycopg
+
+    from broker import ops
+    from tests.support import unique_jobs
+
+    # Given a unique job an operator cancelled, and the same call sent again (it holds the key)
+    first = unique_jobs.unique.send("named-and-held")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        assert ops.cancel_jobs(conn, message_ids=[first.message_id], by="test") == 1
+    unique_jobs.unique.send("named-and-held")
+    # When the operator retries the cancelled one by its id
+    result = cli(subprocess_env, "jobs", "retry", first.message_id)
+    # Then it is left alone, said on stderr, and the command fails
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "retried 0 job(s)" in result.stdout
+    assert "skipped 1 unique job(s): a live message holds each one's key" in result.stderr
