@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StandmeetError as exc:
         say(str(exc))
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: psycopg has cancelled the statement on the server
+        say("interrupted")
+        return 130
     except UnicodeEncodeError:  # an argument no parser type checked (every one is, as it is read)
         bad = _not_utf8_arguments(argv)
         if not bad:

@@ -57,6 +57,11 @@ def operator_name() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+#: How long one statement of an operator's command may run: a filter that reads too much
+#: is stopped on the server, not left running after the command was killed.
+STATEMENT_TIMEOUT_MS = 60_000
+
+
 @contextmanager
 def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
     url = resolve_database_url(settings)
@@ -67,6 +72,9 @@ def _connect(settings: Settings) -> Iterator[psycopg.Connection[Any]]:
 
         raise DatabaseUnavailable(
             f"cannot reach the database at {server_of(url)} ({masked_url(url)}): {first_line(exc)}") from exc
+    if pgpool.topology_for(url).session_state:  # (through a transaction pooler a session setting would leak)
+        conn.execute(pgpool.SET_STATEMENT_TIMEOUT, (str(STATEMENT_TIMEOUT_MS),))
+        conn.commit()
     with conn:
         try:
             yield conn

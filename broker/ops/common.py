@@ -34,6 +34,9 @@ MAX_BIGINT = 2 ** 63 - 1
 #: the last traceback of every job the other filters leave (no index holds them): a scan
 #: of ``dramatiq.queue``, as listing does anyway, one case-insensitive match a row.
 MAX_ERROR_SEARCH_CHARS = 200
+#: The longest text searched for in jobs' arguments (each row's arguments are matched
+#: against it: a long pattern costs every row, and no index holds them).
+MAX_SEARCH_CHARS = 500
 
 
 class OpsError(StandmeetError, ValueError):

@@ -17,6 +17,7 @@ from broker.ops.common import (
     MAX_ERROR_SEARCH_CHARS,
     MAX_LIMIT,
     MAX_OFFSET,
+    MAX_SEARCH_CHARS,
     MIN_ID_PREFIX_HEX,
     OpsError,
     _by,
@@ -421,6 +422,9 @@ def job_filters(*, state: str | None = None, queue: str | None = None, actor: st
         id_low, id_high = id_range(message_id)
     ids = None if message_ids is None else [parse_message_id(m) for m in message_ids]
     age = age_seconds(since)
+    if search and len(search) > MAX_SEARCH_CHARS:
+        raise OpsError(f"search: the text to search arguments for must be at most {MAX_SEARCH_CHARS} characters, "
+                       f"not {len(search)}")
     if error:
         if len(error) > MAX_ERROR_SEARCH_CHARS:
             raise OpsError(f"error: the text to search errors for must be at most {MAX_ERROR_SEARCH_CHARS} "

@@ -134,6 +134,7 @@ def test_bad_input_is_one_line_naming_what_was_wrong(broker, subprocess_env):
         (("jobs", "list", "--queue", "indx"), "unknown queue 'indx': no job, pause or worker process names it;"),
         (("jobs", "retry", "--state", "rejected", "--queue", "indx"), "unknown queue 'indx'"),
         (("jobs", "cancel", "--queue", "indx"), "unknown queue 'indx'"),
+        (("jobs", "list", "--search", "x" * 501), "search: the text to search arguments for must be at most 500"),
     ]:
         result = cli(subprocess_env, *args)
         assert result.returncode == 1, (args, result.stdout)
@@ -509,3 +510,33 @@ def test_retrying_a_named_unique_job_whose_key_a_live_message_holds_says_so_and_
     assert result.returncode == 1, (result.stdout, result.stderr)
     assert "retried 0 job(s)" in result.stdout
     assert "skipped 1 unique job(s): a live message holds each one's key" in result.stderr
+
+
+def test_ctrl_c_during_a_slow_listing_says_interrupted_in_one_line_and_leaves_no_query_running(
+        broker, database_url, subprocess_env):
+    import signal
+
+    import psycopg
+
+    # Given a listing that waits for a table another session holds locked
+    with psycopg.connect(database_url) as locker:
+        locker.execute("LOCK TABLE dramatiq.queue IN ACCESS EXCLUSIVE MODE")
+        listing = subprocess.Popen([sys.executable, "-m", "broker.cli", "jobs", "list", "--search", "slow"],
+                                   env=subprocess_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        try:
+            wait_for(lambda: scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name ="
+                                                  " 'standmeet-cli' AND wait_event_type = 'Lock'") == 1,
+                     timeout_s=30, what="the listing to wait for the lock")
+            # When the operator presses Ctrl-C
+            listing.send_signal(signal.SIGINT)
+            _, stderr = listing.communicate(timeout=30)
+        finally:
+            if listing.poll() is None:
+                listing.kill()
+                listing.wait()
+        # Then it says so in one line, exits 130, and its query is gone from the server
+        assert listing.returncode == 130, stderr
+        assert stderr.strip().splitlines()[-1] == "standmeet-jobs: interrupted" and "Traceback" not in stderr, stderr
+        assert scalar(database_url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'standmeet-cli'"
+                                    " AND state = 'active'") == 0
