@@ -289,6 +289,8 @@ def run_startup_checks(settings: Any) -> None:
 
 # The runtime's own queue and periodic jobs (their actors are in broker.maintenance).
 queue("maintenance", max_workers=1, time_limit_s=600.0)
+#: The runtime's own queues (declared above, before any application module loads).
+RUNTIME_QUEUES = frozenset(REGISTRY.queues)
 periodic("prune-messages", "maintenance.prune_messages", interval_s=3600)
 periodic("rescue", "maintenance.rescue", interval_s=30)
 periodic("prune-outbox", "maintenance.prune_outbox", interval_s=3600)

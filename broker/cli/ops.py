@@ -213,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     with _connect(settings) as conn:
         doc = status_document(conn, settings)
-        declared = sorted(set(settings.queues) | set(ops.declared_queues(conn)))  # (recorded by migrate)
+        declared = sorted(set(settings.queues) | set(ops.declared_queues(conn))) if args.check else []
     problems = health_problems(doc, max_age_s=args.max_age_s, required=args.queues or declared,
                                unserved_max_age_s=settings.queue_unserved_max_age_s,
                                unrouted_max_age_s=settings.outbox_unrouted_max_age_s) if args.check else []

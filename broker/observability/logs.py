@@ -138,7 +138,11 @@ class BatchedStreamHandler(logging.Handler):
         """Write a formatted line below WARNING with the next batch."""
         self._pending.append(line)
         if not self._wake.is_set():
-            self._ensure_writer()
+            try:
+                self._ensure_writer()
+            except Exception:  # no writer thread to be had (the interpreter shutting down): written here
+                self.flush()
+                return
             self._wake.set()
 
     def flush(self) -> None:

@@ -264,7 +264,12 @@ class _Server(WSGIServer):
         if not self._slots.acquire(blocking=False):
             self.shutdown_request(request)
             return
-        detach.go("metrics-request", lambda stop: self._serve(request, client_address))
+        try:
+            detach.go("metrics-request", lambda stop: self._serve(request, client_address))
+        except BaseException:  # (no thread could be started: the slot is free again, the client hung up on)
+            self._slots.release()
+            self.shutdown_request(request)
+            raise
 
     def _serve(self, request: Any, client_address: Any) -> None:
         try:

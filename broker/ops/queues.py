@@ -53,8 +53,13 @@ DECLARED_QUEUES = "SELECT name FROM standmeet.declared_queues ORDER BY name"
 
 
 def declared_queues(conn: psycopg.Connection[Any]) -> list[str]:
-    """The queues the application declares, as ``migrate`` last recorded them."""
-    return [str(row[0]) for row in conn.execute(DECLARED_QUEUES)]
+    """The queues the application declares, as ``migrate`` last recorded them (none on a
+    database not migrated that far: what a command needs of it is no reason to fail)."""
+    try:
+        with conn.transaction():
+            return [str(row[0]) for row in conn.execute(DECLARED_QUEUES)]
+    except psycopg.errors.UndefinedTable:
+        return []
 
 
 def queue_has_jobs(conn: psycopg.Connection[Any], name: str) -> bool:

@@ -159,6 +159,8 @@ RECORD_DECLARED_QUEUES = """
 INSERT INTO standmeet.declared_queues (name) SELECT unnest(%s::text[])
 ON CONFLICT (name) DO UPDATE SET declared_at = now()
 """
+#: A queue the application no longer declares is forgotten (a migrate run with its modules).
+FORGET_UNDECLARED_QUEUES = "DELETE FROM standmeet.declared_queues WHERE name <> ALL(%s::text[])"
 
 
 def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) -> list[Migration]:
@@ -189,7 +191,10 @@ def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) 
                 recorded = {f"{version:04d}_{name}" for version, name in conn.execute(RUNTIME_RECORDED_SQL)}
                 for package, migrations in declared:
                     applied += apply_package(conn, package, migrations, runtime_recorded=recorded)
-                conn.execute(RECORD_DECLARED_QUEUES, (sorted(app.REGISTRY.queues),))
+                declared_queues = sorted(app.REGISTRY.queues)
+                conn.execute(RECORD_DECLARED_QUEUES, (declared_queues,))
+                if set(declared_queues) - app.RUNTIME_QUEUES:  # the application's modules are loaded: its whole set
+                    conn.execute(FORGET_UNDECLARED_QUEUES, (declared_queues,))
                 adopted = conn.execute(ADOPT_DRAMATIQ_PG).rowcount
                 if adopted:
                     logger.info("adopted %d delayed message(s) written by dramatiq-pg", adopted)

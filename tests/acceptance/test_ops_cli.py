@@ -488,6 +488,12 @@ def test_the_operators_commands_know_the_applications_queues_before_any_worker_r
         assert check.returncode == 1
         for queue in ("index", "notify", "webhook", "fetch"):
             assert f"queue {queue}: no live worker process serves it" in check.stderr, check.stderr
+        # and a queue the application no longer declares is forgotten at its next migrate
+        testdb.query(env["DATABASE_URL"], "INSERT INTO standmeet.declared_queues (name) VALUES ('renamed-away')")
+        ok(cli(env, "migrate"))
+        assert "renamed-away" not in cli(env, "status", "--check").stderr
+        assert testdb.scalar(env["DATABASE_URL"], "SELECT count(*) FROM standmeet.declared_queues"
+                                                  " WHERE name = 'renamed-away'") == 0
     finally:
         testdb.drop_database(admin_url, name)
 

@@ -55,3 +55,31 @@ def test_scrapes_made_together_while_the_database_is_slow_read_it_on_one_connect
         thread.join(timeout=30)
     assert readers == 1
     assert not any(thread.is_alive() for thread in scrapes)
+
+
+def test_requests_that_could_get_no_thread_give_their_slot_back(broker, database_url, monkeypatch):
+    from broker.observability import metrics
+
+    # Given the endpoint, while no thread can be started for a request
+    server = serve(registry_for(database_url, multiprocess_dir=None, rescue_after_s=20), "127.0.0.1", 0)
+    real_go = metrics.detach.go
+
+    def no_thread(name, fn):
+        if name == "metrics-request":
+            raise RuntimeError("can't start new thread")
+        return real_go(name, fn)
+
+    try:
+        monkeypatch.setattr(metrics.detach, "go", no_thread)
+        for _ in range(metrics.MOST_REQUESTS + 2):  # more than it has slots
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read()
+            except OSError:
+                pass  # hung up on: no thread to answer
+        # When threads can be had again
+        monkeypatch.setattr(metrics.detach, "go", real_go)
+        # Then a scrape is answered: no slot stayed taken
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+        assert "standmeet_database_up" in body
+    finally:
+        server.stop()

@@ -282,3 +282,17 @@ def test_every_json_line_is_strict_json_and_keeps_its_standard_fields_whatever_t
     assert doc["extra.level"] == "DEBUG"  # (the last case: named as standard fields, kept aside)
     record = logging.LogRecord("standmeet.test", logging.INFO, __file__, 1, "where", None, None, sinfo="Stack (most recent call last):\n  here")
     assert "here" in json.loads(formatter.format(record))["stack"]
+
+
+def test_an_info_line_is_written_when_no_writer_thread_can_be_started(monkeypatch):
+    from broker import detach
+
+    def no_thread(name, fn):
+        raise RuntimeError("can't start new thread")
+
+    stream = io.StringIO()
+    log, handler = _logger(stream, "no-thread", linger_s=60)
+    monkeypatch.setattr(detach, "go", no_thread)
+    log.info("still written")  # no exception into the caller
+    assert stream.getvalue() == "INFO still written\n"
+    handler.close()
