@@ -13,6 +13,7 @@ so every after-hook (the metrics, the job's log line) sees the rejection it is, 
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 from dramatiq.broker import MessageProxy
@@ -30,6 +31,9 @@ class Retries(DramatiqRetries):
         if exception is not None and message.failed:
             return
         if exception is not None and deadline.cancelled():
+            # the stack of the run that was stopped, kept where a failure's is (the job's page)
+            message.options["traceback"] = "".join(
+                traceback.format_exception(type(exception), exception, exception.__traceback__, limit=30))
             message.fail()
             return
         super().after_process_message(broker, message, result=result, exception=exception)

@@ -122,6 +122,8 @@ def test_a_cancelled_running_job_is_counted_and_logged_as_rejected_never_as_a_re
                  timeout_s=5, what="the reject counted")
     # Then it is rejected as cancelled, counted as a reject and no retry, and logged so
     _assert_cancelled(database_url, message.message_id, "its run was stopped")
+    assert "JobCancelled" in scalar(database_url, "SELECT message->'options'->>'traceback' FROM dramatiq.queue"
+                                                  " WHERE message_id = %s", (message.message_id,))
     assert count("dramatiq_message_retries_total") == before["dramatiq_message_retries_total"]
     outcomes = [r.outcome for r in caplog.records if getattr(r, "message_id", None) == message.message_id]
     assert outcomes == ["rejected"], outcomes
