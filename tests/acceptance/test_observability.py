@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import uuid
 from collections.abc import Iterator
 
 import dramatiq
@@ -184,9 +185,10 @@ def test_receipt_waiters_are_counted_while_they_wait_and_refusals_when_a_channel
         return REGISTRY.get_sample_value(name, {"channel": channel}) or 0.0
 
     refused_before = sample("standmeet_receipt_waiters_refused_total")
-    first, second = listener.add(["a"]), listener.add(["b"])
+    a, b, c = (str(uuid.UUID(int=n)) for n in (1, 2, 3))  # message ids, as a receipt names them
+    first, second = listener.add([a]), listener.add([b])
     assert sample("standmeet_receipt_waiters") == 2
-    assert listener.add(["c"]) is None
+    assert listener.add([c]) is None
     assert sample("standmeet_receipt_waiters_refused_total") == refused_before + 1
     listener.remove(first)
     listener.remove(first)  # twice: counted once
