@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import app, detach, ops
+from broker import app, deadline, detach, ops
 from broker.engine import enqueue as writer
 from broker.ops import history
 from broker.pg import pool as pgpool
@@ -249,6 +250,9 @@ class _QuietHandler(WSGIRequestHandler):
 
 #: Requests /metrics serves at once; a connection beyond them is closed at once.
 MOST_REQUESTS = 8
+#: The longest a request may take, from its first byte to the last of its answer (a
+#: scrape's database reading has 5 s per statement; a client may trickle its bytes).
+REQUEST_MOST_S = 30.0
 
 
 class _Server(WSGIServer):
@@ -272,13 +276,22 @@ class _Server(WSGIServer):
             raise
 
     def _serve(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:  # a client gone mid-answer: nothing to tell anyone
+        try:  # a whole request within REQUEST_MOST_S, however its client trickles it
+            with deadline.watchdog(REQUEST_MOST_S, lambda: _hang_up(request)):
+                self.finish_request(request, client_address)
+        except Exception:  # a client gone mid-answer, or hung up on: nothing to tell anyone
             logger.debug("metrics: a request failed", exc_info=True)
         finally:
             self.shutdown_request(request)
             self._slots.release()
+
+
+def _hang_up(request: Any) -> None:
+    """End a request's connection from the watchdog's thread: its reads and writes fail."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class MetricsServer:

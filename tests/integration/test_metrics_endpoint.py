@@ -83,3 +83,39 @@ def test_requests_that_could_get_no_thread_give_their_slot_back(broker, database
         assert "standmeet_database_up" in body
     finally:
         server.stop()
+
+
+def test_a_client_that_trickles_its_request_is_hung_up_on_at_the_requests_deadline(broker, database_url, monkeypatch):
+    from broker.observability import metrics
+
+    # Given the endpoint with a one-second deadline a request
+    monkeypatch.setattr(metrics, "REQUEST_MOST_S", 1.0)
+    server = serve(registry_for(database_url, multiprocess_dir=None, rescue_after_s=20), "127.0.0.1", 0)
+    client = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        # When a client sends its request a byte at a time, each well within the read timeout
+        started = time.monotonic()
+        closed = False
+        for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 10:
+            try:
+                client.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            client.settimeout(0.2)  # the trickle's pace: the client waits for an answer meanwhile
+            try:
+                if client.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+                break
+            if time.monotonic() - started > 10:
+                break
+        # Then the server hung up on it at about its deadline, not after its whole trickle
+        assert closed and time.monotonic() - started < 5
+    finally:
+        client.close()
+        server.stop()
