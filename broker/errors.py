@@ -147,3 +147,9 @@ class Deferred(StandmeetError, Retry):
     def __init__(self, message: str = "", delay_ms: int | None = None) -> None:
         super().__init__(message)
         Retry.__init__(self, message, delay=delay_ms)
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line (its type's name when it has no text): what a one-line
+    message quotes of a psycopg or other error."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -293,7 +293,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from broker import log_database
 
     log_database(settings, url)
-    applied = migrate(url)
+    from broker import app
+
+    applied = migrate(url, record_queues=list(app.REGISTRY.queues))  # the queues of the modules loaded above
     if applied:
         for m in applied:
             print(f"recorded {m.describe()} (the runtime's {m.replaces} applied it)" if m.adopted

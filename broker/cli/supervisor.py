@@ -100,7 +100,9 @@ def run_fleet(args: argparse.Namespace, signals: Signals) -> int:
 
     log_database(settings, url)
     connections = check_fleet(settings, url, fleet)
-    if not migrate(url):  # each migration applied logs its own line
+    from broker import app
+
+    if not migrate(url, record_queues=list(app.REGISTRY.queues)):  # each migration applied logs its own line
         logger.info("schema up to date")
     logger.info("connection budget: %s", budget.describe())
     logger.info("connections: %s", connections)

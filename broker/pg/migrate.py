@@ -29,9 +29,8 @@ from typing import Any
 import psycopg
 
 from broker import app
-from broker.errors import DatabaseUnavailable, MigrationError
+from broker.errors import DatabaseUnavailable, MigrationError, first_line
 from broker.pg import pool as pgpool
-from broker.pg.preflight import first_line
 
 logger = logging.getLogger(f"standmeet.{__name__}")
 
@@ -163,10 +162,13 @@ ON CONFLICT (name) DO UPDATE SET declared_at = now()
 FORGET_UNDECLARED_QUEUES = "DELETE FROM standmeet.declared_queues WHERE name <> ALL(%s::text[])"
 
 
-def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) -> list[Migration]:
+def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None,
+            record_queues: Sequence[str] | None = None) -> list[Migration]:
     """Apply the runtime's pending migrations, then those of each package (by default the
     ones the loaded modules declared), in order; return what this call applied, or
-    recorded as applied (``adopted``: what it replaces had run)."""
+    recorded as applied (``adopted``: what it replaces had run). ``record_queues``: the
+    application's declared queues, recorded for the operator's commands (``migrate`` and
+    ``run`` give those of the modules they loaded; a library call records none)."""
     runtime = available_migrations()
     declared = [(source.package, package_migrations(source))
                 for source in (app.migration_folders() if packages is None else packages)]
@@ -191,10 +193,11 @@ def migrate(url: str, *, packages: Sequence[app.MigrationFolder] | None = None) 
                 recorded = {f"{version:04d}_{name}" for version, name in conn.execute(RUNTIME_RECORDED_SQL)}
                 for package, migrations in declared:
                     applied += apply_package(conn, package, migrations, runtime_recorded=recorded)
-                declared_queues = sorted(app.REGISTRY.queues)
-                conn.execute(RECORD_DECLARED_QUEUES, (declared_queues,))
-                if set(declared_queues) - app.RUNTIME_QUEUES:  # the application's modules are loaded: its whole set
-                    conn.execute(FORGET_UNDECLARED_QUEUES, (declared_queues,))
+                if record_queues is not None:
+                    declared_queues = sorted(set(record_queues))
+                    conn.execute(RECORD_DECLARED_QUEUES, (declared_queues,))
+                    if set(declared_queues) - app.RUNTIME_QUEUES:  # the application's modules: its whole set
+                        conn.execute(FORGET_UNDECLARED_QUEUES, (declared_queues,))
                 adopted = conn.execute(ADOPT_DRAMATIQ_PG).rowcount
                 if adopted:
                     logger.info("adopted %d delayed message(s) written by dramatiq-pg", adopted)

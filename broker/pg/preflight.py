@@ -14,7 +14,7 @@ import time
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from broker.errors import DatabaseError, DatabaseUnavailable
+from broker.errors import DatabaseError, DatabaseUnavailable, first_line
 from broker.pg import pool as pgpool
 from broker.settings import masked_url
 
@@ -52,8 +52,6 @@ def server_of(url: str) -> str:
     return f"{host}:{params.get('port') or 5432}"
 
 
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def check_database(url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S) -> None:
