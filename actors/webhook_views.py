@@ -91,13 +91,9 @@ ORDER BY d.id DESC
 LIMIT %(limit)s
 """
 
-WEBHOOK_ENDPOINTS = """
-SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason, e.failing_since,
-       a.started_at, a.outcome, a.status_code, a.error,
-       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'pending'),
-       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')
-FROM standmeet.webhook_endpoints e
-LEFT JOIN LATERAL (
+#: An endpoint ``e``'s last attempt: that of its most recently attempted delivery, found
+#: through the (endpoint_id, updated_at) index (a lateral subquery of the two lists below).
+_LAST_ATTEMPT = """
     SELECT last.started_at, last.outcome, last.status_code, last.error
     FROM standmeet.webhook_deliveries d
     CROSS JOIN LATERAL (
@@ -107,7 +103,14 @@ LEFT JOIN LATERAL (
     WHERE d.endpoint_id = e.id AND d.attempts > 0
     ORDER BY d.updated_at DESC, d.id DESC
     LIMIT 1
-) a ON true
+"""
+WEBHOOK_ENDPOINTS = """
+SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason, e.failing_since,
+       a.started_at, a.outcome, a.status_code, a.error,
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'pending'),
+       (SELECT count(*) FROM standmeet.webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'failed')
+FROM standmeet.webhook_endpoints e
+LEFT JOIN LATERAL (""" + _LAST_ATTEMPT + """) a ON true
 ORDER BY e.id
 """
 
@@ -217,17 +220,7 @@ SELECT e.id, e.url, e.event_types, e.enabled, e.failing_since, e.disabled_reason
        last.started_at AS last_attempt_at, last.outcome AS last_outcome,
        last.status_code AS last_status, last.error AS last_error
 FROM standmeet.webhook_endpoints e
-LEFT JOIN LATERAL (
-    SELECT a.started_at, a.outcome, a.status_code, a.error
-    FROM standmeet.webhook_deliveries d
-    CROSS JOIN LATERAL (
-        SELECT started_at, outcome, status_code, error FROM standmeet.webhook_attempts
-        WHERE delivery_id = d.id ORDER BY attempt DESC, id DESC LIMIT 1
-    ) a
-    WHERE d.endpoint_id = e.id AND d.attempts > 0
-    ORDER BY d.updated_at DESC, d.id DESC
-    LIMIT 1
-) last ON true
+LEFT JOIN LATERAL (""" + _LAST_ATTEMPT + """) last ON true
 ORDER BY e.id
 """
 
