@@ -350,3 +350,29 @@ COMMANDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 if __name__ == "__main__":
     command, raw = sys.argv[1], sys.argv[2]
     print(json.dumps(COMMANDS[command](json.loads(raw))), flush=True)
+
+
+def written_through_an_outage(proxy: Any, caplog: Any, write: Callable[[], T], *, what: str) -> list[T | BaseException]:
+    """Cut ``proxy``, run ``write`` on a thread, see it wait through several checkout
+    timeouts (refused connections, the backend's "trying again" warning) without ending,
+    restore the proxy and let it end; what it returned or raised (one item)."""
+    import logging
+
+    ended: list[T | BaseException] = []
+
+    def run() -> None:
+        try:
+            ended.append(write())
+        except BaseException as exc:  # the test reads what the thread raised
+            ended.append(exc)
+
+    proxy.cut()
+    with caplog.at_level(logging.WARNING, logger="standmeet.broker.backends.results"):
+        writing = threading.Thread(target=run, name="test-write-through-outage")
+        writing.start()
+        eventually(lambda: proxy.refused >= 3 and "trying again until it is written" in caplog.text,
+                   what=f"{what} to outlast several checkout timeouts")
+    assert writing.is_alive() and not ended
+    proxy.restore()
+    writing.join(timeout=30)
+    return ended

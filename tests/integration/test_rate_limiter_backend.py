@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from tests.integration.backends_support import (
     scalar,
     start_child,
     start_gate,
+    written_through_an_outage,
 )
 
 # isort: split
@@ -351,19 +350,10 @@ def test_a_barrier_passed_during_an_outage_longer_than_the_checkout_timeout_coun
     assert not Barrier(backend, key, ttl=60_000).wait(block=False)
     proxy = PostgresProxy(db_url)
     through_proxy = PostgresRateLimiterBackend(url=proxy.url, checkout_timeout_ms=200)
-    released: list[object] = []
-    try:
-        proxy.cut()
-        # When the last member passes the barrier meanwhile
-        with caplog.at_level(logging.WARNING, logger="standmeet.broker.backends.results"):
-            passing = threading.Thread(target=lambda: released.append(
-                Barrier(through_proxy, key, ttl=60_000).wait(block=False)))
-            passing.start()
-            eventually(lambda: proxy.refused >= 3 and "trying again until it is written" in caplog.text,
-                       what="the barrier's increment to outlast several checkout timeouts")
-        assert passing.is_alive() and not released
-        proxy.restore()
-        passing.join(timeout=30)
+    try:  # When the last member passes the barrier meanwhile
+        released = written_through_an_outage(proxy, caplog,
+                                             lambda: Barrier(through_proxy, key, ttl=60_000).wait(block=False),
+                                             what="the barrier's increment")
     finally:
         proxy.close()
         through_proxy.close()

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import dramatiq
 import psycopg
@@ -29,6 +27,7 @@ from tests.integration.backends_support import (
     read_since_listening,
     scalar,
     start_child,
+    written_through_an_outage,
 )
 
 # isort: split
@@ -353,19 +352,10 @@ def test_a_result_stored_during_an_outage_longer_than_the_checkout_timeout_is_wr
     proxy = PostgresProxy(db_url)
     through_proxy = PostgresResultBackend(url=proxy.url, checkout_timeout_ms=200)
     message = a_message("outage-store")
-    stored: list[BaseException | None] = []
-    try:
-        proxy.cut()
-        # When a run's result is stored meanwhile (as Dramatiq's Results middleware does)
-        with caplog.at_level(logging.WARNING, logger="standmeet.broker.backends.results"):
-            storing = threading.Thread(target=lambda: stored.append(
-                _raised(lambda: through_proxy.store_result(message, "kept through the outage", 60_000))))
-            storing.start()
-            eventually(lambda: proxy.refused >= 3 and "trying again until it is written" in caplog.text,
-                       what="the store to outlast several checkout timeouts")
-        assert storing.is_alive() and not stored
-        proxy.restore()
-        storing.join(timeout=30)
+    try:  # When a run's result is stored meanwhile (as Dramatiq's Results middleware does)
+        stored = written_through_an_outage(
+            proxy, caplog, lambda: through_proxy.store_result(message, "kept through the outage", 60_000),
+            what="the store")
     finally:
         proxy.close()
         through_proxy.close()
@@ -386,13 +376,6 @@ def test_a_store_on_a_given_pool_the_application_closed_fails_at_once(db_url: st
     assert time.monotonic() - started < 5
     backend.close()
 
-
-def _raised(fn: Callable[[], object]) -> BaseException | None:
-    try:
-        fn()
-    except BaseException as exc:  # the test reads what the thread raised
-        return exc
-    return None
 
 
 def test_the_migration_can_be_applied_again_without_harm(db_url: str, backend: PostgresResultBackend) -> None:
