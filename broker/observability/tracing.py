@@ -219,7 +219,7 @@ def _text(exception: BaseException) -> str:
 def worth_a_span(carrier: Any) -> bool:
     """Whether a run whose message carries ``carrier`` needs a consumer span: something
     records it, or it has a context to pass on to what it sends."""
-    return trace is not None and (carried(carrier) is not None or recording())
+    return trace is not None and ((carrier is not None and carried(carrier) is not None) or recording())
 
 
 def consumed(name: str, carrier: Any, attributes: Mapping[str, Any]) -> Consumed | None:
